@@ -1,0 +1,36 @@
+# The two commands: `make up` (the main job) and `make test` (every test).
+# Both create .venv when it is missing. torch==2.13.0 is installed first when no
+# torch is importable: a looser spec on a machine without torch pulls a multi-GB CUDA build.
+PY      ?= python3
+VENV    ?= .venv
+VPY     := $(VENV)/bin/python
+TORCH   ?= torch==2.13.0
+STAMP   := $(VENV)/.tandem-installed
+
+.PHONY: venv install model up test bench clean
+
+$(VPY):
+	$(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+
+$(STAMP): $(VPY) pyproject.toml
+	@$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install -q $(TORCH)
+	$(VPY) -m pip install -q -e '.[dev]'
+	@touch $(STAMP)
+
+venv install: $(STAMP)
+
+model: $(STAMP)
+	$(VENV)/bin/tandem fetch-model
+
+up: model
+	$(VENV)/bin/tandem up
+
+test: model
+	$(VPY) -m pytest -q -ra
+
+bench: model
+	$(VPY) bench/bench_engine.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

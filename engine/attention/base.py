@@ -1,0 +1,84 @@
+"""The attention backend contract and its registry.
+
+A backend is stateless apart from what it caches in ``meta.scratch`` for one step.
+``forward`` has one side effect: it writes the new tokens' K and V into the KV
+cache at ``meta.slot_blocks / meta.slot_offsets`` before attending, so a token
+attends to itself and to everything cached before it.
+
+KV cache layout (block-major, the layout the KV-transfer layer ships): one tensor
+``kv`` of shape [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim];
+block b of the whole model is one contiguous region.
+"""
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from typing import Literal
+
+import torch
+
+from engine.attention.metadata import AttentionMetadata
+
+BackendName = Literal["sdpa", "flash_attn", "naive"]
+
+_REGISTRY: dict[str, str] = {
+    "sdpa": "engine.attention.sdpa:SDPABackend",
+    "flash_attn": "engine.attention.flash_attn:FlashAttnBackend",
+    "naive": "engine.attention.naive:NaiveBackend",
+}
+
+
+class AttentionBackend(ABC):
+    name: str
+
+    @abstractmethod
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hkv, D]; returns [T, Hq, D].
+
+        Writes k, v into ``kv[:, layer]`` first (see module docstring)."""
+
+    @classmethod
+    def available(cls, device: torch.device) -> str | None:
+        """None when usable on this device, else the reason it is not."""
+        return None
+
+
+def write_kv(layer: int, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
+             meta: AttentionMetadata) -> None:
+    """Scatter the new tokens' K/V into their slots (shared by every backend)."""
+    kv[meta.slot_blocks, layer, 0, meta.slot_offsets] = k
+    kv[meta.slot_blocks, layer, 1, meta.slot_offsets] = v
+
+
+def gather_kv(layer: int, kv: torch.Tensor, table: list[int] | torch.Tensor,
+              seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's K and V, [seq_len, Hkv, D] each, read through its block table."""
+    nblocks = -(-seq_len // kv.shape[3])
+    idx = torch.as_tensor(table[:nblocks], dtype=torch.long, device=kv.device)
+    blocks = kv[idx, layer]  # [nb, 2, B, Hkv, D]
+    k = blocks[:, 0].reshape(-1, *blocks.shape[-2:])[:seq_len]
+    v = blocks[:, 1].reshape(-1, *blocks.shape[-2:])[:seq_len]
+    return k, v
+
+
+def _load(name: str) -> type[AttentionBackend]:
+    module, cls = _REGISTRY[name].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def get_backend(name: str, device: torch.device | str = "cpu") -> AttentionBackend:
+    """``auto`` picks flash_attn when usable, else sdpa. An explicit name that cannot
+    run here is an error naming --attention-backend, never a silent fallback."""
+    device = torch.device(device)
+    if name == "auto":
+        fa = _load("flash_attn")
+        return fa() if fa.available(device) is None else _load("sdpa")()
+    if name not in _REGISTRY:
+        raise ValueError(f"--attention-backend {name!r} is unknown; choose from "
+                         f"auto, {', '.join(_REGISTRY)}")
+    cls = _load(name)
+    reason = cls.available(device)
+    if reason is not None:
+        raise RuntimeError(f"--attention-backend {name} cannot run here: {reason}")
+    return cls()

@@ -1,0 +1,63 @@
+"""Per-step attention metadata, built once by the runner and passed down explicitly.
+
+The batch is flattened: all new tokens of all sequences concatenated, the
+sequences that prefill (a chunk of one or more prompt tokens over a possibly
+cached prefix) first, then the decoding ones (exactly one new token each).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    query_lens: list[int]
+    """New tokens per sequence this step, prefills first."""
+    seq_lens: list[int]
+    """Context length per sequence after this step (cached + new tokens)."""
+    num_prefills: int
+    """Leading sequences that run through the prefill path."""
+    block_tables: list[list[int]]
+    """KV block ids per sequence, covering at least seq_lens[i] tokens."""
+    block_size: int
+    slot_blocks: torch.Tensor
+    """[T] long: the block each new token's K/V is written to."""
+    slot_offsets: torch.Tensor
+    """[T] long: the row inside that block."""
+    scratch: dict[str, Any] = field(default_factory=dict)
+    """Derived tensors a backend builds once per step and reuses in every layer."""
+
+    @property
+    def num_decodes(self) -> int:
+        return len(self.query_lens) - self.num_prefills
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(self.query_lens[: self.num_prefills])
+
+    def cached(self, key: str, build) -> Any:
+        """Build a per-step derived value once (first layer), reuse it in the others."""
+        if key not in self.scratch:
+            self.scratch[key] = build()
+        return self.scratch[key]
+
+
+def build_metadata(query_lens: list[int], seq_lens: list[int], num_prefills: int,
+                   block_tables: list[list[int]], block_size: int,
+                   device: torch.device | str = "cpu") -> AttentionMetadata:
+    """Compute the write slots of every new token from its position and block table."""
+    blocks: list[int] = []
+    offsets: list[int] = []
+    for qlen, slen, table in zip(query_lens, seq_lens, block_tables):
+        for pos in range(slen - qlen, slen):
+            blocks.append(table[pos // block_size])
+            offsets.append(pos % block_size)
+    return AttentionMetadata(
+        query_lens=query_lens, seq_lens=seq_lens, num_prefills=num_prefills,
+        block_tables=block_tables, block_size=block_size,
+        slot_blocks=torch.tensor(blocks, dtype=torch.long, device=device),
+        slot_offsets=torch.tensor(offsets, dtype=torch.long, device=device),
+    )

@@ -1,0 +1,33 @@
+"""The reference: explicit softmax(QK^T)V per sequence in fp32, GQA by repetition.
+
+Slow and obviously right; every other backend is tested against it.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.attention.base import AttentionBackend, gather_kv, write_kv
+from engine.attention.metadata import AttentionMetadata
+
+
+class NaiveBackend(AttentionBackend):
+    name = "naive"
+
+    def forward(self, layer, q, k, v, kv, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        write_kv(layer, k, v, kv, meta)
+        out = torch.empty_like(q)
+        start = 0
+        rep = q.shape[1] // k.shape[1]
+        for qlen, slen, table in zip(meta.query_lens, meta.seq_lens, meta.block_tables):
+            qs = q[start:start + qlen].float()  # [Lq, Hq, D]
+            ks, vs = gather_kv(layer, kv, table, slen)
+            ks = ks.float().repeat_interleave(rep, dim=1)  # [S, Hq, D]
+            vs = vs.float().repeat_interleave(rep, dim=1)
+            scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale  # [Hq, Lq, S]
+            qpos = torch.arange(slen - qlen, slen).unsqueeze(1)
+            kpos = torch.arange(slen).unsqueeze(0)
+            scores = scores.masked_fill(kpos > qpos, float("-inf"))
+            probs = scores.softmax(-1)
+            out[start:start + qlen] = torch.einsum("hqk,khd->qhd", probs, vs).to(q.dtype)
+            start += qlen
+        return out

@@ -1,0 +1,143 @@
+"""Configuration: the model's shape (read from the checkpoint) and the engine's knobs.
+
+Both are frozen dataclasses validated in ``__post_init__``; a bad value raises
+ValueError naming the field, so a user sees which flag to fix.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Llama-family hyperparameters, as stored in a GGUF header or config.json."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    """HF-style rope_scaling dict (``rope_type`` linear | llama3), or None."""
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    name: str = "llama"
+
+    def __post_init__(self) -> None:
+        for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                  "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, f) < 1:
+                raise ValueError(f"model config: {f} must be >= 1, got {getattr(self, f)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"model config: num_heads ({self.num_heads}) must be a multiple "
+                             f"of num_kv_heads ({self.num_kv_heads})")
+
+    @property
+    def q_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def fingerprint(self) -> str:
+        """Stable short hash of the architecture (the weights add their own digest)."""
+        blob = json.dumps(asdict(self), sort_keys=True, default=str).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def cpu_has_fast_bf16() -> bool:
+    """True when the CPU has AMX or AVX512-BF16 (bf16 matmuls beat fp32 there)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def resolve_dtype(name: str, device: str = "cpu") -> torch.dtype:
+    """``auto`` is bf16 on CUDA and on CPUs with AMX/avx512_bf16, fp32 elsewhere."""
+    if name == "auto":
+        if device.startswith("cuda") or cpu_has_fast_bf16():
+            return torch.bfloat16
+        return torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"--dtype must be one of auto, {', '.join(sorted(_DTYPES))}; got {name!r}")
+    return _DTYPES[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Knobs of one engine (one model replica with its KV cache and step loop)."""
+
+    model: str = ""
+    """Path to a .gguf file or an HF directory (config.json + *.safetensors); empty = default model."""
+    dtype: str = "auto"
+    """Compute and KV dtype: auto (bf16 where the hardware has fast bf16), float32, bfloat16."""
+    device: str = "cpu"
+    """torch device: cpu or cuda[:N]."""
+    block_size: int = 16
+    """Tokens per KV block."""
+    num_kv_blocks: int | None = None
+    """KV blocks in the pool; None sizes it from kv_cache_memory_gib."""
+    kv_cache_memory_gib: float = 1.0
+    """KV pool size when num_kv_blocks is not given."""
+    max_model_len: int | None = None
+    """Context window (prompt + output); None = the model's own, capped at 8192."""
+    max_num_seqs: int = 64
+    """Most requests running at once."""
+    max_num_batched_tokens: int = 512
+    """Per-step token budget (prefill chunks + decode tokens)."""
+    enable_chunked_prefill: bool = True
+    """Split prompts longer than the remaining budget across steps."""
+    enable_prefix_caching: bool = True
+    """Reuse cached full blocks with equal chained hashes (and equal tokens)."""
+    attention_backend: str = "auto"
+    """auto | sdpa | flash_attn | naive."""
+    hash_seed: int = 0
+    """Seed of the chained block hashes; every process of one cluster must agree."""
+    num_threads: int | None = None
+    """torch intra-op threads; None leaves torch's default."""
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"--block-size must be a power of two >= 1, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"--kv-blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.kv_cache_memory_gib <= 0:
+            raise ValueError(f"--kv-cache-memory must be > 0 GiB, got {self.kv_cache_memory_gib}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"--max-model-len must be >= 1, got {self.max_model_len}")
+        if self.attention_backend not in ("auto", "sdpa", "flash_attn", "naive"):
+            raise ValueError(f"--attention-backend must be auto, sdpa, flash_attn or naive; "
+                             f"got {self.attention_backend!r}")
+        resolve_dtype(self.dtype, self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return resolve_dtype(self.dtype, self.device)
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls) if f.name != "extra"]

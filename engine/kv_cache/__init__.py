@@ -1,0 +1,9 @@
+"""Paged KV cache bookkeeping: block pool, chained block hashes, per-request tables."""
+from __future__ import annotations
+
+from engine.kv_cache.block_hash import BlockHash, hash_block, hash_token_blocks, root_hash
+from engine.kv_cache.block_pool import BlockPool, KVEvent, KVEventKind
+from engine.kv_cache.manager import KVCacheManager
+
+__all__ = ["BlockHash", "BlockPool", "KVCacheManager", "KVEvent", "KVEventKind",
+           "hash_block", "hash_token_blocks", "root_hash"]

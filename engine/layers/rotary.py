@@ -1,0 +1,58 @@
+"""Rotary position embedding (rotate-half layout, HF convention), with rope scaling.
+
+cos/sin tables are built once for the whole context window in fp32 and indexed by
+each token's absolute position, so chunked prefill and decode need no state here.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def inv_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if not scaling:
+        return inv.float()
+    kind = scaling.get("rope_type") or scaling.get("type")
+    factor = float(scaling.get("factor", 1.0))
+    if kind == "linear":
+        return (inv / factor).float()
+    if kind == "llama3":
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        old_len = float(scaling.get("original_max_position_embeddings", 8192))
+        wavelen = 2 * math.pi / inv
+        smooth = (old_len / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_len / low, inv / factor, inv)
+        mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+        blended = (1 - smooth) * inv / factor + smooth * inv
+        return torch.where(mid, blended, scaled).float()
+    if kind in (None, "default"):
+        return inv.float()
+    raise ValueError(f"rope_scaling.rope_type {kind!r} is not supported (linear, llama3)")
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_positions: int, theta: float,
+                 scaling: dict[str, Any] | None) -> None:
+        super().__init__()
+        inv = inv_frequencies(head_dim, theta, scaling)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv)  # [P, D/2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [P, D]
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for these positions, shaped [T, 1, D] to broadcast over heads."""
+        return (self.cos[positions].unsqueeze(1).to(dtype),
+                self.sin[positions].unsqueeze(1).to(dtype))
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D]; cos/sin: [T, 1, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin

@@ -1,0 +1,167 @@
+"""The colocated engine: one process, no networking.
+
+add_request / step / abort over the scheduler, the model runner and the output
+processor. It is the reference the disaggregated path must match and the
+``colocated`` baseline of the benchmarks. Not thread-safe: drive it from one
+thread (the services run it on a dedicated engine thread).
+"""
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from engine.config import EngineConfig
+from engine.kv_cache import KVCacheManager
+from engine.loader import load_checkpoint
+from engine.model_runner import ModelRunner
+from engine.output import OutputProcessor
+from engine.request import FinishReason, Request, RequestOutput, RequestStatus
+from engine.sampling import SamplingParams
+from engine.scheduler import Scheduler
+from engine.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+DEFAULT_MAX_MODEL_LEN = 8192
+
+
+@dataclass
+class Completion:
+    """A finished request, as returned by LLMEngine.generate."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None
+    num_cached_tokens: int = 0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None) -> None:
+        if not config.model:
+            raise ValueError("EngineConfig.model is empty: pass --model PATH "
+                             "(tandem fetch-model puts the default model in the cache)")
+        self.config = config
+        ckpt = load_checkpoint(config.model)
+        self.model_config = ckpt.config
+        self.fingerprint = ckpt.fingerprint
+        self.max_model_len = config.max_model_len or min(ckpt.config.max_position_embeddings,
+                                                         DEFAULT_MAX_MODEL_LEN)
+        self.tokenizer = tokenizer or (Tokenizer.from_gguf(ckpt.reader) if ckpt.reader is not None
+                                       else Tokenizer.load(Path(config.model)))
+        self.runner = ModelRunner(config, ckpt, self.max_model_len)
+        capacity = self.runner.num_blocks * config.block_size
+        if capacity < self.max_model_len:
+            raise ValueError(
+                f"--kv-blocks {self.runner.num_blocks} holds {capacity} tokens, less than one "
+                f"request of the context window (--max-model-len {self.max_model_len}); "
+                f"raise --kv-blocks to at least {-(-self.max_model_len // config.block_size)} "
+                "or lower --max-model-len")
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size,
+                                 config.enable_prefix_caching, config.hash_seed)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.enable_chunked_prefill)
+        eos = set(ckpt.config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.outputs = OutputProcessor(self.tokenizer, eos, self.max_model_len)
+        self.requests: dict[str, Request] = {}
+        self.num_computed_tokens_total = 0
+        """Tokens run through the model since start (tests assert prefix-cache savings)."""
+
+    # -- requests -------------------------------------------------------------
+    def make_request(self, prompt: str | Sequence[int], params: SamplingParams,
+                     request_id: str | None = None, priority: int = 0) -> Request:
+        """Validate and build a Request without queueing it. Raises ValueError naming
+        the field (prompt, request_id) when it cannot be served."""
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ValueError("prompt is empty")
+        bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary "
+                             f"[0, {self.model_config.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; the context window "
+                             f"(max_model_len) is {self.max_model_len}, which leaves no room "
+                             "for output")
+        return Request(request_id, ids, params, priority)
+
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams,
+                    request_id: str | None = None, priority: int = 0) -> str:
+        req = self.make_request(prompt, params, request_id, priority)
+        self.outputs.register(req)
+        self.requests[req.request_id] = req
+        self.scheduler.add(req)
+        return req.request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Cancel a request; frees its blocks. Unknown ids are a no-op (None)."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        self.scheduler.remove(req)
+        return self.outputs.finish(req, FinishReason.ABORT)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- the step loop ----------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        tables = [self.kv.table(req.request_id) for req, _ in batch.entries]
+        try:
+            sampled, out = self.runner.execute(batch.entries, tables)
+        except Exception as e:  # a failed step fails its requests, never the engine
+            log.exception("engine step failed")
+            return [self._finish(req, FinishReason.ERROR, error=f"engine step failed: {e}")
+                    for req, _ in batch.entries]
+        for req, n in batch.entries:
+            req.num_computed_tokens += n
+            self.num_computed_tokens_total += n
+            self.kv.cache_computed(req)
+        results: list[RequestOutput] = []
+        for i, req in enumerate(sampled):
+            result = self.outputs.append(req, out.token_ids[i], out.logprobs[i])
+            if result.finished:
+                self._release(req)
+            results.append(result)
+        return results
+
+    def _finish(self, req: Request, reason: FinishReason, error: str | None = None) -> RequestOutput:
+        self.requests.pop(req.request_id, None)
+        self.scheduler.remove(req)
+        return self.outputs.finish(req, reason, error)
+
+    def _release(self, req: Request) -> None:
+        self.requests.pop(req.request_id, None)
+        self.scheduler.remove(req)
+
+    # -- offline helper --------------------------------------------------------
+    def generate(self, prompts: Sequence[str | Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams]) -> list[Completion]:
+        """Run prompts to completion (batched) and return them in input order."""
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        reqs = {i: self.requests[i] for i in ids}
+        texts = {i: [] for i in ids}
+        while self.has_unfinished():
+            for o in self.step():
+                texts[o.request_id].append(o.text)
+        return [Completion(i, reqs[i].prompt_token_ids, reqs[i].output_token_ids,
+                           "".join(texts[i]), reqs[i].finish_reason, reqs[i].num_cached_tokens)
+                for i in ids]
+
+    def leak_check(self) -> None:
+        """AssertionError unless no request is held and every block is free."""
+        if self.requests:
+            raise AssertionError(f"requests still held: {sorted(self.requests)[:8]}")
+        self.kv.leak_check()

@@ -1,0 +1,104 @@
+"""Owns the model weights, the KV cache tensor and the attention backend; runs
+one scheduled batch as one forward pass and samples every row that needs a token.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from engine.attention import build_metadata, get_backend
+from engine.config import EngineConfig, ModelConfig
+from engine.loader import LoadedCheckpoint
+from engine.layers.rotary import RotaryEmbedding
+from engine.models.llama import ForwardContext, LlamaForCausalLM
+from engine.request import Request
+from engine.sampling import Sampler, SamplerOutput
+
+log = logging.getLogger(__name__)
+
+
+def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, ckpt: LoadedCheckpoint, max_model_len: int) -> None:
+        self.config = config
+        self.model_config = ckpt.config
+        self.device = torch.device(config.device)
+        self.dtype = config.torch_dtype
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        t0 = time.perf_counter()
+        with torch.device("meta"):
+            model = LlamaForCausalLM(ckpt.config, max_model_len)
+        model = model.to_empty(device=self.device)  # no random init: every weight is loaded
+        model.tie_weights()  # to_empty gives each module its own new Parameter
+        model.load_weights(ckpt.tensors)
+        self.model = model.to(dtype=self.dtype).eval()
+        # built last so the cos/sin tables stay fp32 whatever the model dtype
+        self.model.model.rotary = RotaryEmbedding(
+            ckpt.config.head_dim, max_model_len, ckpt.config.rope_theta,
+            ckpt.config.rope_scaling).to(self.device)
+        self.backend = get_backend(config.attention_backend, self.device)
+        self.num_blocks = self._num_blocks()
+        cfg = ckpt.config
+        self.kv = torch.zeros(self.num_blocks, cfg.num_layers, 2, config.block_size,
+                              cfg.num_kv_heads, cfg.head_dim, dtype=self.dtype, device=self.device)
+        self.sampler = Sampler()
+        log.info("model loaded in %.1fs (%s, %s); attention=%s; KV pool %d blocks x %d tokens",
+                 time.perf_counter() - t0, self.dtype, self.device, self.backend.name,
+                 self.num_blocks, config.block_size)
+
+    @property
+    def block_bytes(self) -> int:
+        return kv_block_bytes(self.model_config, self.config.block_size, self.dtype)
+
+    def _num_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        return max(1, int(self.config.kv_cache_memory_gib * (1 << 30)) // self.block_bytes)
+
+    @torch.inference_mode()
+    def execute(self, entries: list[tuple[Request, int]], tables: list[list[int]]
+                ) -> tuple[list[Request], SamplerOutput | None]:
+        """Run one forward pass; return the requests that were sampled and their tokens.
+
+        entries: (request, new tokens) with prefill-path entries (more than one token)
+        first; tables: each request's block table."""
+        ids: list[int] = []
+        pos: list[int] = []
+        qlens, slens, sample_rows, sampled = [], [], [], []
+        for req, n in entries:
+            start = req.num_computed_tokens
+            ids.extend(req.token_ids[start:start + n])
+            pos.extend(range(start, start + n))
+            qlens.append(n)
+            slens.append(start + n)
+            if start + n == len(req.token_ids):  # reached the end: next token is due
+                sample_rows.append(len(ids) - 1)
+                sampled.append(req)
+        num_prefills = sum(1 for n in qlens if n > 1)
+        meta = build_metadata(qlens, slens, num_prefills, tables, self.config.block_size,
+                              self.device)
+        ctx = ForwardContext(self.kv, meta, self.backend)
+        hidden = self.model(torch.tensor(ids, device=self.device),
+                            torch.tensor(pos, device=self.device), ctx)
+        if not sampled:
+            return [], None
+        logits = self.model.compute_logits(hidden[sample_rows])  # [N, V] fp32
+        return sampled, self.sampler(logits, [r.sampling for r in sampled])
+
+    @torch.inference_mode()
+    def prompt_logits(self, token_ids: list[int], table: list[int]) -> torch.Tensor:
+        """fp32 logits at every position of a prompt (for correctness tests)."""
+        n = len(token_ids)
+        meta = build_metadata([n], [n], 1 if n > 1 else 0, [table], self.config.block_size,
+                              self.device)
+        ctx = ForwardContext(self.kv, meta, self.backend)
+        hidden = self.model(torch.tensor(token_ids, device=self.device),
+                            torch.arange(n, device=self.device), ctx)
+        return self.model.compute_logits(hidden)

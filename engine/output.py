@@ -1,0 +1,63 @@
+"""Turns sampled tokens into request outputs: detokenization, stop conditions.
+
+Stop checks run in this order after each token: EOS (unless ignore_eos), a stop
+token id, a stop string (text held back while it may be a prefix of one),
+max_tokens, the context window.
+"""
+from __future__ import annotations
+
+import time
+
+from engine.request import FinishReason, Request, RequestOutput, RequestStatus
+from engine.sampling import TokenLogprobs
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer, eos_token_ids: set[int], max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.eos = eos_token_ids
+        self.max_model_len = max_model_len
+        self.detok: dict[str, IncrementalDetokenizer] = {}
+
+    def register(self, req: Request) -> None:
+        self.detok[req.request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids)
+
+    def append(self, req: Request, token: int, logprobs: TokenLogprobs | None) -> RequestOutput:
+        req.token_ids.append(token)
+        req.sampling.append(token)
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        p = req.params
+        delta = self.detok[req.request_id].add(token) if req.request_id in self.detok else ""
+        reason = None
+        if token in self.eos and not p.ignore_eos or token in p.stop_token_ids:
+            reason = FinishReason.STOP
+        elif req.stop_matcher is not None:
+            delta, hit = req.stop_matcher.feed(delta)
+            if hit:
+                reason = FinishReason.STOP
+        if reason is None and (req.num_output_tokens >= p.max_tokens
+                               or len(req.token_ids) >= self.max_model_len):
+            reason = FinishReason.LENGTH
+        out = RequestOutput(req.request_id, [token], delta, reason is not None, reason,
+                            [logprobs] if logprobs is not None else [], req.num_prompt_tokens,
+                            req.num_output_tokens, req.num_cached_tokens)
+        if reason is not None:
+            out.text += self._close(req, reason)
+        return out
+
+    def finish(self, req: Request, reason: FinishReason, error: str | None = None) -> RequestOutput:
+        """Finish outside the token path (abort, error)."""
+        return RequestOutput(req.request_id, [], self._close(req, reason), True, reason,
+                             num_prompt_tokens=req.num_prompt_tokens,
+                             num_output_tokens=req.num_output_tokens,
+                             num_cached_tokens=req.num_cached_tokens, error=error)
+
+    def _close(self, req: Request, reason: FinishReason) -> str:
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        self.detok.pop(req.request_id, None)
+        if req.stop_matcher is not None and not req.stop_matcher.stopped and reason is not FinishReason.ABORT:
+            return req.stop_matcher.flush()
+        return ""

@@ -1,0 +1,103 @@
+"""Per-request sampling parameters (OpenAI / vLLM semantics).
+
+Validated once at the API boundary so the sampler's hot path can trust every
+value; a bad value raises ValueError naming the field and its allowed range.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+MAX_LOGPROBS = 20
+"""Most top alternatives a request may ask for (OpenAI's limit)."""
+
+MAX_SEED = 2**63 - 1
+
+
+def _check_int(name: str, value: Any, lo: int, hi: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < lo or (hi is not None and value > hi):
+        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ValueError(f"{name} must be {rng}, got {value}")
+
+
+def _check_float(name: str, value: Any, lo: float, hi: float, lo_open: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if (value <= lo if lo_open else value < lo) or value > hi:
+        rng = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
+        raise ValueError(f"{name} must be in {rng}, got {value}")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request picks its tokens and when it stops."""
+
+    max_tokens: int = 16
+    """Most tokens to generate (>= 1)."""
+    temperature: float = 1.0
+    """Softmax temperature in [0, 2]; 0 means greedy (argmax)."""
+    top_k: int = 0
+    """Keep only the k most likely tokens; 0 disables."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set whose probability reaches top_p, in (0, 1]."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below min_p times the top token's, in [0, 1]."""
+    repetition_penalty: float = 1.0
+    """HF/vLLM: over prompt+output tokens, divide positive logits and multiply negative ones; (0, 2]."""
+    presence_penalty: float = 0.0
+    """OpenAI: subtract this once from each token already in the output; [-2, 2]."""
+    frequency_penalty: float = 0.0
+    """OpenAI: subtract this times the token's count in the output; [-2, 2]."""
+    seed: int | None = None
+    """Per-request seed making the draws independent of batch mates; None uses the shared RNG."""
+    stop: tuple[str, ...] = ()
+    """Stop strings; the output is cut right before (or after, see below) the first one hit."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Extra token ids that end generation (in addition to EOS)."""
+    ignore_eos: bool = False
+    """Keep generating past EOS (benchmarks)."""
+    logprobs: int | None = None
+    """None: no logprobs; N in [0, 20]: the chosen token's logprob plus the top N."""
+    include_stop_str_in_output: bool = False
+    """Keep the matched stop string at the end of the output."""
+
+    def __post_init__(self) -> None:
+        _check_int("max_tokens", self.max_tokens, 1)
+        _check_float("temperature", self.temperature, 0.0, 2.0)
+        _check_int("top_k", self.top_k, 0)
+        _check_float("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        _check_float("min_p", self.min_p, 0.0, 1.0)
+        _check_float("repetition_penalty", self.repetition_penalty, 0.0, 2.0, lo_open=True)
+        _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        if self.seed is not None:
+            _check_int("seed", self.seed, 0, MAX_SEED)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        self._normalise_stops()
+
+    def _normalise_stops(self) -> None:
+        """Accept lists (JSON) and a bare string, store tuples so the object stays hashable."""
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        for s in stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop must contain non-empty strings, got {s!r}")
+        ids = tuple(self.stop_token_ids)
+        for t in ids:
+            _check_int("stop_token_ids", t, 0)
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_token_ids", ids)
+
+    @property
+    def greedy(self) -> bool:
+        """True when the token is the argmax (temperature 0): no RNG is consumed."""
+        return self.temperature == 0.0
+
+    @property
+    def needs_penalties(self) -> bool:
+        """True when any penalty changes the logits, so the sampler must count tokens."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)

@@ -1,0 +1,1 @@
+"""Tandem: the product's face (CLI, local cluster launcher, bench client)."""

