@@ -1,0 +1,114 @@
+"""Every attention backend against the naive reference over the paged cache."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.attention import build_metadata, get_backend
+from engine.attention.naive import NaiveBackend
+
+
+def _case(rng: random.Random, block_size: int, hq: int, hkv: int, dtype=torch.float32):
+    """A random mixed batch: prefills (some over a cached prefix) then decodes."""
+    layers, d = 2, 16
+    specs = []  # (cached, new)
+    for _ in range(rng.randint(1, 3)):
+        specs.append((rng.choice([0, 0, rng.randint(1, 40)]), rng.randint(2, 37)))
+    for _ in range(rng.randint(0, 4)):
+        specs.append((rng.randint(1, 60), 1))
+    nblocks = sum(-(-(c + n) // block_size) for c, n in specs) + 3
+    kv = torch.randn(nblocks, layers, 2, block_size, hkv, d, dtype=dtype)
+    free = list(range(nblocks))
+    rng.shuffle(free)
+    tables = []
+    for c, n in specs:
+        need = -(-(c + n) // block_size)
+        tables.append([free.pop() for _ in range(need)])
+    qlens = [n for _, n in specs]
+    slens = [c + n for c, n in specs]
+    nprefill = sum(1 for n in qlens if n > 1)
+    meta = build_metadata(qlens, slens, nprefill, tables, block_size)
+    t = sum(qlens)
+    q = torch.randn(t, hq, d, dtype=dtype)
+    k = torch.randn(t, hkv, d, dtype=dtype)
+    v = torch.randn(t, hkv, d, dtype=dtype)
+    return layers, q, k, v, kv, meta, tables
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (6, 2), (9, 3), (8, 1)])
+def test_sdpa_matches_naive(block_size: int, hq: int, hkv: int) -> None:
+    rng = random.Random(block_size * 100 + hq * 10 + hkv)
+    sdpa, naive = get_backend("sdpa"), NaiveBackend()
+    for _ in range(3):
+        layers, q, k, v, kv, meta, _ = _case(rng, block_size, hq, hkv)
+        for layer in range(layers):
+            kv_a, kv_b = kv.clone(), kv.clone()
+            meta_b = build_metadata(meta.query_lens, meta.seq_lens, meta.num_prefills,
+                                    meta.block_tables, block_size)
+            out_ref = naive.forward(layer, q, k, v, kv_a, meta, 0.25)
+            out = sdpa.forward(layer, q, k, v, kv_b, meta_b, 0.25)
+            torch.testing.assert_close(out, out_ref, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(kv_b, kv_a, atol=0, rtol=0)  # same K/V writes
+
+
+def test_write_kv_touches_only_its_slots() -> None:
+    rng = random.Random(7)
+    layers, q, k, v, kv, meta, tables = _case(rng, 16, 4, 2)
+    before = kv.clone()
+    get_backend("sdpa").forward(0, q, k, v, kv, meta, 0.25)
+    changed = (kv != before).any(dim=(1, 2, 4, 5)).nonzero().tolist()  # (block, row) pairs
+    expect = {(int(b), int(o)) for b, o in zip(meta.slot_blocks, meta.slot_offsets)}
+    assert {(b, o) for b, o in changed} <= expect
+    assert not (kv[:, 1] != before[:, 1]).any(), "layer 1 must be untouched by layer 0"
+
+
+def test_bf16_close_to_reference() -> None:
+    rng = random.Random(3)
+    layers, q, k, v, kv, meta, _ = _case(rng, 16, 9, 3, dtype=torch.bfloat16)
+    ref = NaiveBackend().forward(0, q, k, v, kv.clone(), meta, 0.125)
+    out = get_backend("sdpa").forward(0, q, k, v, kv.clone(), meta, 0.125)
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_unknown_backend_names_the_flag() -> None:
+    with pytest.raises(ValueError, match="--attention-backend"):
+        get_backend("nope")
+
+
+def test_flash_attn_refuses_cpu_loudly() -> None:
+    with pytest.raises(RuntimeError, match="--attention-backend flash_attn cannot run here"):
+        get_backend("flash_attn", "cpu")
+    assert get_backend("auto", "cpu").name == "sdpa"
+
+
+@pytest.mark.gpu
+def test_flash_attn_matches_naive_on_cuda() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    pytest.importorskip("flash_attn")
+    rng = random.Random(11)
+    fa, naive = get_backend("flash_attn", "cuda"), NaiveBackend()
+    for block_size in (16, 256):
+        layers, q, k, v, kv, meta, _ = _case(rng, block_size, 8, 2, dtype=torch.bfloat16)
+        ref = naive.forward(0, q, k, v, kv.clone(), meta, 0.25)
+        cu = build_metadata(meta.query_lens, meta.seq_lens, meta.num_prefills,
+                            meta.block_tables, block_size, "cuda")
+        out = fa.forward(0, q.cuda(), k.cuda(), v.cuda(), kv.clone().cuda(), cu, 0.25)
+        torch.testing.assert_close(out.float().cpu(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_sdpa_on_cuda_matches_naive() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    rng = random.Random(12)
+    layers, q, k, v, kv, meta, _ = _case(rng, 16, 8, 2, dtype=torch.bfloat16)
+    ref = NaiveBackend().forward(0, q, k, v, kv.clone(), meta, 0.25)
+    cu = build_metadata(meta.query_lens, meta.seq_lens, meta.num_prefills, meta.block_tables,
+                        16, "cuda")
+    out = get_backend("sdpa", "cuda").forward(0, q.cuda(), k.cuda(), v.cuda(),
+                                               kv.clone().cuda(), cu, 0.25)
+    torch.testing.assert_close(out.float().cpu(), ref.float(), atol=2e-2, rtol=2e-2)
