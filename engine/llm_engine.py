@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from engine import remote
 from engine.config import EngineConfig
 from engine.kv_cache import KVCacheManager
 from engine.loader import load_checkpoint
@@ -69,12 +70,15 @@ class LLMEngine:
             eos.add(self.tokenizer.eos_token_id)
         self.outputs = OutputProcessor(self.tokenizer, eos, self.max_model_len)
         self.requests: dict[str, Request] = {}
+        self.held: dict[str, list[int]] = {}
+        """Block tables of finished prefill_only requests, kept for a KV handoff."""
         self.num_computed_tokens_total = 0
         """Tokens run through the model since start (tests assert prefix-cache savings)."""
 
     # -- requests -------------------------------------------------------------
     def make_request(self, prompt: str | Sequence[int], params: SamplingParams,
-                     request_id: str | None = None, priority: int = 0) -> Request:
+                     request_id: str | None = None, priority: int = 0,
+                     output_token_ids: Sequence[int] = ()) -> Request:
         """Validate and build a Request without queueing it. Raises ValueError naming
         the field (prompt, request_id) when it cannot be served."""
         request_id = request_id or uuid.uuid4().hex
@@ -87,15 +91,26 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary "
                              f"[0, {self.model_config.vocab_size})")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens; the context window "
-                             f"(max_model_len) is {self.max_model_len}, which leaves no room "
-                             "for output")
-        return Request(request_id, ids, params, priority)
+        if len(ids) + len(output_token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids) + len(output_token_ids)} tokens; the context "
+                             f"window (max_model_len) is {self.max_model_len}, which leaves no "
+                             "room for output")
+        req = Request(request_id, ids, params, priority)
+        if output_token_ids:  # resumed elsewhere: the outputs so far join the context
+            req.token_ids.extend(output_token_ids)
+            req.sampling.resume(output_token_ids, self.model_config.vocab_size,
+                                self.runner.device)
+        return req
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams,
-                    request_id: str | None = None, priority: int = 0) -> str:
-        req = self.make_request(prompt, params, request_id, priority)
+                    request_id: str | None = None, priority: int = 0,
+                    output_token_ids: Sequence[int] = (), prefill_only: bool = False) -> str:
+        req = self.make_request(prompt, params, request_id, priority, output_token_ids)
+        req.prefill_only = prefill_only
+        return self.admit(req)
+
+    def admit(self, req: Request) -> str:
+        """Queue a request built by make_request."""
         self.outputs.register(req)
         self.requests[req.request_id] = req
         self.scheduler.add(req)
@@ -131,6 +146,10 @@ class LLMEngine:
         results: list[RequestOutput] = []
         for i, req in enumerate(sampled):
             result = self.outputs.append(req, out.token_ids[i], out.logprobs[i])
+            if req.prefill_only and not result.finished:
+                result.finished = True  # handed off: finish_reason stays None
+                req.status = RequestStatus.FINISHED
+                self.outputs.detok.pop(req.request_id, None)
             if result.finished:
                 self._release(req)
             results.append(result)
@@ -143,7 +162,19 @@ class LLMEngine:
 
     def _release(self, req: Request) -> None:
         self.requests.pop(req.request_id, None)
+        if req.prefill_only and req.finish_reason is None:
+            remote.hold(self, req)
         self.scheduler.remove(req)
+
+    # -- disaggregation (see engine/remote.py) --------------------------------------
+    def reserve_remote(self, req: Request, num_kv_tokens: int) -> remote.RemoteReservation | None:
+        return remote.reserve(self, req, num_kv_tokens)
+
+    def activate_remote(self, request_id: str, kv_arrived: bool) -> bool:
+        return remote.activate(self, request_id, kv_arrived)
+
+    def release_held(self, request_id: str) -> bool:
+        return remote.release_held(self, request_id)
 
     # -- offline helper --------------------------------------------------------
     def generate(self, prompts: Sequence[str | Sequence[int]],
@@ -164,4 +195,6 @@ class LLMEngine:
         """AssertionError unless no request is held and every block is free."""
         if self.requests:
             raise AssertionError(f"requests still held: {sorted(self.requests)[:8]}")
+        if self.held:
+            raise AssertionError(f"prefill blocks still held for: {sorted(self.held)[:8]}")
         self.kv.leak_check()

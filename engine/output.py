@@ -21,7 +21,8 @@ class OutputProcessor:
         self.detok: dict[str, IncrementalDetokenizer] = {}
 
     def register(self, req: Request) -> None:
-        self.detok[req.request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids)
+        # everything known at admission (prompt, plus outputs made elsewhere) is context
+        self.detok[req.request_id] = IncrementalDetokenizer(self.tokenizer, req.token_ids)
 
     def append(self, req: Request, token: int, logprobs: TokenLogprobs | None) -> RequestOutput:
         req.token_ids.append(token)

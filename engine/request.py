@@ -11,6 +11,7 @@ from engine.sampling import SamplingParams, SamplingState, StopStringMatcher, To
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_KV = "waiting_for_kv"  # blocks reserved, bytes being pulled from a peer
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -43,6 +44,11 @@ class Request:
     stop_matcher: StopStringMatcher | None = None
     num_preemptions: int = 0
     first_token_time: float | None = None
+    prefill_only: bool = False
+    """Disaggregated prefill: stop after the first token and keep the KV blocks
+    (handed to the caller through LLMEngine.held) instead of freeing them."""
+    num_kv_tokens: int = 0
+    """Remote admission: leading tokens whose KV arrives from a prefill worker."""
 
     def __post_init__(self) -> None:
         if not self.token_ids:

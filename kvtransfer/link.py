@@ -1,0 +1,205 @@
+"""The KVLink control path over gRPC (grpc.aio): handshake and release.
+
+Source side: ``KVLinkServicer`` answers Handshake from its KVSource and Release
+from its LeaseTable, calling ``free_blocks`` with each block id exactly once
+(on release, or when ``reap_expired`` finds the lease expired). Destination
+side: ``KVLinkClient`` does the handshake and release, and ``pull`` runs the
+whole handoff for one request: start the read, poll it, always send Release,
+and, for one-sided reads (nixl), trust the bytes only if Release says the
+lease was live (base.py, ``KVReader.confirms_lease``).
+
+The converters between the dataclasses of base.py and proto messages live here
+too, so no other module needs to know the wire format of this link.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Callable
+
+import grpc
+
+from kvtransfer.base import (CompatRecord, KVCompatError, KVReader, KVSource, KVTransferError,
+                             LeaseError, PeerId, ReadHandle, ReadPlan, SourceBlocks, SourceInfo,
+                             TransferState)
+from kvtransfer.lease import LeaseTable
+from proto import kv_link_pb2 as pb
+from proto import kv_link_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+FreeBlocks = Callable[[list[int]], None]
+
+
+def compat_to_proto(c: CompatRecord) -> pb.CompatRecord:
+    return pb.CompatRecord(model_fingerprint=c.model_fingerprint, dtype=c.dtype,
+                           block_size=c.block_size, num_layers=c.num_layers,
+                           num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, kv_layout=c.kv_layout)
+
+
+def compat_from_proto(m: pb.CompatRecord) -> CompatRecord:
+    return CompatRecord(m.model_fingerprint, m.dtype, m.block_size, m.num_layers,
+                        m.num_kv_heads, m.head_dim, m.kv_layout)
+
+
+def info_to_proto(i: SourceInfo) -> pb.HandshakeReply:
+    return pb.HandshakeReply(compat=compat_to_proto(i.compat), backend=i.backend,
+                             worker_id=i.worker_id, agent_name=i.agent_name,
+                             agent_metadata=i.agent_metadata, base_addr=i.base_addr,
+                             block_bytes=i.block_bytes, num_blocks=i.num_blocks,
+                             data_host=i.data_host, data_port=i.data_port,
+                             mem_type=i.mem_type, device_id=i.device_id)
+
+
+def info_from_proto(m: pb.HandshakeReply) -> SourceInfo:
+    return SourceInfo(worker_id=m.worker_id, backend=m.backend,  # type: ignore[arg-type]
+                      compat=compat_from_proto(m.compat), num_blocks=m.num_blocks,
+                      block_bytes=m.block_bytes, agent_name=m.agent_name,
+                      agent_metadata=m.agent_metadata, base_addr=m.base_addr,
+                      mem_type=m.mem_type or "DRAM", device_id=m.device_id,
+                      data_host=m.data_host, data_port=m.data_port)
+
+
+def blocks_to_proto(b: SourceBlocks) -> pb.KVHandle:
+    return pb.KVHandle(worker_id=b.worker_id, transfer_endpoint=b.endpoint,
+                       request_id=b.request_id, block_ids=b.block_ids, lease_epoch=b.epoch,
+                       lease_deadline_unix_ms=b.deadline_unix_ms, num_tokens=b.num_tokens)
+
+
+def blocks_from_proto(m: pb.KVHandle) -> SourceBlocks:
+    return SourceBlocks(m.worker_id, m.transfer_endpoint, m.request_id, m.lease_epoch,
+                        tuple(m.block_ids), m.lease_deadline_unix_ms, m.num_tokens)
+
+
+class KVLinkServicer(pb_grpc.KVLinkServicer):
+    """Source side. ``free_blocks`` runs on the gRPC event loop thread; it must
+    be thread-safe against the scheduler that owns the block pool (e.g. post
+    the ids to the scheduler's queue)."""
+
+    def __init__(self, source: KVSource, leases: LeaseTable, free_blocks: FreeBlocks,
+                 worker_id: str) -> None:
+        self.source = source
+        self.leases = leases
+        self.free_blocks = free_blocks
+        self.worker_id = worker_id
+
+    async def Handshake(self, request: pb.HandshakeRequest,
+                        context: grpc.aio.ServicerContext) -> pb.HandshakeReply:
+        info = self.source.handshake_info(self.worker_id)
+        try:
+            # The reader's view: "local" is the reader, so both ends word it alike.
+            compat_from_proto(request.compat).check(info.compat)
+        except KVCompatError as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        if request.backend and request.backend != info.backend:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"backend: local {request.backend!r} != remote {info.backend!r} "
+                                f"(both workers need the same --kv-transfer)")
+        log.info("kv link handshake from %s (%s)", request.reader_id, info.backend)
+        return info_to_proto(info)
+
+    async def Release(self, request: pb.ReleaseRequest,
+                      context: grpc.aio.ServicerContext) -> pb.ReleaseReply:
+        self.reap_expired()
+        blocks, reason = self.leases.release_with_reason(request.request_id, request.epoch)
+        if blocks is not None:
+            self.free_blocks(blocks)
+        return pb.ReleaseReply(released=blocks is not None, reason=reason)
+
+    def reap_expired(self) -> int:
+        """Free the blocks of every expired lease; returns how many leases.
+        The source's service calls this periodically too."""
+        gone = self.leases.expire()
+        for lease in gone:
+            log.warning("kv lease %s epoch %d expired; freeing %d blocks",
+                        lease.request_id, lease.epoch, len(lease.block_ids))
+            self.free_blocks(list(lease.block_ids))
+        return len(gone)
+
+
+def add_kv_link(server: grpc.aio.Server, servicer: KVLinkServicer) -> None:
+    pb_grpc.add_KVLinkServicer_to_server(servicer, server)
+
+
+class KVLinkClient:
+    """Destination side, one per source endpoint; methods are coroutines."""
+
+    def __init__(self, endpoint: str, reader_id: str, rpc_timeout_s: float = 5.0) -> None:
+        self.endpoint = endpoint
+        self.reader_id = reader_id
+        self._rpc_timeout_s = rpc_timeout_s
+        self._channel = grpc.aio.insecure_channel(endpoint)
+        self._stub = pb_grpc.KVLinkStub(self._channel)
+
+    async def handshake(self, compat: CompatRecord, backend: str) -> SourceInfo:
+        """The source's SourceInfo; KVCompatError when the source refuses us."""
+        request = pb.HandshakeRequest(compat=compat_to_proto(compat), reader_id=self.reader_id,
+                                      backend=backend)
+        try:
+            reply = await self._stub.Handshake(request, timeout=self._rpc_timeout_s)
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                raise KVCompatError(f"{self.endpoint} refused the handshake: {e.details()}") from e
+            raise
+        return info_from_proto(reply)
+
+    async def release(self, request_id: str, epoch: int) -> tuple[bool, str]:
+        """(released, reason) as the source's ReleaseReply says."""
+        reply = await self._stub.Release(pb.ReleaseRequest(request_id=request_id, epoch=epoch),
+                                         timeout=self._rpc_timeout_s)
+        return reply.released, reply.reason
+
+    async def pull(self, reader: KVReader, peer: PeerId, plan: ReadPlan,
+                   timeout_s: float = 30.0) -> ReadHandle:
+        """Read ``plan`` then release its lease, whatever happened.
+
+        Returns the handle: DONE means the bytes are in place and valid; any
+        other state means the destination must recompute (``handle.error``
+        says why). A read still PENDING at ``timeout_s`` is aborted (FAILED).
+        For readers that do not confirm the lease themselves (nixl), a DONE
+        read becomes EXPIRED when Release says the lease was gone, and FAILED
+        when Release cannot be delivered: either way the blocks may have been
+        reused during the read. ValueError/KeyError from ``start_read``
+        propagate (nothing was read; the lease is still released).
+        """
+        try:
+            handle = reader.start_read(peer, plan)
+            await _poll_until_done(reader, handle, time.monotonic() + timeout_s)
+        finally:
+            released, reason = await self._release_quietly(plan)
+        if handle.state is TransferState.DONE and not released and not reader.confirms_lease:
+            if reason:
+                handle.finish(TransferState.EXPIRED, LeaseError(
+                    f"lease {plan.request_id!r} epoch {plan.epoch} was {reason} at release; "
+                    f"the {handle.nbytes} bytes read are discarded"))
+            else:
+                handle.finish(TransferState.FAILED, KVTransferError(
+                    f"could not release lease {plan.request_id!r} epoch {plan.epoch}, so the "
+                    f"one-sided read is unconfirmed; the {handle.nbytes} bytes are discarded"))
+        return handle
+
+    async def _release_quietly(self, plan: ReadPlan) -> tuple[bool, str]:
+        """Release; a failed RPC is logged and reads as (False, "") (the
+        source will expire the lease itself)."""
+        try:
+            return await self.release(plan.request_id, plan.epoch)
+        except grpc.aio.AioRpcError as e:
+            log.warning("kv release of %s epoch %d at %s failed: %s %s", plan.request_id,
+                        plan.epoch, self.endpoint, e.code().name, e.details())
+            return False, ""
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+
+async def _poll_until_done(reader: KVReader, handle: ReadHandle, deadline: float) -> None:
+    """Poll without blocking the event loop: back to back for a few rounds (small
+    reads end in microseconds), then with growing sleeps up to 1 ms."""
+    pause = 0.0
+    while reader.poll(handle) is TransferState.PENDING:
+        if time.monotonic() >= deadline:
+            reader.abort(handle)
+            return
+        await asyncio.sleep(pause)
+        pause = min(max(pause * 2, 5e-5), 1e-3)

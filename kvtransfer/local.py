@@ -1,0 +1,123 @@
+"""In-process backend for unit tests: copies blocks between two tensors of one process.
+
+Same contract as the real backends, including the compat check at connect and
+the lease check before and after the copy, so scheduler tests exercise the
+handoff without sockets. Reads complete synchronously inside ``start_read``.
+"""
+from __future__ import annotations
+
+import threading
+import uuid
+import weakref
+
+import torch
+
+from kvtransfer.base import (CompatRecord, KVReader, KVSource, KVTransferError, LeaseCheck,
+                             LeaseError, PeerId, ReadHandle, ReadPlan, SourceInfo,
+                             TransferState, block_view)
+
+_LIVE: weakref.WeakValueDictionary[str, LocalSource] = weakref.WeakValueDictionary()
+"""Serving sources of this process by name; what ``connect`` resolves."""
+
+
+class LocalSource(KVSource):
+    name = "local"
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._agent_name = f"local-src-{uuid.uuid4().hex[:12]}"
+        self._blocks: torch.Tensor | None = None
+        self._compat: CompatRecord | None = None
+        self._lease_check: LeaseCheck | None = None
+
+    def register(self, kv: torch.Tensor, compat: CompatRecord, lease_check: LeaseCheck) -> None:
+        compat.check_tensor(kv)
+        with self._lock:
+            if self._blocks is not None:
+                raise RuntimeError("LocalSource.register called twice")
+            self._blocks, self._compat, self._lease_check = block_view(kv), compat, lease_check
+
+    def serve(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        if self._blocks is None:
+            raise RuntimeError("LocalSource.serve before register")
+        _LIVE[self._agent_name] = self
+
+    def handshake_info(self, worker_id: str) -> SourceInfo:
+        assert self._blocks is not None and self._compat is not None
+        return SourceInfo(worker_id, "local", self._compat, self._blocks.shape[0],
+                          self._blocks.shape[1], agent_name=self._agent_name)
+
+    def close(self) -> None:
+        _LIVE.pop(self._agent_name, None)
+        with self._lock:
+            self._blocks = None
+
+    def read_into(self, plan: ReadPlan, dst: torch.Tensor) -> None:
+        """Copy ``plan``'s blocks into ``dst`` (a reader's block view) under the
+        lease; LeaseError if it is not live before or after the copy."""
+        with self._lock:
+            if self._blocks is None or self._lease_check is None:
+                raise KVTransferError("local source is closed")
+            src, check = self._blocks, self._lease_check
+        check(plan.request_id, plan.epoch, plan.remote_block_ids)
+        dst[list(plan.local_block_ids)] = src[list(plan.remote_block_ids)]
+        check(plan.request_id, plan.epoch, plan.remote_block_ids)
+
+
+class LocalReader(KVReader):
+    name = "local"
+    confirms_lease = True
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._blocks: torch.Tensor | None = None
+        self._compat: CompatRecord | None = None
+        self._peers: dict[PeerId, tuple[str, int]] = {}
+
+    def register(self, kv: torch.Tensor, compat: CompatRecord) -> None:
+        compat.check_tensor(kv)
+        self._blocks, self._compat = block_view(kv), compat
+
+    def connect(self, info: SourceInfo) -> PeerId:
+        assert self._compat is not None, "register before connect"
+        self._compat.check(info.compat)
+        if info.backend != "local" or info.agent_name not in _LIVE:
+            raise KVTransferError(f"no in-process local source {info.agent_name!r} "
+                                  f"(backend {info.backend!r})")
+        peer = PeerId(info.worker_id)
+        with self._lock:
+            self._peers[peer] = (info.agent_name, info.num_blocks)
+        return peer
+
+    def start_read(self, peer: PeerId, plan: ReadPlan) -> ReadHandle:
+        assert self._blocks is not None, "register before start_read"
+        with self._lock:
+            agent_name, remote_blocks = self._peers[peer]
+        plan.check_bounds(remote_blocks, self._blocks.shape[0])
+        handle = ReadHandle(peer, plan, plan.num_blocks * self._blocks.shape[1])
+        source = _LIVE.get(agent_name)
+        try:
+            if source is None:
+                raise KVTransferError(f"local source {agent_name!r} is gone")
+            source.read_into(plan, self._blocks)
+        except LeaseError as e:
+            handle.finish(TransferState.EXPIRED, e)
+        except KVTransferError as e:
+            handle.finish(TransferState.FAILED, e)
+        else:
+            handle.finish(TransferState.DONE)
+        return handle
+
+    def poll(self, handle: ReadHandle) -> TransferState:
+        return handle.state
+
+    def abort(self, handle: ReadHandle) -> None:
+        """Reads finish inside ``start_read``; nothing is ever left to abort."""
+
+    def in_flight(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        with self._lock:
+            self._peers.clear()
+        self._blocks = None

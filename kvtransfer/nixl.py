@@ -1,0 +1,270 @@
+"""NIXL backend: one-sided READs over UCX (CMA between processes of one host,
+RDMA between hosts, GPU memory directly where UCX has CUDA support).
+
+Both sides register their whole KV tensor once. The source's handshake exports
+its NIXL agent metadata (NIXL's own binary format, not a pickle), the address
+of block 0 and the block size; the reader loads that metadata and builds
+descriptor lists itself from ``(address, length, device)`` tuples, one
+descriptor per block (blocks are contiguous), prepared once per peer. A read
+is one ``READ`` request indexing into those lists; NIXL merges adjacent blocks.
+
+Progress: NIXL's progress thread busy-polls a whole core, so it stays off.
+The reader progresses its transfers from ``poll``/``wait``. The source has no
+transfers of its own, but UCX needs it to answer connection wire-up once per
+new reader, so ``serve`` starts a thread that progresses the agent every
+``progress_interval_s`` (a few ms; after wire-up reads complete without it).
+
+Release does not use NIXL notifications: it travels over the KVLink gRPC
+``Release`` for every backend, and its reply is what validates a one-sided
+read (see base.py): NIXL cannot check a lease when the source's CPU is not
+involved in the READ.
+"""
+from __future__ import annotations
+
+import threading
+import uuid
+
+import numpy as np
+import torch
+from nixl_cu12 import nixl_agent, nixl_agent_config
+
+from kvtransfer.base import (CompatRecord, KVCompatError, KVReader, KVSource, KVTransferError,
+                             LeaseCheck, PeerId, ReadHandle, ReadPlan, SourceInfo, TransferState)
+
+
+def _new_agent(prefix: str) -> nixl_agent:
+    config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False,
+                               backends=["UCX"])
+    agent = nixl_agent(f"{prefix}-{uuid.uuid4().hex[:12]}", config)
+    if "UCX" not in agent.backends:
+        raise KVTransferError("NIXL has no UCX backend here (plugin missing)")
+    return agent
+
+
+def _mem(kv: torch.Tensor) -> tuple[str, int]:
+    """NIXL memory type and device id of ``kv``."""
+    return ("DRAM", 0) if kv.device.type == "cpu" else ("VRAM", kv.device.index or 0)
+
+
+def _block_descs(base_addr: int, block_bytes: int, num_blocks: int, device: int) -> np.ndarray:
+    """``[num_blocks, 3]`` (address, length, device) rows: one descriptor per block."""
+    descs = np.empty((num_blocks, 3), dtype=np.uint64)
+    descs[:, 0] = base_addr + np.arange(num_blocks, dtype=np.uint64) * np.uint64(block_bytes)
+    descs[:, 1] = block_bytes
+    descs[:, 2] = device
+    return descs
+
+
+class NixlSource(KVSource):
+    name = "nixl"
+
+    def __init__(self, progress_interval_s: float = 0.002) -> None:
+        self._progress_interval_s = progress_interval_s
+        self._lock = threading.Lock()
+        self._agent: nixl_agent | None = None
+        self._reg = None
+        self._kv: torch.Tensor | None = None
+        self._compat: CompatRecord | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def register(self, kv: torch.Tensor, compat: CompatRecord, lease_check: LeaseCheck) -> None:
+        """``lease_check`` is unused: READs are one-sided, so the lease is
+        validated by the gRPC Release reply instead (module docstring)."""
+        compat.check_tensor(kv)
+        with self._lock:
+            if self._agent is not None:
+                raise RuntimeError("NixlSource.register called twice")
+            mem, device = _mem(kv)
+            self._agent = _new_agent("tandem-kvsrc")
+            nbytes = kv.numel() * kv.element_size()
+            self._reg = self._agent.register_memory([(kv.data_ptr(), nbytes, device, "")], mem)
+            self._kv, self._compat = kv, compat
+
+    def serve(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        if self._agent is None:
+            raise RuntimeError("NixlSource.serve before register")
+        self._thread = threading.Thread(target=self._progress_loop, name="kv-nixl-progress",
+                                        daemon=True)
+        self._thread.start()
+
+    def handshake_info(self, worker_id: str) -> SourceInfo:
+        assert self._agent is not None and self._kv is not None and self._compat is not None
+        with self._lock:
+            metadata = self._agent.get_agent_metadata()
+        mem, device = _mem(self._kv)
+        return SourceInfo(worker_id, "nixl", self._compat, self._kv.shape[0],
+                          self._compat.block_bytes, agent_name=self._agent.name,
+                          agent_metadata=metadata, base_addr=self._kv.data_ptr(),
+                          mem_type=mem, device_id=device)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        with self._lock:
+            if self._agent is not None and self._reg is not None:
+                self._agent.deregister_memory(self._reg)
+            self._agent, self._reg, self._kv = None, None, None
+
+    def _progress_loop(self) -> None:
+        while not self._stop.wait(self._progress_interval_s):
+            with self._lock:
+                if self._agent is None:
+                    return
+                self._agent.get_new_notifs()  # progresses UCX (wire-up of new readers)
+
+
+class _Peer:
+    def __init__(self, agent_name: str, remote_dlist: object, num_blocks: int) -> None:
+        self.agent_name = agent_name
+        self.remote_dlist = remote_dlist
+        self.num_blocks = num_blocks
+
+
+class NixlReader(KVReader):
+    """All agent calls happen under one lock (the agent runs without NIXL's
+    own thread-safety: sync mode NONE)."""
+
+    name = "nixl"
+    confirms_lease = False
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._agent: nixl_agent | None = None
+        self._reg = None
+        self._local_dlist = None
+        self._kv: torch.Tensor | None = None
+        self._compat: CompatRecord | None = None
+        self._peers: dict[PeerId, _Peer] = {}
+        self._pending: set[ReadHandle] = set()
+
+    def register(self, kv: torch.Tensor, compat: CompatRecord) -> None:
+        compat.check_tensor(kv)
+        with self._lock:
+            if self._agent is not None:
+                raise RuntimeError("NixlReader.register called twice")
+            mem, device = _mem(kv)
+            self._agent = _new_agent("tandem-kvread")
+            nbytes = kv.numel() * kv.element_size()
+            self._reg = self._agent.register_memory([(kv.data_ptr(), nbytes, device, "")], mem)
+            descs = _block_descs(kv.data_ptr(), compat.block_bytes, kv.shape[0], device)
+            self._local_dlist = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs, mem)
+            self._kv, self._compat = kv, compat
+
+    def connect(self, info: SourceInfo) -> PeerId:
+        assert self._agent is not None and self._compat is not None, "register before connect"
+        self._compat.check(info.compat)
+        if info.backend != "nixl" or not info.agent_metadata:
+            raise KVTransferError(f"source {info.worker_id!r} serves backend {info.backend!r}, "
+                                  f"not nixl")
+        if info.block_bytes != self._compat.block_bytes:
+            raise KVCompatError(f"block_bytes: local {self._compat.block_bytes} "
+                                f"!= remote {info.block_bytes}")
+        peer = PeerId(info.worker_id)
+        with self._lock:
+            known = self._peers.get(peer)
+            if known is not None and known.agent_name == info.agent_name:
+                return peer
+            if known is not None:
+                self._drop_peer(peer)  # the source restarted (new agent): fresh metadata wins
+            name = self._agent.add_remote_agent(info.agent_metadata)
+            name = name.decode() if isinstance(name, bytes) else name
+            try:
+                if name != info.agent_name:
+                    raise KVTransferError(f"agent metadata names {name!r}, handshake says "
+                                          f"{info.agent_name!r}")
+                descs = _block_descs(info.base_addr, info.block_bytes, info.num_blocks,
+                                     info.device_id)
+                remote = self._agent.prep_xfer_dlist(name, descs, info.mem_type)
+            except Exception as e:
+                self._agent.remove_remote_agent(name)
+                if isinstance(e, KVTransferError):
+                    raise
+                raise KVTransferError(f"NIXL rejected the descriptors of {info.worker_id!r} "
+                                      f"({info.num_blocks} blocks at {info.base_addr:#x}): {e!r}") from e
+            self._peers[peer] = _Peer(name, remote, info.num_blocks)
+        return peer
+
+    def start_read(self, peer: PeerId, plan: ReadPlan) -> ReadHandle:
+        assert self._agent is not None and self._kv is not None, "register before start_read"
+        with self._lock:
+            remote = self._peers[peer]
+            plan.check_bounds(remote.num_blocks, self._kv.shape[0])
+            handle = ReadHandle(peer, plan, plan.num_blocks * self._compat.block_bytes)
+            try:
+                xfer = self._agent.make_prepped_xfer(
+                    "READ", self._local_dlist, np.asarray(plan.local_block_ids, dtype=np.int32),
+                    remote.remote_dlist, np.asarray(plan.remote_block_ids, dtype=np.int32))
+            except Exception as e:
+                handle.finish(TransferState.FAILED, KVTransferError(f"NIXL refused the read: {e!r}"))
+                return handle
+            handle.impl = xfer
+            self._pending.add(handle)
+            self._advance(handle, lambda: self._agent.transfer(xfer))
+        return handle
+
+    def poll(self, handle: ReadHandle) -> TransferState:
+        with self._lock:
+            if not handle.state.terminal and self._agent is not None:
+                self._advance(handle, lambda: self._agent.check_xfer_state(handle.impl))
+        return handle.state
+
+    def abort(self, handle: ReadHandle) -> None:
+        with self._lock:
+            if not handle.state.terminal:
+                self._end(handle, TransferState.FAILED, KVTransferError("read aborted"))
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    def close(self) -> None:
+        with self._lock:
+            for handle in list(self._pending):
+                self._end(handle, TransferState.FAILED, KVTransferError("reader closed"))
+            for peer in list(self._peers):
+                self._drop_peer(peer)
+            if self._agent is not None:
+                if self._local_dlist is not None:
+                    self._local_dlist.release()
+                if self._reg is not None:
+                    self._agent.deregister_memory(self._reg)
+            self._agent, self._reg, self._local_dlist, self._kv = None, None, None, None
+
+    # -- under self._lock -------------------------------------------------
+
+    def _advance(self, handle: ReadHandle, step) -> None:
+        """Run one NIXL post/check call and move the handle on accordingly."""
+        try:
+            status = step()
+        except Exception as e:  # e.g. nixlRemoteDisconnectError: the source is gone
+            self._end(handle, TransferState.FAILED,
+                      KVTransferError(f"NIXL read from {handle.peer} failed: {e!r}"))
+            return
+        if status == "DONE":
+            self._end(handle, TransferState.DONE)
+        elif status != "PROC":
+            self._end(handle, TransferState.FAILED,
+                      KVTransferError(f"NIXL read from {handle.peer} ended in {status}"))
+
+    def _end(self, handle: ReadHandle, state: TransferState, error: Exception | None = None) -> None:
+        """Finish ``handle`` and release its NIXL request; releasing an unfinished
+        one makes NIXL abort it. A release that fails is left to the agent's
+        own leak list (nixl_xfer_handle.__del__), never retried by us."""
+        xfer, handle.impl = handle.impl, None
+        if xfer is not None:
+            try:
+                xfer.release()
+            except Exception as e:
+                error = error or KVTransferError(f"NIXL could not release the read: {e!r}")
+                state = TransferState.FAILED
+        handle.finish(state, error)
+        self._pending.discard(handle)
+
+    def _drop_peer(self, peer: PeerId) -> None:
+        remote = self._peers.pop(peer)
+        try:
+            remote.remote_dlist.release()
+        finally:
+            self._agent.remove_remote_agent(remote.agent_name)

@@ -1,0 +1,59 @@
+from proto import common_pb2 as _common_pb2
+from proto import kv_link_pb2 as _kv_link_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling", "priority", "kv_handle")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    output_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _common_pb2.SamplingParams
+    priority: int
+    kv_handle: _kv_link_pb2.KVHandle
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., kv_handle: _Optional[_Union[_kv_link_pb2.KVHandle, _Mapping]] = ...) -> None: ...
+
+class KVTrace(_message.Message):
+    __slots__ = ("local_cached_tokens", "blocks_pulled", "bytes_pulled", "transfer_seconds", "fallback", "backend")
+    LOCAL_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_PULLED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PULLED_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FALLBACK_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    local_cached_tokens: int
+    blocks_pulled: int
+    bytes_pulled: int
+    transfer_seconds: float
+    fallback: str
+    backend: str
+    def __init__(self, local_cached_tokens: _Optional[int] = ..., blocks_pulled: _Optional[int] = ..., bytes_pulled: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., fallback: _Optional[str] = ..., backend: _Optional[str] = ...) -> None: ...
+
+class GenerateChunk(_message.Message):
+    __slots__ = ("token_ids", "finished", "finish_reason", "num_prompt_tokens", "num_output_tokens", "trace", "logprobs")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TRACE_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    finished: bool
+    finish_reason: str
+    num_prompt_tokens: int
+    num_output_tokens: int
+    trace: KVTrace
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., trace: _Optional[_Union[KVTrace, _Mapping]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...

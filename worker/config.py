@@ -1,0 +1,50 @@
+"""Worker configs: one frozen dataclass per service, composed of the engine's."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """How KV blocks move between workers."""
+
+    backend: str = "nixl"
+    """KV transfer backend: nixl (UCX; CMA between processes of one host, RDMA across
+    hosts) or tcp (plain streaming fallback)."""
+    lease_ttl_s: float = 30.0
+    """Prefill side: seconds a finished prefill's blocks stay pinned for a decode
+    worker to pull before they are freed."""
+    transfer_timeout_s: float = 10.0
+    """Decode side: seconds to wait for one pull before recomputing the prompt."""
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("nixl", "tcp", "local"):
+            raise ValueError(f"--kv-transfer must be nixl or tcp, got {self.backend!r}")
+        if self.lease_ttl_s <= 0:
+            raise ValueError(f"--lease-ttl-s must be > 0, got {self.lease_ttl_s}")
+        if self.transfer_timeout_s <= 0:
+            raise ValueError(f"--transfer-timeout-s must be > 0, got {self.transfer_timeout_s}")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """One prefill or decode worker process."""
+
+    engine: EngineConfig
+    kv: KVTransferConfig = field(default_factory=KVTransferConfig)
+    host: str = "127.0.0.1"
+    """Address the gRPC services (and the TCP KV data port) bind to."""
+    port: int = 0
+    """gRPC port; 0 picks a free one (printed at startup)."""
+    metrics_port: int | None = None
+    """HTTP port for Prometheus /metrics; None = no metrics server."""
+    worker_id: str = ""
+    """Name in logs, traces and KV handles; default role@host:port."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"--metrics-port must be in [0, 65535], got {self.metrics_port}")

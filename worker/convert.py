@@ -1,0 +1,49 @@
+"""Proto <-> engine conversions (the only place both kinds of types meet)."""
+from __future__ import annotations
+
+from engine.kv_cache import KVEvent, KVEventKind
+from engine.llm_engine import LLMEngine
+from engine.sampling import SamplingParams
+from proto import common_pb2 as common
+
+
+def sampling_from_proto(m: common.SamplingParams) -> SamplingParams:
+    """Raises ValueError naming the field (the caller answers INVALID_ARGUMENT)."""
+    return SamplingParams(
+        max_tokens=m.max_tokens, temperature=m.temperature, top_k=m.top_k,
+        top_p=m.top_p if m.top_p else 1.0, min_p=m.min_p,
+        repetition_penalty=m.repetition_penalty if m.repetition_penalty else 1.0,
+        presence_penalty=m.presence_penalty, frequency_penalty=m.frequency_penalty,
+        seed=m.seed if m.HasField("seed") else None, stop=tuple(m.stop),
+        stop_token_ids=tuple(m.stop_token_ids), ignore_eos=m.ignore_eos,
+        logprobs=m.logprobs if m.HasField("logprobs") else None)
+
+
+def sampling_to_proto(p: SamplingParams) -> common.SamplingParams:
+    m = common.SamplingParams(
+        max_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
+        min_p=p.min_p, repetition_penalty=p.repetition_penalty,
+        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+        stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos, stop=list(p.stop))
+    if p.seed is not None:
+        m.seed = p.seed
+    if p.logprobs is not None:
+        m.logprobs = p.logprobs
+    return m
+
+
+def events_to_proto(events: list[KVEvent]) -> list[common.KVEvent]:
+    kinds = {KVEventKind.STORED: common.KVEvent.STORED, KVEventKind.REMOVED: common.KVEvent.REMOVED}
+    return [common.KVEvent(kind=kinds[e.kind], block_hash=e.block_hash) for e in events]
+
+
+def engine_load(engine: LLMEngine, worker_id: str, active_leases: int = 0) -> common.WorkerLoad:
+    """A load snapshot; reads engine state without locking (a slightly stale number
+    is fine for placement), so it may run off the engine thread."""
+    sched, pool = engine.scheduler, engine.kv.pool
+    waiting = list(sched.waiting)
+    return common.WorkerLoad(
+        worker_id=worker_id, num_waiting=len(waiting), num_running=len(sched.running),
+        kv_usage=pool.usage, free_blocks=pool.num_free, total_blocks=pool.num_blocks,
+        queued_prompt_tokens=sum(len(r.token_ids) - r.num_computed_tokens for r in waiting),
+        active_leases=active_leases, block_size=engine.config.block_size)

@@ -1,0 +1,54 @@
+"""Prometheus metrics of a worker, in its own registry (several workers can share
+a process in tests). Names follow DESIGN.md ("tandem:" prefix, vLLM-style)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from engine.llm_engine import LLMEngine
+
+_LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class WorkerMetrics:
+    def __init__(self, role: str, worker_id: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = {"role": role, "worker": worker_id}
+        r = self.registry
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(name, doc, list(labels) + list(extra), registry=r)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, list(labels), registry=r)
+
+        self.labels = labels
+        self.prompt_tokens = counter("tandem:prompt_tokens", "Prompt tokens admitted")
+        self.generation_tokens = counter("tandem:generation_tokens", "Tokens generated")
+        self.prefix_hits = counter("tandem:prefix_cache_hits", "Prompt tokens served from the prefix cache")
+        self.prefix_queries = counter("tandem:prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        self.requests = counter("tandem:requests", "Finished requests by reason", ("finish_reason",))
+        self.kv_bytes = counter("tandem:kv_transfer_bytes", "KV bytes pulled from prefill workers")
+        self.kv_blocks = counter("tandem:kv_transfer_blocks", "KV blocks pulled from prefill workers")
+        self.kv_fallbacks = counter("tandem:kv_transfer_fallbacks", "Prompts recomputed locally because a pull failed", ("reason",))
+        self.kv_seconds = Histogram("tandem:kv_transfer_seconds", "Seconds per KV pull",
+                                    list(labels), buckets=_LATENCY, registry=r)
+        self.kv_usage = gauge("tandem:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)")
+        self.running = gauge("tandem:num_requests_running", "Requests in the running batch")
+        self.waiting = gauge("tandem:num_requests_waiting", "Requests queued")
+        self.leases = gauge("tandem:kv_leases_active", "Prefill leases held")
+        self.preemptions = counter("tandem:num_preemptions", "Requests preempted")
+
+    def l(self, metric, **extra):  # noqa: E743 - short on purpose: metric.labels(...)
+        return metric.labels(**self.labels, **extra)
+
+    def observe_engine(self, engine: LLMEngine, active_leases: int = 0) -> None:
+        """Refresh the gauges (called after engine steps)."""
+        self.l(self.kv_usage).set(engine.kv.pool.usage)
+        self.l(self.running).set(len(engine.scheduler.running))
+        self.l(self.waiting).set(len(engine.scheduler.waiting))
+        self.l(self.leases).set(active_leases)
+
+    def serve(self, host: str, port: int) -> int:
+        """Start the /metrics HTTP server; returns the bound port."""
+        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        return server.server_port

@@ -1,0 +1,40 @@
+"""gRPC server scaffolding shared by the workers: health checking (the standard
+grpc.health.v1 service, for grpcurl and Kubernetes gRPC probes) and server
+reflection, on one grpc.aio server."""
+from __future__ import annotations
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+# KV blocks travel in chunks well under this; prompts of 128k tokens fit too.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+def new_server() -> grpc.aio.Server:
+    return grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                                    ("grpc.so_reuseport", 0)])
+
+
+def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str]
+                              ) -> health.HealthServicer:
+    """Register health (every service SERVING) and reflection; returns the health
+    servicer so a draining worker can flip to NOT_SERVING."""
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    for name in service_names + [""]:
+        servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    reflection.enable_server_reflection(
+        service_names + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                         reflection.SERVICE_NAME], server)
+    return servicer
+
+
+def bind(server: grpc.aio.Server, host: str, port: int) -> int:
+    """Bind insecure on host:port; returns the port (0 picks one). A port in use is
+    an error naming --port."""
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise RuntimeError(f"--port {port}: cannot bind {host}:{port} (in use?)")
+    return bound
