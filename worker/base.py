@@ -28,7 +28,7 @@ class WorkerBase:
         self.config = config
         self.worker_id = config.worker_id or f"{self.role}@{config.host}:{config.port}"
         self.metrics = WorkerMetrics(self.role, self.worker_id)
-        self.server = grpc_server.new_server()
+        self.server: grpc.aio.Server | None = None  # made in start(): it binds to the running loop
         self.port = 0
         self.metrics_port: int | None = None
         self.engine: AsyncEngine | None = None
@@ -43,6 +43,7 @@ class WorkerBase:
         return 0
 
     async def start_engine(self) -> None:
+        self.server = grpc_server.new_server()
         self.hub = KVEventHub(asyncio.get_running_loop())
         self.engine = AsyncEngine(lambda: LLMEngine(self.config.engine),
                                   on_events=self.hub.publish,
@@ -63,7 +64,8 @@ class WorkerBase:
         log.info("%s serving gRPC on %s:%d", self.worker_id, self.config.host, self.port)
 
     async def stop(self, grace_s: float = 1.0) -> None:
-        await self.server.stop(grace_s)
+        if self.server is not None:
+            await self.server.stop(grace_s)
         if self.engine is not None:
             self.engine.stop()
 

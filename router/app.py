@@ -1,0 +1,287 @@
+"""The HTTP edge: OpenAI-compatible endpoints over RequestFlow.
+
+Errors are OpenAI error objects ({"error": {message, type, param, code}}) with
+the matching HTTP status; the request id (x-request-id, generated if absent) is
+echoed on every response.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import AsyncIterator
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from prometheus_client import generate_latest
+
+from engine.tokenizer import Tokenizer
+from router.config import RouterConfig
+from router.flow import Delta, NoWorkerError, RequestFlow, Trace, WorkerError
+from router.metrics import RouterMetrics
+from router.openai_api import ChatCompletionRequest, CompletionRequest
+from router.workers import WorkerPool
+
+log = logging.getLogger(__name__)
+_GRPC_TO_HTTP = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+                 grpc.StatusCode.FAILED_PRECONDITION: 500, grpc.StatusCode.UNAVAILABLE: 503,
+                 grpc.StatusCode.DEADLINE_EXCEEDED: 504}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param = status, message, type_, param
+
+    def response(self, rid: str) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": None}}
+        return JSONResponse(body, status_code=self.status, headers={"x-request-id": rid})
+
+
+def create_app(config: RouterConfig, tokenizer: Tokenizer | None = None) -> FastAPI:
+    model_name = config.model_name or Path(config.model).name.removesuffix(".gguf")
+    state: dict = {}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        tok = tokenizer or Tokenizer.load(config.model)
+        pool = WorkerPool(config.prefill, config.decode)
+        await pool.start(wait_s=5.0)
+        state.update(tokenizer=tok, pool=pool, flow=RequestFlow(config, tok, pool),
+                     metrics=RouterMetrics())
+        yield
+        await pool.stop()
+
+    app = FastAPI(title="Tandem router", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible API over Tandem's prefill and decode pools.")
+
+    def rid_of(request: Request) -> str:
+        return request.headers.get("x-request-id") or f"req-{uuid.uuid4().hex}"
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        err = exc.errors()[0]
+        field = ".".join(str(p) for p in err["loc"] if p != "body")
+        return APIError(400, f"{field}: {err['msg']}", param=field).response(rid_of(request))
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        pool: WorkerPool = state["pool"]
+        ok = bool(pool.healthy("decode"))
+        body = {"ready": ok, "prefill": len(pool.healthy("prefill")),
+                "decode": len(pool.healthy("decode"))}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        m: RouterMetrics = state["metrics"]
+        for role in ("prefill", "decode"):
+            m.healthy.labels(role=role).set(len(state["pool"].healthy(role)))
+        return PlainTextResponse(generate_latest(m.registry).decode(),
+                                 media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": model_name, "object": "model",
+                                            "created": 0, "owned_by": "tandem"}]}
+
+    def check_model(req) -> None:
+        if req.model not in (None, "", model_name):
+            raise APIError(404, f"model {req.model!r} does not exist; this server serves "
+                                f"{model_name!r}", param="model")
+
+    def priority_of(request: Request, body_priority: int) -> int:
+        header = request.headers.get("x-priority")
+        if header is None:
+            return body_priority
+        try:
+            return int(header)
+        except ValueError:
+            raise APIError(400, f"x-priority header must be an integer, got {header!r}",
+                           param="x-priority") from None
+
+    async def start(request: Request, body, prompt_ids: list[int], logprobs: int | None):
+        """Validate and open the flow; returns (rid, deltas iterator, trace)."""
+        check_model(body)
+        tok: Tokenizer = state["tokenizer"]
+        if not prompt_ids:
+            raise APIError(400, "prompt is empty", param="prompt")
+        bad = [t for t in prompt_ids if not 0 <= t < tok.vocab_size]
+        if bad:
+            raise APIError(400, f"prompt token id {bad[0]} is outside the vocabulary", "prompt")
+        try:
+            params = body.sampling(config.default_max_tokens, logprobs)
+        except ValueError as e:
+            raise APIError(400, str(e)) from e
+        rid = rid_of(request)
+        trace = Trace(rid)
+        deltas = state["flow"].run(prompt_ids, params, priority_of(request, body.priority),
+                                   rid, trace)
+        return rid, deltas, trace
+
+    async def first_or_error(deltas: AsyncIterator[Delta]) -> Delta:
+        try:
+            return await deltas.__anext__()
+        except NoWorkerError as e:
+            raise APIError(503, str(e), "service_unavailable") from e
+        except WorkerError as e:
+            status = _GRPC_TO_HTTP.get(e.code, 500)
+            raise APIError(status, str(e), "invalid_request_error" if status < 500 else
+                           "server_error") from e
+
+    def account(trace: Trace, reason: str | None) -> None:
+        m: RouterMetrics = state["metrics"]
+        m.requests.labels(path=trace.path or "none", finish_reason=reason or "error").inc()
+        m.prompt_tokens.inc(trace.prompt_tokens)
+        m.generation_tokens.inc(trace.output_tokens)
+        m.e2e.observe(trace.e2e_seconds)
+        m.predicted_hits.inc(trace.predicted_cached_tokens)
+        m.realized_hits.inc(trace.realized_cached_tokens)
+        m.kv_bytes.inc(trace.bytes_pulled)
+        log.info("trace %s", trace.json())
+
+    async def respond(request: Request, body, prompt_ids: list[int], chat: bool,
+                      logprobs: int | None):
+        rid, deltas, trace = await start(request, body, prompt_ids, logprobs)
+        m: RouterMetrics = state["metrics"]
+        m.in_flight.inc()
+        try:
+            first = await first_or_error(deltas)
+        except BaseException:
+            m.in_flight.dec()
+            raise
+        m.ttft.observe(trace.ttft_seconds)
+        created = int(time.time())
+        headers = {"x-request-id": rid}
+        if body.stream:
+            usage = bool(body.stream_options and body.stream_options.include_usage)
+            gen = _sse(first, deltas, rid, created, model_name, chat, usage, trace, m, account)
+            return StreamingResponse(gen, media_type="text/event-stream", headers=headers)
+        task = asyncio.ensure_future(_collect(first, deltas, m))
+        while not task.done():
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if not done and await request.is_disconnected():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                await deltas.aclose()
+                m.in_flight.dec()
+                account(trace, "abort")
+                return JSONResponse({}, status_code=499)
+        m.in_flight.dec()
+        text, reason, lps = task.result()
+        account(trace, reason)
+        return JSONResponse(_full_body(rid, created, model_name, chat, text, reason, trace, lps),
+                            headers=headers)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        try:
+            tok: Tokenizer = state["tokenizer"]
+            ids = tok.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
+            return await respond(request, body, ids, chat=False, logprobs=body.logprobs)
+        except APIError as e:
+            return e.response(rid_of(request))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        try:
+            tok: Tokenizer = state["tokenizer"]
+            if body.max_completion_tokens and not body.max_tokens:
+                body.max_tokens = body.max_completion_tokens
+            messages = [m.model_dump(exclude_none=True) for m in body.messages]
+            try:
+                text = tok.apply_chat_template(messages, add_generation_prompt=True)
+            except ValueError as e:
+                raise APIError(400, str(e), param="messages") from e
+            ids = tok.encode(text, add_special_tokens=False)
+            lp = (body.top_logprobs or 0) if body.logprobs else None
+            return await respond(request, body, ids, chat=True, logprobs=lp)
+        except APIError as e:
+            return e.response(rid_of(request))
+
+    return app
+
+
+async def _collect(first: Delta, deltas: AsyncIterator[Delta], m: RouterMetrics):
+    parts, reason, lps = [first.text], first.finish_reason, list(first.logprobs)
+    if not first.finished:
+        async for d in deltas:
+            parts.append(d.text)
+            lps.extend(d.logprobs)
+            if d.finished:
+                reason = d.finish_reason
+    return "".join(parts), reason, lps
+
+
+def _usage(trace: Trace) -> dict:
+    return {"prompt_tokens": trace.prompt_tokens, "completion_tokens": trace.output_tokens,
+            "total_tokens": trace.prompt_tokens + trace.output_tokens}
+
+
+def _full_body(rid, created, model, chat, text, reason, trace, lps) -> dict:
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                  "logprobs": None, "finish_reason": reason}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        obj = "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice],
+            "usage": _usage(trace)}
+
+
+async def _sse(first: Delta, deltas: AsyncIterator[Delta], rid, created, model, chat: bool,
+               include_usage: bool, trace: Trace, m: RouterMetrics, account):
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    base = {"id": rid, "object": obj, "created": created, "model": model}
+
+    def chunk(text: str | None, reason: str | None, role: bool = False) -> str:
+        if chat:
+            delta = {"role": "assistant", "content": ""} if role else (
+                {} if text is None else {"content": text})
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+        return f"data: {json.dumps({**base, 'choices': [choice]})}\n\n"
+
+    reason = None
+    last = time.monotonic()
+    try:
+        if chat:
+            yield chunk(None, None, role=True)
+        d = first
+        while True:
+            if d.text:
+                yield chunk(d.text, None)
+            if d.finished:
+                reason = d.finish_reason
+                break
+            d = await deltas.__anext__()
+            now = time.monotonic()
+            m.itl.observe(now - last)
+            last = now
+        yield chunk(None if chat else "", reason)
+        if include_usage:
+            yield f"data: {json.dumps({**base, 'choices': [], 'usage': _usage(trace)})}\n\n"
+        yield "data: [DONE]\n\n"
+    except (StopAsyncIteration, NoWorkerError, WorkerError) as e:
+        reason = "error"
+        err = {"error": {"message": str(e) or "stream ended early", "type": "server_error",
+                         "param": None, "code": None}}
+        yield f"data: {json.dumps(err)}\n\n"
+    finally:
+        await deltas.aclose()
+        m.in_flight.dec()
+        account(trace, reason or "abort")

@@ -1,0 +1,202 @@
+"""One request's life through the cluster, as the router drives it.
+
+1. hash the prompt's full blocks; pick a decode worker (prefix overlap vs load);
+2. if the uncached part is short, the decode worker prefills it itself
+   (conditional disaggregation); else pick a prefill worker, get the first token
+   and a KVHandle, and stream that token to the client at once;
+3. stream the decode worker's tokens; detokenize and apply stop strings here,
+   where the client's text is produced.
+If the client goes away, the request is aborted on every worker it touched.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import grpc
+
+from engine.kv_cache import hash_token_blocks
+from engine.sampling import SamplingParams, StopStringMatcher
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from proto import common_pb2 as common
+from proto import decode_pb2, prefill_pb2
+from router.config import RouterConfig
+from router.placement import Placer
+from router.workers import Worker, WorkerPool
+from worker.convert import sampling_to_proto
+
+log = logging.getLogger(__name__)
+
+
+class NoWorkerError(RuntimeError):
+    """No healthy worker of a needed role (HTTP 503)."""
+
+
+class WorkerError(RuntimeError):
+    """A worker refused the request (its gRPC status maps to an HTTP code)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class Delta:
+    """What the client sees next: new text (and tokens), and the end."""
+
+    text: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass
+class Trace:
+    request_id: str
+    path: str = ""
+    """disaggregated | local_prefill"""
+    prefill_worker: str = ""
+    decode_worker: str = ""
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    predicted_cached_tokens: int = 0
+    realized_cached_tokens: int = 0
+    blocks_pulled: int = 0
+    bytes_pulled: int = 0
+    transfer_seconds: float = 0.0
+    fallback: str = ""
+    ttft_seconds: float = 0.0
+    e2e_seconds: float = 0.0
+
+    def json(self) -> str:
+        return json.dumps(self.__dict__, sort_keys=True)
+
+
+class RequestFlow:
+    def __init__(self, config: RouterConfig, tokenizer: Tokenizer, pool: WorkerPool) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.pool = pool
+        self.placer = Placer(config.routing, pool.index)
+
+    async def run(self, prompt_ids: list[int], params: SamplingParams, priority: int = 0,
+                  request_id: str | None = None, trace: Trace | None = None
+                  ) -> AsyncIterator[Delta]:
+        rid = request_id or uuid.uuid4().hex
+        trace = trace or Trace(rid)
+        trace.prompt_tokens = len(prompt_ids)
+        t0 = time.monotonic()
+        text = _TextStream(self.tokenizer, prompt_ids, params)
+        touched: list[Worker] = []  # workers that may still hold something of rid
+        try:
+            async for token_ids, reason, logprobs in self._tokens(rid, prompt_ids, params,
+                                                                  priority, trace, touched):
+                if not trace.ttft_seconds:
+                    trace.ttft_seconds = time.monotonic() - t0
+                delta = text.feed(token_ids, reason, logprobs)
+                trace.output_tokens += len(delta.token_ids)
+                yield delta
+                if delta.finished:
+                    return
+        finally:
+            trace.e2e_seconds = time.monotonic() - t0
+            if touched:  # client gone, a stop string, or an error: free every worker
+                await asyncio.shield(_abort_all(rid, list(touched)))
+
+    async def _tokens(self, rid, prompt_ids, params, priority, trace, touched):
+        hashes = hash_token_blocks(prompt_ids, self.config.block_size, self.config.hash_seed)
+        decoders = self.pool.healthy("decode")
+        if not decoders:
+            raise NoWorkerError("no healthy decode worker")
+        decode, overlap = self.placer.choose(decoders, hashes)
+        trace.decode_worker = decode.name
+        cached = overlap * self.config.block_size
+        uncached = len(prompt_ids) - cached
+        prefillers = self.pool.healthy("prefill")
+        threshold = self.config.local_prefill_threshold
+        gen = decode_pb2.GenerateRequest(request_id=rid, prompt_token_ids=prompt_ids,
+                                         sampling=sampling_to_proto(params), priority=priority)
+        if threshold >= 0 and prefillers and uncached > threshold:
+            trace.path = "disaggregated"
+            prefill, p_overlap = self.placer.choose(prefillers, hashes)
+            trace.prefill_worker = prefill.name
+            trace.predicted_cached_tokens = max(cached, p_overlap * self.config.block_size)
+            touched.append(prefill)
+            first = await self._prefill(prefill, rid, prompt_ids, params, priority)
+            if first.finished:  # nothing leased
+                touched.remove(prefill)
+            yield [first.first_token], first.finish_reason or None, (
+                [first.first_logprob] if first.HasField("first_logprob") else [])
+            if first.finished:
+                return
+            gen.output_token_ids.append(first.first_token)
+            gen.kv_handle.CopyFrom(first.kv_handle)
+        else:
+            trace.path = "local_prefill"
+            trace.predicted_cached_tokens = cached
+        touched.append(decode)
+        decode.inflight += 1
+        try:
+            async for chunk in decode.stub.Generate(gen, timeout=self.config.request_timeout_s):
+                if chunk.HasField("trace"):
+                    _absorb(trace, chunk.trace)
+                    if touched[0] is not decode:  # the decode worker released the lease
+                        touched.pop(0)
+                yield list(chunk.token_ids), chunk.finish_reason or None, list(chunk.logprobs)
+                if chunk.finished:
+                    touched.remove(decode)
+                    return
+        except grpc.aio.AioRpcError as e:
+            raise WorkerError(e.code(), f"decode worker {decode.name}: {e.details()}") from e
+        finally:
+            decode.inflight -= 1
+
+    async def _prefill(self, w: Worker, rid, prompt_ids, params, priority):
+        w.inflight += 1
+        try:
+            return await w.stub.Prefill(prefill_pb2.PrefillRequest(
+                request_id=rid, token_ids=prompt_ids, sampling=sampling_to_proto(params),
+                priority=priority), timeout=self.config.request_timeout_s)
+        except grpc.aio.AioRpcError as e:
+            raise WorkerError(e.code(), f"prefill worker {w.name}: {e.details()}") from e
+        finally:
+            w.inflight -= 1
+
+
+def _absorb(trace: Trace, t: decode_pb2.KVTrace) -> None:
+    trace.realized_cached_tokens = t.local_cached_tokens
+    trace.blocks_pulled, trace.bytes_pulled = t.blocks_pulled, t.bytes_pulled
+    trace.transfer_seconds, trace.fallback = t.transfer_seconds, t.fallback
+
+
+async def _abort_all(rid: str, workers: list[Worker]) -> None:
+    for w in workers:
+        try:
+            await w.stub.Abort(common.AbortRequest(request_id=rid), timeout=2.0)
+        except grpc.aio.AioRpcError as e:
+            log.warning("abort of %s on %s failed: %s", rid, w.name, e.details())
+
+
+class _TextStream:
+    """Detokenization and stop strings for the client's text (hold-back applied)."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams) -> None:
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+        self.stop = (StopStringMatcher(params.stop, params.include_stop_str_in_output)
+                     if params.stop else None)
+
+    def feed(self, token_ids: list[int], reason: str | None, logprobs: list[float]) -> Delta:
+        text = "".join(self.detok.add(t) for t in token_ids)
+        if self.stop is not None:
+            text, hit = self.stop.feed(text)
+            if hit:
+                return Delta(text, token_ids, True, "stop", logprobs)
+            if reason is not None:
+                text += self.stop.flush()
+        return Delta(text, token_ids, reason is not None, reason, logprobs)

@@ -1,0 +1,34 @@
+"""`tandem router`: serve the HTTP edge with uvicorn on uvloop."""
+from __future__ import annotations
+
+import argparse
+
+from router.config import RouterConfig
+from tandem.config_cli import add_config_args, config_from_args
+
+
+def add_router_args(p: argparse.ArgumentParser) -> None:
+    from tandem.commands import add_model_arg
+
+    add_model_arg(p)
+    p.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT",
+                   help="a prefill worker (repeat for several)")
+    p.add_argument("--decode", action="append", default=[], metavar="HOST:PORT",
+                   help="a decode worker (repeat for several)")
+    add_config_args(p, RouterConfig, skip=("model", "prefill", "decode"))
+
+
+def router_config(args: argparse.Namespace) -> RouterConfig:
+    from tandem.commands import resolve_model
+
+    return config_from_args(RouterConfig, args, model=resolve_model(args),
+                            prefill=tuple(args.prefill), decode=tuple(args.decode))
+
+
+def run_router(config: RouterConfig, log_level: str = "warning") -> None:
+    import uvicorn
+
+    from router.app import create_app
+
+    uvicorn.run(create_app(config), host=config.host, port=config.port, loop="uvloop",
+                log_level=log_level.lower(), timeout_graceful_shutdown=5)

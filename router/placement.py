@@ -1,0 +1,38 @@
+"""Pick a worker: prefix overlap against load, or round robin for comparison."""
+from __future__ import annotations
+
+import itertools
+from typing import Sequence
+
+from engine.kv_cache import BlockHash
+from router.prefix_index import PrefixIndex
+from router.workers import Worker
+
+# Score = cached blocks - LOAD_WEIGHT * (requests in flight + waiting) - KV_WEIGHT * usage.
+# A worker with 2 more requests queued must hold 1 more cached block to be preferred.
+LOAD_WEIGHT = 0.5
+KV_WEIGHT = 4.0
+
+
+class Placer:
+    def __init__(self, policy: str, index: PrefixIndex) -> None:
+        self.policy = policy
+        self.index = index
+        self._rr = itertools.count()
+
+    def choose(self, workers: Sequence[Worker], hashes: Sequence[BlockHash]
+               ) -> tuple[Worker, int]:
+        """(worker, its cached leading blocks of this prompt). workers is non-empty."""
+        turn = next(self._rr)
+        if self.policy == "round_robin":
+            w = workers[turn % len(workers)]
+            return w, self.index.overlap(w.address, hashes)
+        best, best_key = None, None
+        for i, w in enumerate(workers):
+            overlap = self.index.overlap(w.address, hashes)
+            score = (overlap - LOAD_WEIGHT * (w.inflight + w.load.num_waiting)
+                     - KV_WEIGHT * w.load.kv_usage)
+            key = (score, -((i - turn) % len(workers)))  # ties rotate
+            if best_key is None or key > best_key:
+                best, best_key = (w, overlap), key
+        return best

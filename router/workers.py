@@ -1,0 +1,109 @@
+"""The router's view of its workers: channels, health, load and the prefix index
+(fed by each worker's KV event stream). A worker whose stream or health check
+fails leaves the pool until it answers again."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from engine.kv_cache import BlockHash
+from proto import common_pb2 as common
+from proto import decode_pb2_grpc, prefill_pb2_grpc
+from router.prefix_index import PrefixIndex
+
+log = logging.getLogger(__name__)
+HEALTH_PERIOD_S = 1.0
+
+
+@dataclass(eq=False)
+class Worker:
+    address: str
+    role: str
+    channel: grpc.aio.Channel
+    stub: object
+    healthy: bool = False
+    worker_id: str = ""
+    load: common.WorkerLoad = field(default_factory=common.WorkerLoad)
+    inflight: int = 0
+    """Requests this router has sent and not yet seen finish (fresher than load)."""
+
+    @property
+    def name(self) -> str:
+        return self.worker_id or self.address
+
+
+class WorkerPool:
+    def __init__(self, prefill: tuple[str, ...], decode: tuple[str, ...]) -> None:
+        self.index = PrefixIndex()
+        self.workers: list[Worker] = []
+        for role, addrs, stub in (("prefill", prefill, prefill_pb2_grpc.PrefillStub),
+                                  ("decode", decode, decode_pb2_grpc.DecodeStub)):
+            for addr in addrs:
+                ch = grpc.aio.insecure_channel(addr)
+                self.workers.append(Worker(addr, role, ch, stub(ch)))
+        self._tasks: list[asyncio.Task] = []
+
+    def healthy(self, role: str) -> list[Worker]:
+        return [w for w in self.workers if w.role == role and w.healthy]
+
+    def all(self, role: str) -> list[Worker]:
+        return [w for w in self.workers if w.role == role]
+
+    async def start(self, wait_s: float = 0.0) -> None:
+        for w in self.workers:
+            self._tasks.append(asyncio.create_task(self._watch_events(w)))
+            self._tasks.append(asyncio.create_task(self._watch_health(w)))
+        deadline = asyncio.get_running_loop().time() + wait_s
+        while wait_s and not all(w.healthy for w in self.workers):
+            if asyncio.get_running_loop().time() > deadline:
+                break
+            await asyncio.sleep(0.05)
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for w in self.workers:
+            await w.channel.close()
+
+    async def _watch_health(self, w: Worker) -> None:
+        stub = health_pb2_grpc.HealthStub(w.channel)
+        while True:
+            try:
+                r = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
+                ok = r.status == health_pb2.HealthCheckResponse.SERVING
+            except grpc.aio.AioRpcError:
+                ok = False
+            self._set_health(w, ok)
+            await asyncio.sleep(HEALTH_PERIOD_S)
+
+    def _set_health(self, w: Worker, ok: bool) -> None:
+        if ok != w.healthy:
+            log.warning("%s worker %s is %s", w.role, w.name, "up" if ok else "DOWN")
+        w.healthy = ok
+        if not ok:
+            self.index.drop_worker(w.address)
+
+    async def _watch_events(self, w: Worker) -> None:
+        delay = 0.1
+        while True:
+            try:
+                async for batch in w.stub.StreamKVEvents(common.KVEventsRequest(subscriber="router")):
+                    delay = 0.1
+                    w.worker_id = batch.worker_id
+                    if batch.HasField("load"):
+                        w.load = batch.load
+                    for e in batch.events:
+                        if e.kind == common.KVEvent.STORED:
+                            self.index.stored(w.address, BlockHash(e.block_hash))
+                        else:
+                            self.index.removed(w.address, BlockHash(e.block_hash))
+            except grpc.aio.AioRpcError:
+                pass
+            self.index.drop_worker(w.address)  # reconnect gets a fresh snapshot
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
