@@ -113,7 +113,13 @@ class DecodeService(WorkerBase, pb_grpc.DecodeServicer):
             await self.engine.call(lambda e: e.admit(req))
             return trace
         handle = blocks_from_proto(request.kv_handle)
-        num_kv = min(handle.num_tokens, len(req.token_ids) - 1)
+        want = self.llm.kv.blocks_needed(handle.num_tokens)
+        if not 0 < handle.num_tokens < len(req.token_ids) or len(handle.block_ids) != want:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"kv_handle: {len(handle.block_ids)} block_ids for num_tokens "
+                                f"{handle.num_tokens} (expected {want}, and num_tokens below the "
+                                f"request's {len(req.token_ids)} tokens)")
+        num_kv = handle.num_tokens
         res = await self._reserve(req, num_kv, context)
         trace.local_cached_tokens = res.local_cached_tokens
         self._pulling.add(req.request_id)

@@ -1,0 +1,93 @@
+"""In-process prefill and decode services on the tiny model (fast handoff tests)."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import replace
+
+import grpc
+import pytest
+
+from engine.config import EngineConfig
+from proto import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from worker.config import KVTransferConfig, WorkerConfig
+
+
+@contextlib.asynccontextmanager
+async def services(model_dir, backend: str = "tcp", prefill_engine: dict | None = None,
+                   decode_engine: dict | None = None, lease_ttl_s: float = 30.0,
+                   transfer_timeout_s: float = 5.0, kv_blocks: int = 64):
+    from decode_svc.service import DecodeService
+    from prefill_svc.service import PrefillService
+
+    base = EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=kv_blocks,
+                        max_model_len=256)
+    kv = KVTransferConfig(backend=backend, lease_ttl_s=lease_ttl_s,
+                          transfer_timeout_s=transfer_timeout_s)
+    p = PrefillService(WorkerConfig(engine=replace(base, **(prefill_engine or {})), kv=kv))
+    d = DecodeService(WorkerConfig(engine=replace(base, **(decode_engine or {})), kv=kv))
+    await p.start()
+    await d.start()
+    pch = grpc.aio.insecure_channel(f"127.0.0.1:{p.port}")
+    dch = grpc.aio.insecure_channel(f"127.0.0.1:{d.port}")
+    try:
+        yield p, d, prefill_pb2_grpc.PrefillStub(pch), decode_pb2_grpc.DecodeStub(dch)
+    finally:
+        await pch.close()
+        await dch.close()
+        await p.stop(0)
+        await d.stop(0)
+
+
+async def leak_check(*svcs) -> None:
+    """No lease held, no request held, every block free or cached."""
+    for _ in range(100):  # releases travel asynchronously: give them a moment
+        if all(getattr(s, "leases", None) is None or s.leases.active() == 0 for s in svcs):
+            break
+        await asyncio.sleep(0.02)
+    for s in svcs:
+        if getattr(s, "leases", None) is not None:
+            assert s.leases.active() == 0, f"{s.worker_id} still holds leases"
+        await asyncio.sleep(0.05)
+        await s.engine.call(lambda e: e.leak_check())
+
+
+def sampling(max_tokens: int = 8, **kw) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(max_tokens=max_tokens, temperature=kw.pop("temperature", 0),
+                                     ignore_eos=kw.pop("ignore_eos", True), **kw)
+
+
+async def generate(dstub, rid: str, prompt: list[int], outputs: list[int], sp,
+                   handle=None) -> tuple[list[int], list]:
+    req = decode_pb2.GenerateRequest(request_id=rid, prompt_token_ids=prompt,
+                                     output_token_ids=outputs, sampling=sp)
+    if handle is not None:
+        req.kv_handle.CopyFrom(handle)
+    toks, chunks = list(outputs), []
+    async for ch in dstub.Generate(req):
+        toks += list(ch.token_ids)
+        chunks.append(ch)
+    return toks, chunks
+
+
+async def disagg(pstub, dstub, rid: str, prompt: list[int], sp) -> tuple[list[int], list]:
+    r = await pstub.Prefill(prefill_pb2.PrefillRequest(request_id=rid, token_ids=prompt,
+                                                       sampling=sp))
+    return await generate(dstub, rid, prompt, [r.first_token], sp, r.kv_handle)
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_model_dir):
+    """Colocated greedy reference on the same tiny model."""
+    from engine.llm_engine import LLMEngine
+    from engine.sampling import SamplingParams
+
+    eng = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64,
+                                 max_model_len=256))
+
+    def run(prompt: list[int], max_tokens: int = 8, **kw) -> list[int]:
+        params = SamplingParams(max_tokens=max_tokens, temperature=kw.pop("temperature", 0),
+                                ignore_eos=True, **kw)
+        return eng.generate([prompt], params)[0].token_ids
+
+    return run

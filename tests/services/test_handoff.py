@@ -1,0 +1,160 @@
+"""The KV ownership handoff between prefill_svc and decode_svc (DESIGN.md), in one
+process on the tiny model: exact tokens, exact bytes, fallbacks, leak checks."""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from kvtransfer.link import KVLinkClient
+from proto import common_pb2, prefill_pb2
+from tests.services.conftest import disagg, generate, leak_check, sampling, services
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def _prompt(n: int, seed: int = 0) -> list[int]:
+    return [(seed * 37 + i * 11) % 300 + 3 for i in range(n)]
+
+
+@pytest.mark.parametrize("backend", ["tcp", "nixl"])
+def test_disagg_equals_colocated_and_moves_only_missing_blocks(tiny_model_dir, reference,
+                                                               backend: str) -> None:
+    if backend == "nixl":
+        pytest.importorskip("nixl_cu12")
+
+    async def body():
+        async with services(tiny_model_dir, backend) as (p, d, ps, ds):
+            bb = d.llm.runner.block_bytes
+            shared = _prompt(48, seed=1)  # exactly 3 blocks
+            a, b = shared + _prompt(21, 2), shared + _prompt(30, 3)
+            toks_a, chunks_a = await disagg(ps, ds, "a", a, sampling())
+            assert toks_a == reference(a)
+            t = chunks_a[0].trace
+            assert (t.blocks_pulled, t.bytes_pulled, t.fallback) == (5, 5 * bb, "")
+            toks_b, chunks_b = await disagg(ps, ds, "b", b, sampling())
+            assert toks_b == reference(b)
+            t = chunks_b[0].trace
+            # the decode worker already holds the 3 shared blocks: only the rest moves
+            assert t.local_cached_tokens == 48
+            assert (t.blocks_pulled, t.bytes_pulled) == (2, 2 * bb)
+            m = d.metrics
+            assert m.l(m.kv_bytes)._value.get() == 7 * bb
+            await leak_check(p, d)
+    run(body())
+
+
+def test_expired_lease_makes_decode_recompute(tiny_model_dir, reference) -> None:
+    async def body():
+        async with services(tiny_model_dir, lease_ttl_s=0.05) as (p, d, ps, ds):
+            prompt = _prompt(40, 4)
+            r = await ps.Prefill(prefill_pb2.PrefillRequest(request_id="x", token_ids=prompt,
+                                                            sampling=sampling()))
+            await asyncio.sleep(0.6)  # the reaper frees the blocks
+            assert p.leases.active() == 0
+            toks, chunks = await generate(ds, "x", prompt, [r.first_token], sampling(),
+                                          r.kv_handle)
+            assert chunks[0].trace.fallback in ("lease_expired", "transfer_failed")
+            assert toks == reference(prompt)
+            await leak_check(p, d)
+    run(body())
+
+
+def test_compat_mismatch_fails_at_connect_naming_the_field(tiny_model_dir) -> None:
+    async def body():
+        async with services(tiny_model_dir, decode_engine={"block_size": 32}) as (p, d, ps, ds):
+            prompt = _prompt(40, 5)
+            r = await ps.Prefill(prefill_pb2.PrefillRequest(request_id="m", token_ids=prompt,
+                                                            sampling=sampling()))
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await generate(ds, "m", prompt, [r.first_token], sampling(), r.kv_handle)
+            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "block_size" in e.value.details()
+            # the prefill side still holds the lease: the router's abort drops it
+            await ps.Abort(common_pb2.AbortRequest(request_id="m"))
+            await leak_check(p, d)
+    run(body())
+
+
+def test_model_fingerprint_mismatch(tiny_model_dir, tmp_path) -> None:
+    from tests.utils import make_tiny_llama
+
+    other = make_tiny_llama(tmp_path / "other", seed=7)
+
+    async def body():
+        async with services(tiny_model_dir, decode_engine={"model": str(other)}) as (p, d, ps, ds):
+            prompt = _prompt(40, 6)
+            r = await ps.Prefill(prefill_pb2.PrefillRequest(request_id="f", token_ids=prompt,
+                                                            sampling=sampling()))
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await generate(ds, "f", prompt, [r.first_token], sampling(), r.kv_handle)
+            assert "model_fingerprint" in e.value.details()
+            await ps.Abort(common_pb2.AbortRequest(request_id="f"))
+            await leak_check(p, d)
+    run(body())
+
+
+def test_bad_input_gets_clear_status_and_leaks_nothing(tiny_model_dir) -> None:
+    async def body():
+        async with services(tiny_model_dir, kv_blocks=16) as (p, d, ps, ds):
+            # unknown request ids
+            assert not (await ps.Abort(common_pb2.AbortRequest(request_id="nope"))).aborted
+            assert not (await ds.Abort(common_pb2.AbortRequest(request_id="nope"))).aborted
+            # a release for a lease that does not exist
+            client = KVLinkClient(f"127.0.0.1:{p.port}", "test")
+            assert await client.release("ghost", 12345) == (False, "unknown")
+            await client.close()
+            # bad sampling values name the field
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await ps.Prefill(prefill_pb2.PrefillRequest(
+                    request_id="s", token_ids=[5, 6], sampling=sampling(temperature=5)))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "temperature" in e.value.details()
+            # a prompt that can never fit (the pool is sized to one context window)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await generate(ds, "big", _prompt(300), [], sampling())
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "context window" in e.value.details()
+            # malformed descriptors: block ids the source does not have
+            prompt = _prompt(40, 8)
+            r = await ps.Prefill(prefill_pb2.PrefillRequest(request_id="bad", token_ids=prompt,
+                                                            sampling=sampling()))
+            handle = r.kv_handle
+            good = list(handle.block_ids)
+            del handle.block_ids[:]
+            handle.block_ids.extend([9999] * len(good))
+            toks, chunks = await generate(ds, "bad", prompt, [r.first_token], sampling(), handle)
+            assert chunks[0].trace.fallback != "" and len(toks) == 8
+            await ps.Abort(common_pb2.AbortRequest(request_id="bad"))
+            # a handle whose block list does not match its token count
+            r = await ps.Prefill(prefill_pb2.PrefillRequest(request_id="short", token_ids=prompt,
+                                                            sampling=sampling()))
+            del r.kv_handle.block_ids[1:]
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await generate(ds, "short", prompt, [r.first_token], sampling(), r.kv_handle)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "kv_handle" in e.value.details()
+            await ps.Abort(common_pb2.AbortRequest(request_id="short"))
+            await leak_check(p, d)
+    run(body())
+
+
+def test_client_abort_mid_stream_frees_both_sides(tiny_model_dir) -> None:
+    async def body():
+        async with services(tiny_model_dir) as (p, d, ps, ds):
+            prompt = _prompt(40, 9)
+            r = await ps.Prefill(prefill_pb2.PrefillRequest(request_id="c", token_ids=prompt,
+                                                            sampling=sampling(200)))
+            from proto import decode_pb2
+            req = decode_pb2.GenerateRequest(request_id="c", prompt_token_ids=prompt,
+                                             output_token_ids=[r.first_token],
+                                             sampling=sampling(200), kv_handle=r.kv_handle)
+            call = ds.Generate(req)
+            async for _ in call:
+                break
+            call.cancel()
+            await asyncio.sleep(0.2)
+            await leak_check(p, d)
+    run(body())
