@@ -113,6 +113,7 @@ class DecodeService(WorkerBase, pb_grpc.DecodeServicer):
             await self.engine.call(lambda e: e.admit(req))
             return trace
         handle = blocks_from_proto(request.kv_handle)
+        peer = await self._connect(handle, trace, context)  # compat is checked first
         want = self.llm.kv.blocks_needed(handle.num_tokens)
         if not 0 < handle.num_tokens < len(req.token_ids) or len(handle.block_ids) != want:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -124,7 +125,7 @@ class DecodeService(WorkerBase, pb_grpc.DecodeServicer):
         trace.local_cached_tokens = res.local_cached_tokens
         self._pulling.add(req.request_id)
         try:
-            ok = await self._pull(handle, res, trace, context)
+            ok = peer is not None and await self._pull(handle, peer, res, trace)
         finally:
             self._pulling.discard(req.request_id)
         if req.request_id in self._abort_after_pull:
@@ -148,17 +149,22 @@ class DecodeService(WorkerBase, pb_grpc.DecodeServicer):
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.05)
 
-    async def _pull(self, handle, res: RemoteReservation, trace: pb.KVTrace, context) -> bool:
-        """Pull the missing blocks and release the lease. True when the KV arrived."""
+    async def _connect(self, handle, trace: pb.KVTrace, context):
+        """(client, peer) for the handle's source; None (fallback recorded) when it is
+        unreachable; FAILED_PRECONDITION naming the field when it is incompatible."""
         try:
-            client, peer = await self._peer(handle.endpoint)
+            return await self._peer(handle.endpoint)
         except KVCompatError as e:
-            await self.engine.call(lambda en: en.abort(handle.request_id))
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except Exception as e:  # noqa: BLE001 - unreachable peer: recompute here
             log.warning("prefill worker %s unreachable (%s); recomputing %s", handle.endpoint,
                         e, handle.request_id)
-            return self._fallback(trace, "peer_unreachable")
+            self._fallback(trace, "peer_unreachable")
+            return None
+
+    async def _pull(self, handle, peer, res: RemoteReservation, trace: pb.KVTrace) -> bool:
+        """Pull the missing blocks and release the lease. True when the KV arrived."""
+        client, peer = peer
         if not res.fill:  # everything was cached here: only the lease to drop
             await _quiet_release(client, handle)
             return True
