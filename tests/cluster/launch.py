@@ -1,0 +1,127 @@
+"""Start real worker and router processes on loopback for end-to-end tests."""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import httpx
+
+from proto import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+
+CLI = [sys.executable, "-m", "tandem.cli", "--log-level", "WARNING"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Proc:
+    role: str
+    popen: subprocess.Popen
+    addr: str = ""
+    metrics_port: int = 0
+
+    def kill(self) -> None:
+        if self.popen.poll() is None:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+            self.popen.wait()
+
+
+@dataclass
+class Cluster:
+    prefill: list[Proc] = field(default_factory=list)
+    decode: list[Proc] = field(default_factory=list)
+    router: Proc | None = None
+    url: str = ""
+
+    def metrics(self, proc: Proc) -> str:
+        return httpx.get(f"http://127.0.0.1:{proc.metrics_port}/metrics", timeout=5).text
+
+    def load(self, proc: Proc) -> common_pb2.WorkerLoad:
+        stub_cls = (prefill_pb2_grpc.PrefillStub if proc.role == "prefill"
+                    else decode_pb2_grpc.DecodeStub)
+        with grpc.insecure_channel(proc.addr) as ch:
+            return stub_cls(ch).GetLoad(common_pb2.LoadRequest(), timeout=5)
+
+    def leak_check(self) -> None:
+        """Over the wire: no lease, nothing queued or running, every block free or cached."""
+        for proc in self.prefill + self.decode:
+            if proc.popen.poll() is not None:
+                continue
+            for _ in range(50):
+                load = self.load(proc)
+                if (load.active_leases, load.num_running, load.num_waiting) == (0, 0, 0) and \
+                        load.free_blocks == load.total_blocks:
+                    break
+                time.sleep(0.1)
+            assert load.active_leases == 0, f"{proc.role} holds {load.active_leases} leases"
+            assert load.num_running == load.num_waiting == 0, f"{proc.role} still busy: {load}"
+            assert load.free_blocks == load.total_blocks, f"{proc.role} leaked blocks: {load}"
+
+
+def _spawn(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(CLI + args, start_new_session=True, stdout=subprocess.DEVNULL)
+
+
+@contextlib.contextmanager
+def cluster(model: str | Path, backend: str = "tcp", n_prefill: int = 1, n_decode: int = 1,
+            worker_args: list[str] = (), router_args: list[str] = ()):
+    c = Cluster()
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            for i, role in enumerate(["prefill"] * n_prefill + ["decode"] * n_decode):
+                ready = Path(tmp) / f"{i}.ready"
+                p = _spawn([role, "--model", str(model), "--port", "0", "--metrics-port", "0",
+                            "--ready-file", str(ready), "--kv-transfer", backend,
+                            "--num-threads", "1", *worker_args])
+                proc = Proc(role, p)
+                (c.prefill if role == "prefill" else c.decode).append(proc)
+                proc.ready = ready  # type: ignore[attr-defined]
+            deadline = time.monotonic() + 240
+            for proc in c.prefill + c.decode:
+                while not proc.ready.exists():  # type: ignore[attr-defined]
+                    assert proc.popen.poll() is None, f"{proc.role} worker died at startup"
+                    assert time.monotonic() < deadline, "workers not ready in time"
+                    time.sleep(0.1)
+                addr, mport = proc.ready.read_text().split()  # type: ignore[attr-defined]
+                proc.addr, proc.metrics_port = addr, int(mport)
+            port = free_port()
+            args = ["router", "--model", str(model), "--port", str(port), *router_args]
+            for proc in c.prefill:
+                args += ["--prefill", proc.addr]
+            for proc in c.decode:
+                args += ["--decode", proc.addr]
+            c.router = Proc("router", _spawn(args))
+            c.url = f"http://127.0.0.1:{port}"
+            while True:
+                assert c.router.popen.poll() is None, "router died at startup"
+                assert time.monotonic() < deadline, "router not ready in time"
+                try:
+                    if httpx.get(c.url + "/ready", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.1)
+            yield c
+        finally:
+            for proc in [c.router] + c.prefill + c.decode:
+                if proc is not None and proc.popen.poll() is None:
+                    os.killpg(proc.popen.pid, signal.SIGTERM)
+            for proc in [c.router] + c.prefill + c.decode:
+                if proc is not None:
+                    try:
+                        proc.popen.wait(timeout=15)
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
