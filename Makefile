@@ -7,7 +7,7 @@ VPY     := $(VENV)/bin/python
 TORCH   ?= torch==2.13.0
 STAMP   := $(VENV)/.tandem-installed
 
-.PHONY: venv install model up test bench clean
+.PHONY: venv install model proto up test bench clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -23,14 +23,20 @@ venv install: $(STAMP)
 model: $(STAMP)
 	$(VENV)/bin/tandem fetch-model
 
-up: model
+# Generated gRPC code is rebuilt from proto/*.proto (tests/proto checks it is not stale).
+proto: $(STAMP)
+	$(VPY) -m proto.build
+
+up: model proto
 	$(VENV)/bin/tandem up
 
-test: model
+test: model proto
 	$(VPY) -m pytest -q -ra
 
-bench: model
+bench: model proto
 	$(VPY) bench/bench_engine.py
+	$(VPY) bench/bench_kvtransfer.py
+	$(VPY) bench/bench_handoff.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -83,7 +83,8 @@ class WorkerPool:
 
     def _set_health(self, w: Worker, ok: bool) -> None:
         if ok != w.healthy:
-            log.warning("%s worker %s is %s", w.role, w.name, "up" if ok else "DOWN")
+            log.log(logging.INFO if ok else logging.WARNING, "%s worker %s is %s", w.role,
+                    w.name, "up" if ok else "DOWN")
         w.healthy = ok
         if not ok:
             self.index.drop_worker(w.address)

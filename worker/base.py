@@ -86,6 +86,8 @@ class WorkerBase:
                 yield common.KVEventBatch(worker_id=self.worker_id, events=events_to_proto(events),
                                           load=engine_load(self.llm, self.worker_id,
                                                            self.active_leases()))
+        except asyncio.CancelledError:  # subscriber gone or server stopping: a normal end
+            return
         finally:
             self.hub.unsubscribe(q)
 
