@@ -50,14 +50,30 @@ def create_app(config: RouterConfig, tokenizer: Tokenizer | None = None) -> Fast
     model_name = config.model_name or Path(config.model).name.removesuffix(".gguf")
     state: dict = {}
 
+    discovery = config.make_discovery()  # config errors surface before serving
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         tok = tokenizer or Tokenizer.load(config.model)
-        pool = WorkerPool(config.prefill, config.decode)
-        await pool.start(wait_s=5.0)
+        pool = WorkerPool()
+        first = asyncio.Event()
+
+        async def follow() -> None:
+            async for endpoints in discovery.watch():
+                await pool.apply(endpoints)
+                first.set()
+
+        watcher = asyncio.create_task(follow())
+        try:
+            await asyncio.wait_for(first.wait(), timeout=10)
+        except asyncio.TimeoutError:
+            log.warning("discovery returned no workers within 10 s; serving anyway")
+        await pool.wait_healthy(timeout_s=5.0)
         state.update(tokenizer=tok, pool=pool, flow=RequestFlow(config, tok, pool),
                      metrics=RouterMetrics())
         yield
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
         await pool.stop()
 
     app = FastAPI(title="Tandem router", version="0.1.0", lifespan=lifespan,

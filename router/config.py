@@ -15,9 +15,22 @@ class RouterConfig:
     port: int = 8000
     """HTTP port."""
     prefill: tuple[str, ...] = ()
-    """Prefill workers, host:port each."""
+    """Prefill workers, host:port each (static discovery)."""
     decode: tuple[str, ...] = ()
-    """Decode workers, host:port each."""
+    """Decode workers, host:port each (static discovery)."""
+    discovery: str = "static"
+    """static (flags, else --workers-file, else TANDEM_PREFILL/TANDEM_DECODE) or kubernetes
+    (watch the EndpointSlices of labelled prefill and decode Services)."""
+    workers_file: str | None = None
+    """YAML file with prefill: [host:port, ...] and decode: [...] (static discovery)."""
+    k8s_namespace: str | None = None
+    """Namespace to watch; default: the pod's own namespace, else 'default'."""
+    k8s_prefill_selector: str = "app.kubernetes.io/component=prefill"
+    """Label selector of the prefill Service's EndpointSlices."""
+    k8s_decode_selector: str = "app.kubernetes.io/component=decode"
+    """Label selector of the decode Service's EndpointSlices."""
+    k8s_port_name: str = "grpc"
+    """Name of the workers' gRPC port in the EndpointSlices."""
     local_prefill_threshold: int = 32
     """Prompts with at most this many uncached tokens are prefilled on the decode
     worker itself (conditional disaggregation); -1 = always local (colocated)."""
@@ -35,13 +48,26 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
-        if not self.decode:
-            raise ValueError("--decode: at least one decode worker (host:port) is required")
+        if self.discovery not in ("static", "kubernetes"):
+            raise ValueError(f"--discovery must be static or kubernetes, got {self.discovery!r}")
         if self.routing not in ("prefix", "round_robin"):
             raise ValueError(f"--routing must be prefix or round_robin, got {self.routing!r}")
         if self.local_prefill_threshold < -1:
             raise ValueError("--local-prefill-threshold must be >= -1")
-        for addr in self.prefill + self.decode:
-            host, _, port = addr.rpartition(":")
-            if not host or not port.isdigit():
-                raise ValueError(f"worker address {addr!r} is not host:port")
+
+    def make_discovery(self):
+        """The Discovery this config asks for; a static list without a decode worker
+        is an error naming --decode."""
+        from router.discovery import get_discovery
+        from router.discovery.static import static_endpoints
+
+        if self.discovery == "static":
+            eps = static_endpoints(self.prefill, self.decode, self.workers_file)
+            if not any(e.role == "decode" for e in eps):
+                raise ValueError("--decode: at least one decode worker (host:port) is required "
+                                 "(or --workers-file, or TANDEM_DECODE)")
+            return get_discovery("static", endpoints=eps)
+        return get_discovery("kubernetes", namespace=self.k8s_namespace,
+                             selectors={"prefill": self.k8s_prefill_selector,
+                                        "decode": self.k8s_decode_selector},
+                             port_name=self.k8s_port_name)

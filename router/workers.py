@@ -13,6 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from engine.kv_cache import BlockHash
 from proto import common_pb2 as common
 from proto import decode_pb2_grpc, prefill_pb2_grpc
+from router.discovery.base import WorkerEndpoint
 from router.prefix_index import PrefixIndex
 
 log = logging.getLogger(__name__)
@@ -36,16 +37,17 @@ class Worker:
         return self.worker_id or self.address
 
 
+_STUBS = {"prefill": prefill_pb2_grpc.PrefillStub, "decode": decode_pb2_grpc.DecodeStub}
+
+
 class WorkerPool:
-    def __init__(self, prefill: tuple[str, ...], decode: tuple[str, ...]) -> None:
+    """Workers come and go as discovery says (``apply``); each has a health loop and
+    a KV event stream while it is in the pool."""
+
+    def __init__(self) -> None:
         self.index = PrefixIndex()
         self.workers: list[Worker] = []
-        for role, addrs, stub in (("prefill", prefill, prefill_pb2_grpc.PrefillStub),
-                                  ("decode", decode, decode_pb2_grpc.DecodeStub)):
-            for addr in addrs:
-                ch = grpc.aio.insecure_channel(addr)
-                self.workers.append(Worker(addr, role, ch, stub(ch)))
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: dict[Worker, list[asyncio.Task]] = {}
 
     def healthy(self, role: str) -> list[Worker]:
         return [w for w in self.workers if w.role == role and w.healthy]
@@ -53,22 +55,39 @@ class WorkerPool:
     def all(self, role: str) -> list[Worker]:
         return [w for w in self.workers if w.role == role]
 
-    async def start(self, wait_s: float = 0.0) -> None:
-        for w in self.workers:
-            self._tasks.append(asyncio.create_task(self._watch_events(w)))
-            self._tasks.append(asyncio.create_task(self._watch_health(w)))
-        deadline = asyncio.get_running_loop().time() + wait_s
-        while wait_s and not all(w.healthy for w in self.workers):
+    async def apply(self, endpoints: frozenset[WorkerEndpoint]) -> None:
+        """Make the pool exactly these endpoints."""
+        have = {WorkerEndpoint(w.role, w.address): w for w in self.workers}  # type: ignore[arg-type]
+        for ep in endpoints - have.keys():
+            ch = grpc.aio.insecure_channel(ep.address)
+            w = Worker(ep.address, ep.role, ch, _STUBS[ep.role](ch))
+            self.workers.append(w)
+            self._tasks[w] = [asyncio.create_task(self._watch_events(w)),
+                              asyncio.create_task(self._watch_health(w))]
+            log.info("%s worker %s joined the pool", ep.role, ep.address)
+        for ep in have.keys() - endpoints:
+            await self._drop(have[ep])
+
+    async def _drop(self, w: Worker) -> None:
+        self.workers.remove(w)
+        tasks = self._tasks.pop(w, [])
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self.index.drop_worker(w.address)
+        await w.channel.close()
+        log.info("%s worker %s left the pool", w.role, w.address)
+
+    async def wait_healthy(self, timeout_s: float) -> None:
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while not all(w.healthy for w in self.workers):
             if asyncio.get_running_loop().time() > deadline:
-                break
+                return
             await asyncio.sleep(0.05)
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        for w in self.workers:
-            await w.channel.close()
+        for w in list(self.workers):
+            await self._drop(w)
 
     async def _watch_health(self, w: Worker) -> None:
         stub = health_pb2_grpc.HealthStub(w.channel)
