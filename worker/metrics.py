@@ -36,6 +36,8 @@ class WorkerMetrics:
         self.running = gauge("tandem:num_requests_running", "Requests in the running batch")
         self.waiting = gauge("tandem:num_requests_waiting", "Requests queued")
         self.leases = gauge("tandem:kv_leases_active", "Prefill leases held")
+        self.prompt_tokens_waiting = gauge("tandem:num_prompt_tokens_waiting",
+                                           "Prompt tokens queued and not yet computed")
         self.preemptions = counter("tandem:num_preemptions", "Requests preempted")
 
     def l(self, metric, **extra):  # noqa: E743 - short on purpose: metric.labels(...)
@@ -47,6 +49,10 @@ class WorkerMetrics:
         self.l(self.running).set(len(engine.scheduler.running))
         self.l(self.waiting).set(len(engine.scheduler.waiting))
         self.l(self.leases).set(active_leases)
+        self.l(self.prompt_tokens_waiting).set(
+            sum(len(r.token_ids) - r.num_computed_tokens for r in engine.scheduler.waiting)
+            + sum(len(r.token_ids) - r.num_computed_tokens - 1 for r in engine.scheduler.running
+                  if len(r.token_ids) - r.num_computed_tokens > 1))
 
     def serve(self, host: str, port: int) -> int:
         """Start the /metrics HTTP server; returns the bound port."""
