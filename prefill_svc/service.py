@@ -92,7 +92,8 @@ class PrefillService(WorkerBase, pb_grpc.PrefillServicer):
         q = self.engine.open_stream(rid)
         try:
             await self.engine.call(lambda e: e.add_request(
-                list(request.token_ids), params, rid, request.priority, prefill_only=True))
+                list(request.token_ids), params, rid, request.priority,
+                output_token_ids=list(request.output_token_ids), prefill_only=True))
         except ValueError as e:
             self.engine.close_stream(rid)
             return await invalid_argument(context, e)
@@ -118,7 +119,8 @@ class PrefillService(WorkerBase, pb_grpc.PrefillServicer):
         if out.logprobs:
             reply.first_logprob = out.logprobs[0].logprob
         if out.finish_reason is None:
-            reply.kv_handle.CopyFrom(await self._lease(rid, len(request.token_ids)))
+            num_tokens = len(request.token_ids) + len(request.output_token_ids)
+            reply.kv_handle.CopyFrom(await self._lease(rid, num_tokens))
         return reply
 
     async def _lease(self, rid: str, num_tokens: int):

@@ -7,6 +7,7 @@ echoed on every response.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import time
@@ -20,8 +21,10 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import generate_latest
+from starlette.background import BackgroundTask
 
 from engine.tokenizer import Tokenizer
+from router.admission import Admission, DeadlineExceeded, QueueFull
 from router.config import RouterConfig
 from router.flow import Delta, NoWorkerError, RequestFlow, Trace, WorkerError
 from router.metrics import RouterMetrics
@@ -78,6 +81,22 @@ def create_app(config: RouterConfig, tokenizer: Tokenizer | None = None) -> Fast
 
     app = FastAPI(title="Tandem router", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible API over Tandem's prefill and decode pools.")
+    admission = Admission(config.max_inflight, config.max_queue)
+    request_log = open(config.log_requests, "a", buffering=1) if config.log_requests else None
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        """API key and body size, before any parsing."""
+        if request.url.path.startswith("/v1/"):
+            if config.api_key and not hmac.compare_digest(
+                    request.headers.get("authorization", ""), f"Bearer {config.api_key}"):
+                return APIError(401, "invalid or missing API key (Authorization: Bearer ...)",
+                                "authentication_error").response(rid_of(request))
+            length = request.headers.get("content-length")
+            if length is not None and length.isdigit() and int(length) > config.max_body_bytes:
+                return APIError(413, f"request body of {length} bytes exceeds the limit of "
+                                     f"{config.max_body_bytes} (--max-body-bytes)").response(rid_of(request))
+        return await call_next(request)
 
     def rid_of(request: Request) -> str:
         return request.headers.get("x-request-id") or f"req-{uuid.uuid4().hex}"
@@ -136,7 +155,8 @@ def create_app(config: RouterConfig, tokenizer: Tokenizer | None = None) -> Fast
             raise APIError(400, "prompt is empty", param="prompt")
         bad = [t for t in prompt_ids if not 0 <= t < tok.vocab_size]
         if bad:
-            raise APIError(400, f"prompt token id {bad[0]} is outside the vocabulary", "prompt")
+            raise APIError(400, f"prompt token id {bad[0]} is outside the vocabulary",
+                           param="prompt")
         try:
             params = body.sampling(config.default_max_tokens, logprobs)
         except ValueError as e:
@@ -166,11 +186,50 @@ def create_app(config: RouterConfig, tokenizer: Tokenizer | None = None) -> Fast
         m.predicted_hits.inc(trace.predicted_cached_tokens)
         m.realized_hits.inc(trace.realized_cached_tokens)
         m.kv_bytes.inc(trace.bytes_pulled)
-        log.info("trace %s", trace.json())
+        m.queue_time.observe(trace.queue_seconds)
+        line = trace.json()
+        log.debug("trace %s", line)
+        if request_log is not None:
+            request_log.write(line + "\n")
+
+    def deadline_of(request: Request) -> float:
+        header = request.headers.get("x-request-timeout")
+        timeout = config.request_timeout_s
+        if header is not None:
+            try:
+                timeout = min(timeout, float(header))
+            except ValueError:
+                raise APIError(400, f"x-request-timeout must be seconds, got {header!r}",
+                               param="x-request-timeout") from None
+        return time.monotonic() + timeout
 
     async def respond(request: Request, body, prompt_ids: list[int], chat: bool,
                       logprobs: int | None):
+        deadline = deadline_of(request)
+        slot = admission.slot(priority_of(request, body.priority), deadline)
+        try:
+            queued = await slot.__aenter__()
+        except QueueFull as e:
+            err = APIError(429, str(e), "rate_limit_error").response(rid_of(request))
+            err.headers["retry-after"] = str(e.retry_after_s)
+            return err
+        except DeadlineExceeded as e:
+            raise APIError(504, str(e), "timeout_error") from e
+        try:
+            resp = await _respond(request, body, prompt_ids, chat, logprobs, queued)
+        except BaseException:
+            await slot.__aexit__(None, None, None)
+            raise
+        if isinstance(resp, StreamingResponse):  # the slot is held until the stream ends
+            resp.background = BackgroundTask(slot.__aexit__, None, None, None)
+        else:
+            await slot.__aexit__(None, None, None)
+        return resp
+
+    async def _respond(request: Request, body, prompt_ids: list[int], chat: bool,
+                       logprobs: int | None, queued: float):
         rid, deltas, trace = await start(request, body, prompt_ids, logprobs)
+        trace.queue_seconds = queued
         m: RouterMetrics = state["metrics"]
         m.in_flight.inc()
         try:

@@ -43,7 +43,17 @@ class RouterConfig:
     default_max_tokens: int = 256
     """max_tokens when a request gives none."""
     request_timeout_s: float = 600.0
-    """Upper bound on one request's life."""
+    """Upper bound on one request's life (x-request-timeout may lower it per request)."""
+    max_inflight: int = 256
+    """Requests dispatched to workers at once; more wait in the priority queue."""
+    max_queue: int = 1024
+    """Requests allowed to wait; beyond that the router answers 429 with Retry-After."""
+    api_key: str | None = None
+    """Require 'Authorization: Bearer KEY' on /v1 (default: $TANDEM_API_KEY, else none)."""
+    max_body_bytes: int = 8 * 1024 * 1024
+    """Largest request body accepted (413 beyond)."""
+    log_requests: str | None = None
+    """Append one JSON line per finished request (its trace) to this file."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -52,6 +62,9 @@ class RouterConfig:
             raise ValueError(f"--discovery must be static or kubernetes, got {self.discovery!r}")
         if self.routing not in ("prefix", "round_robin"):
             raise ValueError(f"--routing must be prefix or round_robin, got {self.routing!r}")
+        for name in ("max_inflight", "max_queue", "max_body_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.local_prefill_threshold < -1:
             raise ValueError("--local-prefill-threshold must be >= -1")
 

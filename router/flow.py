@@ -33,6 +33,12 @@ from worker.convert import sampling_to_proto
 log = logging.getLogger(__name__)
 
 
+MAX_ATTEMPTS = 3
+# A worker that died or stopped answering; another can take the request over.
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
+             grpc.StatusCode.ABORTED}
+
+
 class NoWorkerError(RuntimeError):
     """No healthy worker of a needed role (HTTP 503)."""
 
@@ -71,6 +77,9 @@ class Trace:
     bytes_pulled: int = 0
     transfer_seconds: float = 0.0
     fallback: str = ""
+    retries: int = 0
+    """Workers replaced after a failure (prefill before its first token, decode mid-stream)."""
+    queue_seconds: float = 0.0
     ttft_seconds: float = 0.0
     e2e_seconds: float = 0.0
 
@@ -110,25 +119,52 @@ class RequestFlow:
                 await asyncio.shield(_abort_all(rid, list(touched)))
 
     async def _tokens(self, rid, prompt_ids, params, priority, trace, touched):
-        hashes = hash_token_blocks(prompt_ids, self.config.block_size, self.config.hash_seed)
-        decoders = self.pool.healthy("decode")
+        """Tokens as the workers produce them, surviving worker deaths: a prefill worker
+        that fails before its first token is replaced; a decode worker that fails
+        mid-stream is replaced and the request re-prefilled with the tokens it already
+        made, so the client sees one uninterrupted stream."""
+        generated: list[int] = []
+        failed: set[Worker] = set()
+        for attempt in range(MAX_ATTEMPTS):
+            try:
+                async for toks, reason, lps in self._attempt(rid, prompt_ids, generated, params,
+                                                             priority, trace, touched, failed):
+                    generated.extend(toks)
+                    yield toks, reason, lps
+                return
+            except _Retry as r:
+                failed.add(r.worker)
+                if r.worker in touched:
+                    touched.remove(r.worker)
+                self.pool.mark_down(r.worker)
+                trace.retries += 1
+                trace.fallback = trace.fallback or f"{r.worker.role}_failover"
+                log.warning("request %s: %s worker %s failed (%s); retrying elsewhere with %d "
+                            "tokens generated", rid, r.worker.role, r.worker.name, r.reason,
+                            len(generated))
+        raise NoWorkerError(f"request {rid}: workers kept failing ({MAX_ATTEMPTS} attempts)")
+
+    async def _attempt(self, rid, prompt_ids, generated, params, priority, trace, touched, failed):
+        context = prompt_ids + generated
+        hashes = hash_token_blocks(context, self.config.block_size, self.config.hash_seed)
+        decoders = [w for w in self.pool.healthy("decode") if w not in failed]
         if not decoders:
             raise NoWorkerError("no healthy decode worker")
         decode, overlap = self.placer.choose(decoders, hashes)
         trace.decode_worker = decode.name
         cached = overlap * self.config.block_size
-        uncached = len(prompt_ids) - cached
-        prefillers = self.pool.healthy("prefill")
+        prefillers = [w for w in self.pool.healthy("prefill") if w not in failed]
         threshold = self.config.local_prefill_threshold
         gen = decode_pb2.GenerateRequest(request_id=rid, prompt_token_ids=prompt_ids,
+                                         output_token_ids=generated,
                                          sampling=sampling_to_proto(params), priority=priority)
-        if threshold >= 0 and prefillers and uncached > threshold:
+        if threshold >= 0 and prefillers and len(context) - cached > threshold:
             trace.path = "disaggregated"
             prefill, p_overlap = self.placer.choose(prefillers, hashes)
             trace.prefill_worker = prefill.name
             trace.predicted_cached_tokens = max(cached, p_overlap * self.config.block_size)
             touched.append(prefill)
-            first = await self._prefill(prefill, rid, prompt_ids, params, priority)
+            first = await self._prefill(prefill, rid, prompt_ids, generated, params, priority)
             if first.finished:  # nothing leased
                 touched.remove(prefill)
             yield [first.first_token], first.finish_reason or None, (
@@ -152,27 +188,44 @@ class RequestFlow:
                 if chunk.finished:
                     touched.remove(decode)
                     return
+            raise _Retry(decode, "stream ended without a finished chunk")
         except grpc.aio.AioRpcError as e:
+            if e.code() in RETRYABLE:
+                raise _Retry(decode, e.code().name) from e
             raise WorkerError(e.code(), f"decode worker {decode.name}: {e.details()}") from e
         finally:
             decode.inflight -= 1
 
-    async def _prefill(self, w: Worker, rid, prompt_ids, params, priority):
+    async def _prefill(self, w: Worker, rid, prompt_ids, generated, params, priority):
         w.inflight += 1
         try:
             return await w.stub.Prefill(prefill_pb2.PrefillRequest(
-                request_id=rid, token_ids=prompt_ids, sampling=sampling_to_proto(params),
-                priority=priority), timeout=self.config.request_timeout_s)
+                request_id=rid, token_ids=prompt_ids, output_token_ids=generated,
+                sampling=sampling_to_proto(params), priority=priority),
+                timeout=self.config.request_timeout_s)
         except grpc.aio.AioRpcError as e:
+            if e.code() in RETRYABLE:
+                raise _Retry(w, e.code().name) from e
             raise WorkerError(e.code(), f"prefill worker {w.name}: {e.details()}") from e
         finally:
             w.inflight -= 1
 
 
+class _Retry(Exception):
+    """A worker failed in a way another worker can make good."""
+
+    def __init__(self, worker: Worker, reason: str) -> None:
+        super().__init__(reason)
+        self.worker, self.reason = worker, reason
+
+
 def _absorb(trace: Trace, t: decode_pb2.KVTrace) -> None:
     trace.realized_cached_tokens = t.local_cached_tokens
-    trace.blocks_pulled, trace.bytes_pulled = t.blocks_pulled, t.bytes_pulled
-    trace.transfer_seconds, trace.fallback = t.transfer_seconds, t.fallback
+    trace.blocks_pulled += t.blocks_pulled
+    trace.bytes_pulled += t.bytes_pulled
+    trace.transfer_seconds += t.transfer_seconds
+    if t.fallback:
+        trace.fallback = t.fallback
 
 
 async def _abort_all(rid: str, workers: list[Worker]) -> None:

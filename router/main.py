@@ -21,8 +21,11 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
 def router_config(args: argparse.Namespace) -> RouterConfig:
     from tandem.commands import resolve_model
 
+    import os
+
     return config_from_args(RouterConfig, args, model=resolve_model(args),
-                            prefill=tuple(args.prefill), decode=tuple(args.decode))
+                            prefill=tuple(args.prefill), decode=tuple(args.decode),
+                            api_key=args.api_key or os.environ.get("TANDEM_API_KEY") or None)
 
 
 def run_router(config: RouterConfig, log_level: str = "warning") -> None:

@@ -28,6 +28,9 @@ class RouterMetrics:
                                      "Prompt tokens the decode worker found cached", registry=r)
         self.kv_bytes = Counter("tandem:router_kv_transfer_bytes",
                                 "KV bytes moved for requests routed here", registry=r)
+        self.queue_time = Histogram("tandem:request_queue_time_seconds",
+                                    "Seconds a request waited in the router's priority queue",
+                                    buckets=_TTFT, registry=r)
         self.in_flight = Gauge("tandem:router_requests_in_flight", "Requests in flight",
                                registry=r)
         self.healthy = Gauge("tandem:router_healthy_workers", "Healthy workers", ["role"],

@@ -100,6 +100,10 @@ class WorkerPool:
             self._set_health(w, ok)
             await asyncio.sleep(HEALTH_PERIOD_S)
 
+    def mark_down(self, w: Worker) -> None:
+        """A request saw this worker fail: out of the pool until its health check passes."""
+        self._set_health(w, False)
+
     def _set_health(self, w: Worker, ok: bool) -> None:
         if ok != w.healthy:
             log.log(logging.INFO if ok else logging.WARNING, "%s worker %s is %s", w.role,

@@ -64,6 +64,9 @@ class WorkerBase:
         log.info("%s serving gRPC on %s:%d", self.worker_id, self.config.host, self.port)
 
     async def stop(self, grace_s: float = 1.0) -> None:
+        if self.hub is not None:
+            self.hub.close()
+            await asyncio.sleep(0.05)  # let the event streams end cleanly
         if self.server is not None:
             await self.server.stop(grace_s)
         if self.engine is not None:
@@ -83,6 +86,8 @@ class WorkerBase:
                 events=[common.KVEvent(kind=common.KVEvent.STORED, block_hash=h) for h in snapshot])
             while True:
                 events = await q.get()
+                if events is None:  # the worker is stopping
+                    return
                 yield common.KVEventBatch(worker_id=self.worker_id, events=events_to_proto(events),
                                           load=engine_load(self.llm, self.worker_id,
                                                            self.active_leases()))

@@ -21,6 +21,11 @@ class KVEventHub:
         for q in self._subscribers:
             q.put_nowait(events)
 
+    def close(self) -> None:
+        """End every subscriber's stream (a None marks the end)."""
+        for q in self._subscribers:
+            q.put_nowait(None)
+
     def subscribe(self) -> asyncio.Queue[list[KVEvent]]:
         q: asyncio.Queue[list[KVEvent]] = asyncio.Queue()
         self._subscribers.add(q)
