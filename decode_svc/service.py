@@ -180,10 +180,13 @@ class DecodeService(WorkerBase, pb_grpc.DecodeServicer):
             raise
         except Exception as e:  # noqa: BLE001 - peer died mid-pull, malformed reply, ...
             log.warning("pull of %s failed (%s); recomputing", handle.request_id, e)
+            await self._forget_peer(handle.endpoint)
             return self._fallback(trace, "transfer_failed")
         if done.state is not TransferState.DONE:
             log.warning("pull of %s ended %s (%s); recomputing", handle.request_id,
                         done.state.name, done.error)
+            if done.state is TransferState.FAILED:  # the source may have restarted
+                await self._forget_peer(handle.endpoint)
             return self._fallback(trace, _FALLBACK.get(done.state, "transfer_failed"))
         trace.blocks_pulled, trace.bytes_pulled = plan.num_blocks, done.nbytes
         trace.transfer_seconds, trace.backend = done.seconds or 0.0, self.backend_name
@@ -192,6 +195,13 @@ class DecodeService(WorkerBase, pb_grpc.DecodeServicer):
         m.l(m.kv_blocks).inc(plan.num_blocks)
         m.l(m.kv_seconds).observe(done.seconds or 0.0)
         return True
+
+    async def _forget_peer(self, endpoint: str) -> None:
+        """Drop a peer so the next request to it handshakes afresh."""
+        async with self._peer_lock:
+            entry = self._peers.pop(endpoint, None)
+        if entry is not None:
+            await entry[0].close()
 
     def _fallback(self, trace: pb.KVTrace, reason: str) -> bool:
         trace.fallback = reason

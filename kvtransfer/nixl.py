@@ -12,7 +12,13 @@ Progress: NIXL's progress thread busy-polls a whole core, so it stays off.
 The reader progresses its transfers from ``poll``/``wait``. The source has no
 transfers of its own, but UCX needs it to answer connection wire-up once per
 new reader, so ``serve`` starts a thread that progresses the agent every
-``progress_interval_s`` (a few ms; after wire-up reads complete without it).
+``progress_interval_s`` (5 ms: ~1% of a core idle; after wire-up reads
+complete without it). ``connect`` requests the connection at once so wire-up
+overlaps the wait for the first read (which still takes ~15-25 ms here).
+
+Teardown: UCX aborts the whole process (an arbiter assertion) when an agent
+is destroyed while requests to a peer that died are still queued; ``close``
+progresses the agent for ~20 ms first, which flushes them.
 
 Release does not use NIXL notifications: it travels over the KVLink gRPC
 ``Release`` for every backend, and its reply is what validates a one-sided
@@ -22,7 +28,9 @@ involved in the READ.
 from __future__ import annotations
 
 import threading
+import time
 import uuid
+from typing import Callable
 
 import numpy as np
 import torch
@@ -58,7 +66,7 @@ def _block_descs(base_addr: int, block_bytes: int, num_blocks: int, device: int)
 class NixlSource(KVSource):
     name = "nixl"
 
-    def __init__(self, progress_interval_s: float = 0.002) -> None:
+    def __init__(self, progress_interval_s: float = 0.005) -> None:
         self._progress_interval_s = progress_interval_s
         self._lock = threading.Lock()
         self._agent: nixl_agent | None = None
@@ -103,8 +111,10 @@ class NixlSource(KVSource):
         if self._thread is not None:
             self._thread.join(timeout=5)
         with self._lock:
-            if self._agent is not None and self._reg is not None:
-                self._agent.deregister_memory(self._reg)
+            if self._agent is not None:
+                _drain(self._agent)
+                if self._reg is not None:
+                    self._agent.deregister_memory(self._reg)
             self._agent, self._reg, self._kv = None, None, None
 
     def _progress_loop(self) -> None:
@@ -113,6 +123,15 @@ class NixlSource(KVSource):
                 if self._agent is None:
                     return
                 self._agent.get_new_notifs()  # progresses UCX (wire-up of new readers)
+
+
+def _drain(agent: nixl_agent, rounds: int = 20, pause_s: float = 0.001) -> None:
+    """Progress the agent for a few ms before it is destroyed: UCX aborts the
+    process (arbiter assertion) when a worker is torn down while requests to a
+    dead peer are still queued, and progress is what flushes them."""
+    for _ in range(rounds):
+        agent.get_new_notifs()
+        time.sleep(pause_s)
 
 
 class _Peer:
@@ -184,6 +203,10 @@ class NixlReader(KVReader):
                 raise KVTransferError(f"NIXL rejected the descriptors of {info.worker_id!r} "
                                       f"({info.num_blocks} blocks at {info.base_addr:#x}): {e!r}") from e
             self._peers[peer] = _Peer(name, remote, info.num_blocks)
+            try:
+                self._agent.make_connection(name)  # start UCX wire-up now, not on the first read
+            except Exception:
+                pass  # optional: the first READ connects anyway and reports real failures
         return peer
 
     def start_read(self, peer: PeerId, plan: ReadPlan) -> ReadHandle:
@@ -226,6 +249,7 @@ class NixlReader(KVReader):
             for peer in list(self._peers):
                 self._drop_peer(peer)
             if self._agent is not None:
+                _drain(self._agent)
                 if self._local_dlist is not None:
                     self._local_dlist.release()
                 if self._reg is not None:
@@ -234,7 +258,7 @@ class NixlReader(KVReader):
 
     # -- under self._lock -------------------------------------------------
 
-    def _advance(self, handle: ReadHandle, step) -> None:
+    def _advance(self, handle: ReadHandle, step: Callable[[], str]) -> None:
         """Run one NIXL post/check call and move the handle on accordingly."""
         try:
             status = step()

@@ -93,8 +93,12 @@ class TcpSource(KVSource):
 
     name = "tcp"
 
-    def __init__(self, io_timeout_s: float = 30.0) -> None:
+    def __init__(self, io_timeout_s: float = 30.0, advertise_host: str | None = None) -> None:
+        """``advertise_host``: the address readers should dial when ``serve``
+        binds a wildcard (0.0.0.0 in a pod: pass the pod IP); default: the
+        bound host."""
         self._io_timeout_s = io_timeout_s
+        self._advertise_host = advertise_host
         self._lock = threading.Lock()
         self._blocks: torch.Tensor | None = None
         self._compat: CompatRecord | None = None
@@ -122,7 +126,8 @@ class TcpSource(KVSource):
         assert self._blocks is not None and self._compat is not None and self._listener
         host, port = self._listener.getsockname()[:2]
         return SourceInfo(worker_id, "tcp", self._compat, self._blocks.shape[0],
-                          self._blocks.shape[1], data_host=host, data_port=port)
+                          self._blocks.shape[1], data_host=self._advertise_host or host,
+                          data_port=port)
 
     def close(self) -> None:
         with self._lock:
@@ -167,11 +172,10 @@ class TcpSource(KVSource):
             self._serve_one(conn, request)
         except FrameError as e:
             self._refuse(conn, pb.READ_MALFORMED, str(e))
-        except (OSError, ConnectionError) as e:
+        except OSError as e:
             log.debug("kv tcp connection dropped: %s", e)  # reader gone; nothing held
-        except Exception as e:  # a bug must not kill the server
+        except Exception:  # a bug mid-stream: close, the reader sees a short read
             log.exception("kv tcp source failed serving a read")
-            self._refuse(conn, pb.READ_INTERNAL, f"{type(e).__name__}: {e}")
         finally:
             with self._lock:
                 self._conns.discard(conn)
@@ -188,7 +192,8 @@ class TcpSource(KVSource):
         assert self._blocks is not None and self._lease_check is not None
         num_blocks, block_bytes = self._blocks.shape
         if req.block_bytes != block_bytes:
-            return pb.READ_MALFORMED, f"block_bytes: request {req.block_bytes} != source {block_bytes}"
+            return (pb.READ_MALFORMED,
+                    f"block_bytes: request {req.block_bytes} != source {block_bytes}")
         if not req.block_ids:
             return pb.READ_MALFORMED, "no block ids"
         bad = [b for b in req.block_ids if b >= num_blocks]
@@ -202,6 +207,9 @@ class TcpSource(KVSource):
             self._lease_check(req.request_id, req.epoch, list(req.block_ids))
         except LeaseError as e:
             return pb.READ_LEASE, str(e)
+        except Exception as e:  # a broken callback must not look like a live lease
+            log.exception("kv lease check failed")
+            return pb.READ_INTERNAL, f"lease check failed: {type(e).__name__}: {e}"
         return None
 
     def _serve_one(self, conn: socket.socket, req: pb.ReadRequest) -> None:
@@ -317,24 +325,25 @@ class TcpReader(KVReader):
             self._pending.discard(handle)
 
     def _run(self, handle: ReadHandle, host: str, port: int) -> None:
+        """Pool thread: the whole read; always ends the handle."""
         read: _TcpRead = handle.impl
+        state, error = TransferState.FAILED, None
         try:
             with socket.create_connection((host, port), timeout=self._connect_timeout_s) as sock:
                 with self._lock:
-                    if read.cancelled:
-                        return
                     read.sock = sock
+                    if read.cancelled:
+                        raise KVTransferError("aborted before it started")
                 _tune(sock)
                 sock.settimeout(self._io_timeout_s)
                 state, error = self._exchange(sock, handle.plan)
-            if read.cancelled:
-                state, error = TransferState.FAILED, KVTransferError("read aborted")
-            self._end(handle, state, error)
-        except (OSError, ConnectionError, KVTransferError) as e:
-            self._end(handle, TransferState.FAILED,
-                      KVTransferError(f"tcp read from {handle.peer} ({host}:{port}) failed: {e}"))
-        except Exception as e:  # report, never lose a handle in PENDING
-            self._end(handle, TransferState.FAILED, e)
+        except (OSError, KVTransferError) as e:
+            error = KVTransferError(f"tcp read from {handle.peer} ({host}:{port}) failed: {e}")
+        except Exception as e:  # report it; never leave a handle PENDING
+            error = e
+        if read.cancelled:
+            state, error = TransferState.FAILED, KVTransferError("read aborted")
+        self._end(handle, state, error)
 
     def _exchange(self, sock: socket.socket, plan: ReadPlan) -> tuple[TransferState, Exception | None]:
         assert self._blocks is not None

@@ -110,7 +110,8 @@ class _RoleWatcher(threading.Thread):
         self._halt.set()
         with self._lock:
             if self._resp is not None:
-                self._resp.shutdown()  # urllib3 >= 2.3: wakes a thread blocked in recv
+                # urllib3 >= 2.3 shutdown() wakes a thread blocked in recv; close() may not.
+                getattr(self._resp, "shutdown", self._resp.close)()
 
     def run(self) -> None:
         delay = self.backoff_s[0]

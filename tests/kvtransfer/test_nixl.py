@@ -1,0 +1,113 @@
+"""NIXL backend (UCX; CMA between two processes of this host) across two processes."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("nixl_cu12", reason="nixl_cu12 is not installed (pip install nixl-cu12)")
+
+from kvtransfer.base import (KVCompatError, KVTransferError, LeaseError, ReadPlan,  # noqa: E402
+                             TransferState, get_backend)
+from tests.kvtransfer.utils import (Dest, SourceProcess, assert_blocks_copied,  # noqa: E402
+                                    handshake, handshake_and_pull, plan_for, release)
+
+
+@pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def source(request: pytest.FixtureRequest):
+    with SourceProcess("nixl", request.param, seed=21) as src:
+        yield src
+        assert src.active() == 0, "leak: a lease outlived the tests"
+
+
+@pytest.fixture
+def reader(source: SourceProcess):
+    dest = Dest.make(source.dtype)
+    rd = get_backend("nixl").reader()
+    rd.register(dest.kv, dest.compat)
+    rd.dest = dest  # type: ignore[attr-defined]
+    yield rd
+    assert rd.in_flight() == 0, "leak: a read still in flight"
+    rd.close()
+    assert source.active() == 0, "leak: lease left active"
+
+
+def test_read_subset_cross_process(source: SourceProcess, reader) -> None:
+    blocks = source.grant("r1", [3, 4, 5, 17, 30, 9])
+    handle = asyncio.run(handshake_and_pull(reader, reader.dest.compat, source.endpoint, "nixl",
+                                            plan_for(blocks, [10, 0, 1, 2, 31, 12])))
+    assert handle.state is TransferState.DONE, handle.error
+    assert_blocks_copied(reader.dest.kv, reader.dest.before, source.kv, handle.plan)
+    assert set(blocks.block_ids) <= set(source.freed())
+    # Reconnecting to the same source is idempotent; a second lease reads fine.
+    blocks = source.grant("r2", list(range(32)))
+    handle = asyncio.run(handshake_and_pull(reader, reader.dest.compat, source.endpoint, "nixl",
+                                            plan_for(blocks, list(range(31, -1, -1)))))
+    assert handle.state is TransferState.DONE, handle.error
+    assert_blocks_copied(reader.dest.kv, reader.dest.before, source.kv, handle.plan)
+
+
+def test_compat_mismatch_fails_at_connect(source: SourceProcess) -> None:
+    wrong_size = Dest.make(source.dtype, block_size=8)
+    with pytest.raises(KVCompatError, match="block_size: local 8 != remote 16"):
+        asyncio.run(handshake(wrong_size.compat, source.endpoint, "nixl"))
+    info = asyncio.run(handshake(Dest.make(source.dtype).compat, source.endpoint, "nixl"))
+    other_model = Dest.make(source.dtype, fingerprint="another-model")
+    rd = get_backend("nixl").reader()
+    rd.register(other_model.kv, other_model.compat)
+    with pytest.raises(KVCompatError, match="model_fingerprint: local 'another-model'"):
+        rd.connect(info)
+    rd.close()
+
+
+def test_expired_lease_read_fails(source: SourceProcess, reader) -> None:
+    blocks = source.grant("old", [6, 7], ttl_s=0.2)
+    time.sleep(0.3)
+    handle = asyncio.run(handshake_and_pull(reader, reader.dest.compat, source.endpoint, "nixl",
+                                            plan_for(blocks, [0, 1])))
+    # The one-sided READ itself cannot see the lease; the Release reply can.
+    assert handle.state is TransferState.EXPIRED
+    assert isinstance(handle.error, LeaseError) and "expired" in str(handle.error)
+    assert source.active() == 0 and {6, 7} <= set(source.freed())
+
+
+def test_malformed_descriptors_and_ids_rejected(source: SourceProcess, reader) -> None:
+    info = asyncio.run(handshake(reader.dest.compat, source.endpoint, "nixl"))
+    for forged in (dataclasses.replace(info, num_blocks=info.num_blocks + 1),
+                   dataclasses.replace(info, base_addr=info.base_addr + 4096)):
+        with pytest.raises(KVTransferError, match="rejected the descriptors"):
+            reader.connect(forged)  # outside the source's registered region
+    peer = reader.connect(info)
+    blocks = source.grant("m", [1, 2])
+    with pytest.raises(ValueError, match="remote block id 32"):
+        reader.start_read(peer, ReadPlan("m", blocks.epoch, (1, 32), (0, 1)))
+    with pytest.raises(ValueError, match="local block id 40"):
+        reader.start_read(peer, ReadPlan("m", blocks.epoch, (1,), (40,)))
+    assert torch.equal(reader.dest.kv, reader.dest.before)
+    handle = reader.start_read(peer, ReadPlan.from_source(blocks, [30, 31]))
+    assert reader.wait(handle, 20) is TransferState.DONE, handle.error
+    assert asyncio.run(release(source.endpoint, "m", blocks.epoch)) == (True, "released")
+
+
+def test_source_killed_fails_the_read() -> None:
+    with SourceProcess("nixl", torch.float32, seed=5) as src:
+        dest = Dest.make(torch.float32)
+        rd = get_backend("nixl").reader()
+        rd.register(dest.kv, dest.compat)
+        try:
+            info = asyncio.run(handshake(dest.compat, src.endpoint, "nixl"))
+            peer = rd.connect(info)
+            blocks = src.grant("k", [0, 1])
+            handle = rd.start_read(peer, ReadPlan.from_source(blocks, [0, 1]))
+            assert rd.wait(handle, 20) is TransferState.DONE, handle.error
+            src.kill()
+            handle = rd.start_read(peer, ReadPlan("k", blocks.epoch, tuple(range(32)),
+                                                  tuple(range(32))))
+            assert rd.wait(handle, 20) is TransferState.FAILED
+            assert isinstance(handle.error, KVTransferError)
+            assert rd.in_flight() == 0
+        finally:
+            rd.close()

@@ -1,0 +1,169 @@
+"""TCP backend across two processes: the source runs in a spawned process."""
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+import time
+
+import pytest
+import torch
+
+from kvtransfer.base import (KVCompatError, LeaseError, PeerId, ReadPlan, SourceInfo,
+                             TransferState, get_backend)
+from kvtransfer.tcp import recv_frame, send_frame
+from proto import kv_link_pb2 as pb
+from tests.kvtransfer.utils import (Dest, SourceProcess, assert_blocks_copied, handshake,
+                                    handshake_and_pull, plan_for, release, start_dying_source)
+
+
+@pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def source(request: pytest.FixtureRequest):
+    with SourceProcess("tcp", request.param, seed=11) as src:
+        yield src
+        assert src.active() == 0, "leak: a lease outlived the tests"
+
+
+@pytest.fixture
+def reader(source: SourceProcess):
+    dest = Dest.make(source.dtype)
+    rd = get_backend("tcp").reader()
+    rd.register(dest.kv, dest.compat)
+    rd.dest = dest  # type: ignore[attr-defined]
+    yield rd
+    assert rd.in_flight() == 0, "leak: a read still in flight"
+    rd.close()
+    assert source.active() == 0, "leak: lease left active"
+
+
+def connect(reader, source: SourceProcess) -> tuple[PeerId, SourceInfo]:
+    info = asyncio.run(handshake(reader.dest.compat, source.endpoint, "tcp"))
+    return reader.connect(info), info
+
+
+def test_read_subset_cross_process(source: SourceProcess, reader) -> None:
+    blocks = source.grant("r1", [3, 4, 5, 17, 30, 9])
+    local = [10, 0, 1, 2, 31, 12]
+    handle = asyncio.run(handshake_and_pull(reader, reader.dest.compat, source.endpoint, "tcp",
+                                            plan_for(blocks, local)))
+    assert handle.state is TransferState.DONE, handle.error
+    assert_blocks_copied(reader.dest.kv, reader.dest.before, source.kv, handle.plan)
+    assert source.active() == 0
+    assert set(blocks.block_ids) <= set(source.freed())
+
+
+def test_parallel_reads_and_second_read_of_a_lease(source: SourceProcess, reader) -> None:
+    peer, _ = connect(reader, source)
+    a, b = source.grant("ra", [0, 1, 2, 3]), source.grant("rb", [20, 21])
+    plans = [ReadPlan.from_source(a, [4, 5, 6, 7]), ReadPlan.from_source(b, [8, 9]),
+             ReadPlan.from_source(a, [16, 17], skip=2)]
+    handles = [reader.start_read(peer, p) for p in plans]
+    assert [reader.wait(h, 20) for h in handles] == [TransferState.DONE] * 3
+    for p in plans:
+        for rb, lb in zip(p.remote_block_ids, p.local_block_ids):
+            assert torch.equal(reader.dest.kv[lb], source.kv[rb])
+    assert asyncio.run(release(source.endpoint, "ra", a.epoch)) == (True, "released")
+    assert asyncio.run(release(source.endpoint, "ra", a.epoch)) == (False, "duplicate")
+    assert asyncio.run(release(source.endpoint, "rb", b.epoch)) == (True, "released")
+
+
+def test_compat_mismatch_fails_at_connect(source: SourceProcess) -> None:
+    wrong_size = Dest.make(source.dtype, block_size=8)
+    with pytest.raises(KVCompatError, match="block_size: local 8 != remote 16"):
+        asyncio.run(handshake(wrong_size.compat, source.endpoint, "tcp"))
+    good = Dest.make(source.dtype)
+    info = asyncio.run(handshake(good.compat, source.endpoint, "tcp"))
+    other_model = Dest.make(source.dtype, fingerprint="another-model")
+    rd = get_backend("tcp").reader()
+    rd.register(other_model.kv, other_model.compat)
+    with pytest.raises(KVCompatError, match="model_fingerprint: local 'another-model'"):
+        rd.connect(info)
+    rd.close()
+
+
+def test_expired_lease_read_fails(source: SourceProcess, reader) -> None:
+    peer, _ = connect(reader, source)
+    blocks = source.grant("old", [6, 7], ttl_s=0.2)
+    time.sleep(0.3)
+    handle = reader.start_read(peer, ReadPlan.from_source(blocks, [0, 1]))
+    assert reader.wait(handle, 20) is TransferState.EXPIRED
+    assert isinstance(handle.error, LeaseError) and "expired" in str(handle.error)
+    assert torch.equal(reader.dest.kv, reader.dest.before), "bytes of an expired lease landed"
+    handle = asyncio.run(handshake_and_pull(reader, reader.dest.compat, source.endpoint, "tcp",
+                                            plan_for(blocks, [0, 1])))
+    assert handle.state is TransferState.EXPIRED  # the Release also reaped it
+    assert source.active() == 0 and {6, 7} <= set(source.freed())
+
+
+def _raw_request(source: SourceProcess, info: SourceInfo, payload: bytes) -> pb.ReadHeader:
+    with socket.create_connection((info.data_host, info.data_port), timeout=10) as sock:
+        sock.sendall(payload)
+        return recv_frame(sock, pb.ReadHeader)
+
+
+def _frame(msg: pb.ReadRequest) -> bytes:
+    body = msg.SerializeToString()
+    return struct.pack(">I", len(body)) + body
+
+
+def test_malformed_requests_refused_and_server_survives(source: SourceProcess, reader) -> None:
+    peer, info = connect(reader, source)
+    blocks = source.grant("m", [1, 2])
+    bb, epoch = info.block_bytes, blocks.epoch
+    cases = [
+        (struct.pack(">I", 1 << 30), "exceeds"),
+        (struct.pack(">I", 3) + b"\xff\xff\xff", "unparsable"),
+        (_frame(pb.ReadRequest(request_id="m", epoch=epoch, block_ids=[1], block_bytes=bb + 1)),
+         "block_bytes"),
+        (_frame(pb.ReadRequest(request_id="m", epoch=epoch, block_ids=[1, 999], block_bytes=bb)),
+         "out of range"),
+        (_frame(pb.ReadRequest(request_id="m", epoch=epoch, block_ids=[], block_bytes=bb)),
+         "no block ids"),
+    ]
+    for payload, reason in cases:
+        header = _raw_request(source, info, payload)
+        assert header.status == pb.READ_MALFORMED and reason in header.error, header
+    header = _raw_request(source, info, _frame(pb.ReadRequest(
+        request_id="m", epoch=epoch, block_ids=[3], block_bytes=bb)))
+    assert header.status == pb.READ_LEASE and "does not cover" in header.error
+    # Reader-side checks: nothing is sent for a plan outside either cache.
+    with pytest.raises(ValueError, match="remote block id 32"):
+        reader.start_read(peer, ReadPlan("m", epoch, (1, 32), (0, 1)))
+    with pytest.raises(ValueError, match="local block id 40"):
+        reader.start_read(peer, ReadPlan("m", epoch, (1,), (40,)))
+    handle = reader.start_read(peer, ReadPlan.from_source(blocks, [30, 31]))  # still serving
+    assert reader.wait(handle, 20) is TransferState.DONE, handle.error
+    assert asyncio.run(release(source.endpoint, "m", epoch)) == (True, "released")
+
+
+def test_reader_vanishing_mid_stream_does_not_hurt_source(source: SourceProcess, reader) -> None:
+    peer, info = connect(reader, source)
+    blocks = source.grant("v", list(range(32)))
+    with socket.create_connection((info.data_host, info.data_port), timeout=10) as sock:
+        send_frame(sock, pb.ReadRequest(request_id="v", epoch=blocks.epoch,
+                                        block_ids=list(range(32)), block_bytes=info.block_bytes))
+        assert recv_frame(sock, pb.ReadHeader).status == pb.READ_OK
+        sock.recv(1000)  # take a little, then hang up mid-stream
+    handle = reader.start_read(peer, ReadPlan.from_source(blocks, list(range(31, -1, -1))))
+    assert reader.wait(handle, 20) is TransferState.DONE, handle.error
+    assert asyncio.run(release(source.endpoint, "v", blocks.epoch)) == (True, "released")
+
+
+def test_source_killed_mid_transfer_fails_the_read(source: SourceProcess, reader) -> None:
+    block_bytes = reader.dest.compat.block_bytes
+    proc, port = start_dying_source(block_bytes)
+    try:
+        info = SourceInfo("dying", "tcp", reader.dest.compat, 32, block_bytes,
+                          data_host="127.0.0.1", data_port=port)
+        peer = reader.connect(info)
+        handle = reader.start_read(peer, ReadPlan("r", 1, (0, 1, 2, 3), (4, 5, 6, 7)))
+        assert reader.wait(handle, 20) is TransferState.FAILED
+        assert "peer closed" in str(handle.error) or "reset" in str(handle.error).lower()
+        assert reader.in_flight() == 0
+        # The dead peer no longer accepts: a new read fails cleanly too.
+        proc.join(10)
+        handle = reader.start_read(peer, ReadPlan("r", 1, (0,), (4,)))
+        assert reader.wait(handle, 20) is TransferState.FAILED
+    finally:
+        proc.kill()
+        proc.join(10)

@@ -1,0 +1,61 @@
+"""Worker deaths the client never sees: a decode worker killed mid-stream is
+replaced and the request continues from the tokens already generated; a dead
+prefill worker is routed around. Real processes on the real model."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling import SamplingParams
+from tests.cluster.launch import cluster
+
+pytestmark = pytest.mark.slow
+FP32 = ["--dtype", "float32", "--max-model-len", "1024", "--kv-blocks", "256"]
+PROMPT = ("The history of the printing press begins in the fifteenth century, when a "
+          "goldsmith in Mainz combined several known techniques into a new machine that")
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+def test_decode_killed_mid_stream_resumes_seamlessly(model_path, seeded) -> None:
+    n = 40
+    sp = dict(max_tokens=n, ignore_eos=True, temperature=0.8 if seeded else 0.0)
+    if seeded:
+        sp["seed"] = 1234
+    eng = LLMEngine(EngineConfig(model=str(model_path), dtype="float32", max_model_len=1024,
+                                 num_kv_blocks=256))
+    want = eng.generate([PROMPT], SamplingParams(**sp))[0].text
+    with cluster(model_path, "tcp", n_prefill=1, n_decode=2, worker_args=FP32,
+                 router_args=["--local-prefill-threshold", "0"]) as c:
+        text, killed, reasons = [], False, []
+        with httpx.stream("POST", c.url + "/v1/completions", timeout=120,
+                          json={"prompt": PROMPT, "stream": True, **sp}) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                ev = json.loads(line[6:])
+                assert "error" not in ev, ev
+                text.append(ev["choices"][0]["text"])
+                reasons.append(ev["choices"][0]["finish_reason"])
+                if len(text) == 8 and not killed:
+                    busy = [d for d in c.decode if c.load(d).num_running]
+                    assert len(busy) == 1
+                    busy[0].kill()
+                    killed = True
+        assert killed and reasons[-1] == "length"
+        assert "".join(text) == want
+        c.leak_check()  # the surviving workers hold nothing
+
+
+def test_dead_prefill_worker_is_routed_around(model_path) -> None:
+    with cluster(model_path, "tcp", n_prefill=2, n_decode=1, worker_args=FP32,
+                 router_args=["--local-prefill-threshold", "0"]) as c:
+        c.prefill[0].kill()
+        for i in range(4):
+            r = httpx.post(c.url + "/v1/completions", timeout=120, json={
+                "prompt": PROMPT + f" ({i})", "max_tokens": 4, "temperature": 0})
+            assert r.status_code == 200, r.text
+        c.leak_check()
