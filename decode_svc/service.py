@@ -24,6 +24,7 @@ from kvtransfer.link import KVLinkClient, blocks_from_proto
 from proto import common_pb2 as common
 from proto import decode_pb2 as pb
 from proto import decode_pb2_grpc as pb_grpc
+from decode_svc.priority_gate import PriorityGate
 from worker.base import WorkerBase, invalid_argument
 from worker.config import WorkerConfig
 from worker.convert import sampling_from_proto
@@ -39,6 +40,8 @@ class DecodeService(WorkerBase, pb_grpc.DecodeServicer):
         super().__init__(config)
         self._peers: dict[str, tuple[KVLinkClient, object]] = {}
         self._peer_lock = asyncio.Lock()
+        self._reserve_gate = PriorityGate(1)  # freed blocks go to the most important first
+        self._pull_gate = PriorityGate(2)     # transfers served in priority order
         self._pulling: set[str] = set()
         self._abort_after_pull: set[str] = set()
 
@@ -76,6 +79,7 @@ class DecodeService(WorkerBase, pb_grpc.DecodeServicer):
     # -- RPCs -----------------------------------------------------------------------
     async def Generate(self, request: pb.GenerateRequest, context):
         rid = request.request_id
+        await self.refuse_if_draining(context)
         try:
             params = sampling_from_proto(request.sampling)
             req = await self.engine.call(lambda e: e.make_request(
@@ -121,11 +125,13 @@ class DecodeService(WorkerBase, pb_grpc.DecodeServicer):
                                 f"{handle.num_tokens} (expected {want}, and num_tokens below the "
                                 f"request's {len(req.token_ids)} tokens)")
         num_kv = handle.num_tokens
-        res = await self._reserve(req, num_kv, context)
+        async with self._reserve_gate.hold(req.priority):
+            res = await self._reserve(req, num_kv, request.preempt_lower_priority)
         trace.local_cached_tokens = res.local_cached_tokens
         self._pulling.add(req.request_id)
         try:
-            ok = peer is not None and await self._pull(handle, peer, res, trace)
+            async with self._pull_gate.hold(req.priority):
+                ok = peer is not None and await self._pull(handle, peer, res, trace)
         finally:
             self._pulling.discard(req.request_id)
         if req.request_id in self._abort_after_pull:
@@ -139,11 +145,12 @@ class DecodeService(WorkerBase, pb_grpc.DecodeServicer):
         m.l(m.prefix_hits).inc(res.local_cached_tokens)
         return trace
 
-    async def _reserve(self, req, num_kv: int, context) -> RemoteReservation:
-        """Blocks for the request; waits while the pool is full, refuses what never fits."""
+    async def _reserve(self, req, num_kv: int, preempt_lower: bool) -> RemoteReservation:
+        """Blocks for the request; waits while the pool is full (what can never fit was
+        refused before)."""
         delay = 0.002
         while True:
-            res = await self.engine.call(lambda e: e.reserve_remote(req, num_kv))
+            res = await self.engine.call(lambda e: e.reserve_remote(req, num_kv, preempt_lower))
             if res is not None:
                 return res
             await asyncio.sleep(delay)

@@ -110,6 +110,10 @@ class EngineConfig:
     """Reuse cached full blocks with equal chained hashes (and equal tokens)."""
     attention_backend: str = "auto"
     """auto | sdpa | flash_attn | naive."""
+    swap_space_gib: float = 1.0
+    """Host (CPU) swap pool for preempted requests' KV blocks, GiB; pinned memory on CUDA."""
+    preemption_mode: str = "auto"
+    """swap | recompute | auto (swap, but recompute short contexts or when the swap pool is full)."""
     hash_seed: int = 0
     """Seed of the chained block hashes; every process of one cluster must agree."""
     num_threads: int | None = None
@@ -129,6 +133,13 @@ class EngineConfig:
             raise ValueError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"--max-model-len must be >= 1, got {self.max_model_len}")
+        if self.preemption_mode not in ("auto", "swap", "recompute"):
+            raise ValueError(f"--preemption-mode must be swap, recompute or auto; "
+                             f"got {self.preemption_mode!r}")
+        if self.swap_space_gib < 0 or (self.swap_space_gib == 0 and self.preemption_mode != "recompute"):
+            raise ValueError(f"--swap-space-gib must be > 0 with --preemption-mode "
+                             f"{self.preemption_mode} (got {self.swap_space_gib}); use "
+                             "--preemption-mode recompute to run without a swap pool")
         if self.attention_backend not in ("auto", "sdpa", "flash_attn", "naive"):
             raise ValueError(f"--attention-backend must be auto, sdpa, flash_attn or naive; "
                              f"got {self.attention_backend!r}")

@@ -8,8 +8,9 @@ thread (the services run it on a dedicated engine thread).
 from __future__ import annotations
 
 import logging
+import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
@@ -21,11 +22,25 @@ from engine.model_runner import ModelRunner
 from engine.output import OutputProcessor
 from engine.request import FinishReason, Request, RequestOutput, RequestStatus
 from engine.sampling import SamplingParams
-from engine.scheduler import Scheduler
+from engine.kv_cache.swap import SwapPool
+from engine.scheduler import PreemptionPolicy, Scheduler
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_MODEL_LEN = 8192
+
+
+@dataclass
+class EngineStats:
+    """Cumulative counters the services export as metrics."""
+
+    preemptions: dict[str, int] = field(default_factory=dict)
+    """By mode: swap | recompute."""
+    swap_out_bytes: int = 0
+    swap_in_bytes: int = 0
+    swap_seconds: float = 0.0
+    preempted_seconds: float = 0.0
+    """Summed over finished requests: time spent preempted."""
 
 
 @dataclass
@@ -63,8 +78,11 @@ class LLMEngine:
                 "or lower --max-model-len")
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size,
                                  config.enable_prefix_caching, config.hash_seed)
+        self.swap = SwapPool(self.runner.num_swap_blocks) if self.runner.num_swap_blocks else None
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.enable_chunked_prefill)
+                                   config.enable_chunked_prefill, self.swap,
+                                   PreemptionPolicy(config.preemption_mode))
+        self.stats = EngineStats()
         eos = set(ckpt.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -130,6 +148,7 @@ class LLMEngine:
     # -- the step loop ----------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
+        self.apply_preemptions(batch)
         if not batch:
             return []
         tables = [self.kv.table(req.request_id) for req, _ in batch.entries]
@@ -155,6 +174,18 @@ class LLMEngine:
             results.append(result)
         return results
 
+    def apply_preemptions(self, batch) -> None:
+        """Count a batch's preemptions and do its swap copies (before any forward)."""
+        for _, mode in batch.preempted:
+            self.stats.preemptions[mode] = self.stats.preemptions.get(mode, 0) + 1
+        if batch.swap_out or batch.swap_in:
+            t0 = time.perf_counter()
+            self.runner.copy_blocks(batch.swap_out, batch.swap_in)
+            bb = self.runner.block_bytes
+            self.stats.swap_out_bytes += sum(len(d) for d, _ in batch.swap_out) * bb
+            self.stats.swap_in_bytes += sum(len(d) for _, d in batch.swap_in) * bb
+            self.stats.swap_seconds += time.perf_counter() - t0
+
     def _finish(self, req: Request, reason: FinishReason, error: str | None = None) -> RequestOutput:
         self.requests.pop(req.request_id, None)
         self.scheduler.remove(req)
@@ -162,13 +193,15 @@ class LLMEngine:
 
     def _release(self, req: Request) -> None:
         self.requests.pop(req.request_id, None)
+        self.stats.preempted_seconds += req.preempted_seconds
         if req.prefill_only and req.finish_reason is None:
             remote.hold(self, req)
         self.scheduler.remove(req)
 
     # -- disaggregation (see engine/remote.py) --------------------------------------
-    def reserve_remote(self, req: Request, num_kv_tokens: int) -> remote.RemoteReservation | None:
-        return remote.reserve(self, req, num_kv_tokens)
+    def reserve_remote(self, req: Request, num_kv_tokens: int,
+                       preempt_lower: bool = False) -> remote.RemoteReservation | None:
+        return remote.reserve(self, req, num_kv_tokens, preempt_lower)
 
     def activate_remote(self, request_id: str, kv_arrived: bool) -> bool:
         return remote.activate(self, request_id, kv_arrived)
@@ -197,4 +230,6 @@ class LLMEngine:
             raise AssertionError(f"requests still held: {sorted(self.requests)[:8]}")
         if self.held:
             raise AssertionError(f"prefill blocks still held for: {sorted(self.held)[:8]}")
+        if self.swap is not None:
+            self.swap.leak_check()
         self.kv.leak_check()

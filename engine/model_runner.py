@@ -48,6 +48,11 @@ class ModelRunner:
         cfg = ckpt.config
         self.kv = torch.zeros(self.num_blocks, cfg.num_layers, 2, config.block_size,
                               cfg.num_kv_heads, cfg.head_dim, dtype=self.dtype, device=self.device)
+        self.num_swap_blocks = int(config.swap_space_gib * (1 << 30)) // self.block_bytes
+        pin = self.device.type == "cuda"
+        # empty, not zeros: a swap block is always written (swap-out) before it is read
+        self.swap_kv = torch.empty((self.num_swap_blocks, *self.kv.shape[1:]), dtype=self.dtype,
+                                   pin_memory=pin) if self.num_swap_blocks else None
         self.sampler = Sampler()
         log.info("model loaded in %.1fs (%s, %s); attention=%s; KV pool %d blocks x %d tokens",
                  time.perf_counter() - t0, self.dtype, self.device, self.backend.name,
@@ -61,6 +66,24 @@ class ModelRunner:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
         return max(1, int(self.config.kv_cache_memory_gib * (1 << 30)) // self.block_bytes)
+
+    @torch.inference_mode()
+    def copy_blocks(self, swap_out: list[tuple[list[int], list[int]]],
+                    swap_in: list[tuple[list[int], list[int]]]) -> int:
+        """Swap-outs (device -> host) first, then swap-ins (host -> device): a block
+        freed by a swap-out may be the target of a swap-in in the same step.
+        Returns the bytes copied."""
+        nbytes = 0
+        for dev, host in swap_out:
+            self.swap_kv[torch.tensor(host)] = self.kv[torch.tensor(dev)].to("cpu", non_blocking=True)
+            nbytes += len(dev) * self.block_bytes
+        if swap_out and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # host copies must land before reuse
+        for host, dev in swap_in:
+            self.kv[torch.tensor(dev, device=self.device)] = self.swap_kv[torch.tensor(host)].to(
+                self.device, non_blocking=True)
+            nbytes += len(dev) * self.block_bytes
+        return nbytes
 
     @torch.inference_mode()
     def execute(self, entries: list[tuple[Request, int]], tables: list[list[int]]

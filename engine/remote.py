@@ -26,13 +26,19 @@ class RemoteReservation:
     """(block index within the prompt, local block id) for every block to pull."""
 
 
-def reserve(engine: LLMEngine, req: Request, num_kv_tokens: int) -> RemoteReservation | None:
+def reserve(engine: LLMEngine, req: Request, num_kv_tokens: int,
+            preempt_lower: bool = False) -> RemoteReservation | None:
     """Allocate blocks for req (its prefix-cache hit adopted, the rest new) and park
-    it as WAITING_FOR_KV. None, with nothing allocated, when the pool is too full."""
+    it as WAITING_FOR_KV. None, with nothing allocated, when the pool is too full.
+    preempt_lower: make room by preempting less important running requests."""
     kv = engine.kv
     hit = kv.find_cached_prefix(req, max_tokens=num_kv_tokens)
     req.num_computed_tokens = len(hit) * kv.block_size
-    if not kv.allocate(req, len(req.token_ids) - req.num_computed_tokens, hit):
+    need = len(req.token_ids) - req.num_computed_tokens
+    if preempt_lower and not kv.can_allocate(req, need, hit):
+        blocks = kv.blocks_needed(len(req.token_ids)) - len(hit)
+        engine.apply_preemptions(engine.scheduler.preempt_for(req, blocks))
+    if not kv.allocate(req, need, hit):
         req.num_computed_tokens = 0
         return None
     req.num_kv_tokens = num_kv_tokens

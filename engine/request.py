@@ -13,6 +13,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     WAITING_FOR_KV = "waiting_for_kv"  # blocks reserved, bytes being pulled from a peer
     RUNNING = "running"
+    SWAPPED = "swapped"  # preempted; its KV waits in the host swap pool
     FINISHED = "finished"
 
 
@@ -43,6 +44,9 @@ class Request:
     sampling: SamplingState | None = None
     stop_matcher: StopStringMatcher | None = None
     num_preemptions: int = 0
+    preempted_at: float | None = None
+    preempted_seconds: float = 0.0
+    """Time spent preempted (swapped out or waiting to be recomputed)."""
     first_token_time: float | None = None
     prefill_only: bool = False
     """Disaggregated prefill: stop after the first token and keep the KV blocks

@@ -1,18 +1,27 @@
-"""Continuous batching with chunked prefill under a per-step token budget.
+"""Continuous batching with chunked prefill under a per-step token budget, in
+priority order, with preemption by swap-to-host or recompute.
 
-Each step: running requests first (their next decode token, or the next chunk of
-an unfinished prompt), in priority order; then waiting requests are admitted
-while the budget, the sequence cap and the KV pool allow, reusing cached
-prefix blocks. When a running request cannot get a block, the least important
-running request (lowest priority, then latest arrival) is preempted by
-recompute: its blocks are freed and it goes back to the front of the queue.
-Policy for disaggregated workers lives in their services, not here.
+One step, in this order:
+1. decodes: every running request whose prompt is done gets its next token,
+   most important first (priority, then arrival). When the KV pool cannot grow,
+   the least important running request is preempted (never a more important
+   one while a less important runs);
+2. swap-ins: preempted requests come back, most important first, when their
+   blocks fit;
+3. prefill work: the next chunk of running prompts and new admissions, merged in
+   priority order, so a high-priority prompt runs between the chunks of a long
+   low-priority one; a waiting request more important than a running one may
+   preempt it to get in.
+The scheduler only does bookkeeping: it lists the block copies (swap out, swap
+in) that the runner performs before the forward pass.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from engine.kv_cache.manager import KVCacheManager
+from engine.kv_cache.swap import SwapPool
 from engine.request import Request, RequestStatus
 
 
@@ -21,7 +30,12 @@ class ScheduledBatch:
     """One step's work: (request, new tokens), prefill-path entries first."""
 
     entries: list[tuple[Request, int]] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
+    preempted: list[tuple[Request, str]] = field(default_factory=list)
+    """(request, "swap" | "recompute")"""
+    swap_out: list[tuple[list[int], list[int]]] = field(default_factory=list)
+    """(device blocks, host blocks) to copy device -> host before the forward."""
+    swap_in: list[tuple[list[int], list[int]]] = field(default_factory=list)
+    """(host blocks, device blocks) to copy host -> device before the forward."""
 
     @property
     def num_tokens(self) -> int:
@@ -31,16 +45,29 @@ class ScheduledBatch:
         return bool(self.entries)
 
 
+@dataclass(frozen=True)
+class PreemptionPolicy:
+    mode: str = "auto"
+    """swap | recompute | auto (swap unless the context is short or the swap pool full)."""
+    recompute_below_tokens: int = 256
+    """auto: contexts shorter than this are recomputed (cheaper than two copies)."""
+
+
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool = True) -> None:
+                 enable_chunked_prefill: bool = True, swap: SwapPool | None = None,
+                 policy: PreemptionPolicy = PreemptionPolicy()) -> None:
         self.kv = kv
+        self.swap = swap
+        self.policy = policy
         self.max_num_seqs = max_num_seqs
         self.budget = max_num_batched_tokens
         self.chunked = enable_chunked_prefill
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        self.swapped: list[Request] = []
 
+    # -- queues ---------------------------------------------------------------------
     def add(self, req: Request) -> None:
         req.status = RequestStatus.WAITING
         self.waiting.append(req)
@@ -48,69 +75,143 @@ class Scheduler:
 
     def remove(self, req: Request) -> None:
         """Drop a request from whichever queue holds it and free its blocks."""
-        if req in self.waiting:
-            self.waiting.remove(req)
-        if req in self.running:
-            self.running.remove(req)
+        for q in (self.waiting, self.running, self.swapped):
+            if req in q:
+                q.remove(req)
         self.kv.free(req)
+        if self.swap is not None:
+            self.swap.free(req.request_id)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
+    # -- the step ---------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
-        budget = self._schedule_running(batch, self.budget)
+        self.running.sort(key=Request.sort_key)
+        budget = self._decodes(batch, self.budget)
         if not batch.preempted:
-            self._admit_waiting(batch, budget)
+            self._swap_ins(batch)
+            self._prefills(batch, budget)
         batch.entries.sort(key=lambda e: e[1] == 1)  # prefill path first, decodes last
         return batch
 
-    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
-        self.running.sort(key=Request.sort_key)
+    def _decodes(self, batch: ScheduledBatch, budget: int) -> int:
         for req in list(self.running):
             if req not in self.running or budget <= 0:
                 continue  # preempted earlier in this loop
-            n = len(req.token_ids) - req.num_computed_tokens
-            if n > budget and not self.chunked:
-                continue
-            n = min(n, budget)
-            while not self.kv.allocate(req, n):
+            if len(req.token_ids) - req.num_computed_tokens != 1:
+                continue  # still prefilling: step 3
+            while not self.kv.allocate(req, 1):
                 victim = self.running[-1]
                 self._preempt(victim, batch)
                 if victim is req:
                     break
             else:
+                batch.entries.append((req, 1))
+                budget -= 1
+        return budget
+
+    def _swap_ins(self, batch: ScheduledBatch) -> None:
+        self.swapped.sort(key=Request.sort_key)
+        while self.swapped and len(self.running) < self.max_num_seqs:
+            req = self.swapped[0]
+            if self.waiting and self.waiting[0].sort_key() < req.sort_key():
+                return  # a more important newcomer goes first
+            if not self.kv.allocate(req, 0):
+                return
+            host = list(self.swap.free(req.request_id))
+            batch.swap_in.append((host, self.kv.table(req.request_id)[: len(host)]))
+            self.swapped.pop(0)
+            self._resume(req)
+
+    def _prefills(self, batch: ScheduledBatch, budget: int) -> None:
+        todo = [r for r in self.running if len(r.token_ids) - r.num_computed_tokens > 1]
+        todo += [r for r in self.waiting if r.status is RequestStatus.WAITING]
+        for req in sorted(todo, key=Request.sort_key):
+            if budget <= 0:
+                return
+            if req.status is RequestStatus.RUNNING:
+                n = min(len(req.token_ids) - req.num_computed_tokens, budget)
+                if (n < len(req.token_ids) - req.num_computed_tokens and not self.chunked) \
+                        or not self.kv.allocate(req, n):
+                    continue
                 batch.entries.append((req, n))
                 budget -= n
-        return budget
+            elif (n := self._admit(req, batch, budget)) is not None:
+                budget -= n
+            else:
+                return  # keep arrival order within the queue: nothing overtakes a blocked head
+
+    def _admit(self, req: Request, batch: ScheduledBatch, budget: int) -> int | None:
+        if len(self.running) >= self.max_num_seqs:
+            return None
+        cached = self.kv.find_cached_prefix(req)
+        ncached = len(cached) * self.kv.block_size
+        n = len(req.token_ids) - ncached
+        if n > budget and not self.chunked:
+            return None
+        n = min(n, budget)
+        req.num_computed_tokens = ncached
+        while not self.kv.allocate(req, n, cached):
+            victim = self.running[-1] if self.running else None
+            if victim is None or victim.sort_key() <= req.sort_key():
+                req.num_computed_tokens = 0
+                return None
+            self._preempt(victim, batch)
+        if req.num_preemptions == 0:
+            req.num_cached_tokens = min(ncached, req.num_prompt_tokens)
+        self.waiting.remove(req)
+        self._resume(req)
+        batch.entries.append((req, n))
+        return n
+
+    def _resume(self, req: Request) -> None:
+        if req.preempted_at is not None:
+            req.preempted_seconds += time.monotonic() - req.preempted_at
+            req.preempted_at = None
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        self.running.sort(key=Request.sort_key)
+
+    # -- preemption ---------------------------------------------------------------------
+    def preempt_for(self, req: Request, num_blocks: int) -> ScheduledBatch:
+        """Preempt running requests less important than req (least important first)
+        until num_blocks are free or none is left; the batch lists the copies to do."""
+        batch = ScheduledBatch()
+        self.running.sort(key=Request.sort_key)
+        while self.kv.pool.num_free < num_blocks and self.running \
+                and self.running[-1].sort_key() > req.sort_key():
+            self._preempt(self.running[-1], batch)
+        return batch
 
     def _preempt(self, req: Request, batch: ScheduledBatch) -> None:
         self.running.remove(req)
         batch.entries = [(r, n) for r, n in batch.entries if r is not req]
-        self.kv.free(req)
-        req.num_computed_tokens = 0
         req.num_preemptions += 1
-        req.status = RequestStatus.WAITING
-        self.waiting.insert(0, req)
-        batch.preempted.append(req)
+        req.preempted_at = time.monotonic()
+        mode = self._mode(req)
+        if mode == "swap":
+            nblocks = self.kv.blocks_needed(req.num_computed_tokens)
+            host = self.swap.allocate(req.request_id, nblocks)
+            batch.swap_out.append((self.kv.table(req.request_id)[:nblocks], host))
+            self.kv.free(req)
+            req.status = RequestStatus.SWAPPED
+            self.swapped.append(req)
+        else:
+            self.kv.free(req)
+            req.num_computed_tokens = 0
+            req.status = RequestStatus.WAITING
+            self.waiting.insert(0, req)
+            self.waiting.sort(key=Request.sort_key)
+        batch.preempted.append((req, mode))
 
-    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
-            cached = self.kv.find_cached_prefix(req)
-            ncached = len(cached) * self.kv.block_size
-            n = len(req.token_ids) - ncached
-            if n > budget and not self.chunked:
-                break
-            n = min(n, budget)
-            req.num_computed_tokens = ncached
-            if not self.kv.allocate(req, n, cached):
-                req.num_computed_tokens = 0
-                break
-            if req.num_preemptions == 0:
-                req.num_cached_tokens = min(ncached, req.num_prompt_tokens)
-            self.waiting.pop(0)
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            batch.entries.append((req, n))
-            budget -= n
+    def _mode(self, req: Request) -> str:
+        p = self.policy
+        if p.mode == "recompute" or self.swap is None or req.num_computed_tokens == 0:
+            return "recompute"
+        if p.mode == "auto" and req.num_computed_tokens < p.recompute_below_tokens:
+            return "recompute"
+        if self.swap.num_free < self.kv.blocks_needed(req.num_computed_tokens):
+            return "recompute"  # the swap pool is full: recompute is the fallback
+        return "swap"

@@ -52,7 +52,8 @@ class PrefillService(WorkerBase, pb_grpc.PrefillServicer):
     async def start(self) -> None:
         await self.start_engine()
         backend = get_backend(self.config.kv.backend)
-        self.source = backend.source()
+        self.source = (backend.source(advertise_host=self.config.public_host)
+                       if backend.name == "tcp" else backend.source())
         self.source.register(self.llm.runner.kv, self.compat(), self.leases.check_readable)
         self.source.serve(self.config.host)
         self.link = KVLinkServicer(self.source, self.leases, self._free_blocks, self.worker_id)
@@ -82,6 +83,7 @@ class PrefillService(WorkerBase, pb_grpc.PrefillServicer):
     async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
         rid = request.request_id
         t0 = time.monotonic()
+        await self.refuse_if_draining(context)
         try:
             params = sampling_from_proto(request.sampling)
         except ValueError as e:
@@ -127,7 +129,7 @@ class PrefillService(WorkerBase, pb_grpc.PrefillServicer):
         table = await self.engine.call(lambda e: list(e.held[rid]))
         lease = self.leases.grant(rid, table, self.config.kv.lease_ttl_s)
         return blocks_to_proto(SourceBlocks(
-            self.worker_id, f"{self.config.host}:{self.port}", rid, lease.epoch,
+            self.worker_id, f"{self.config.public_host}:{self.port}", rid, lease.epoch,
             tuple(table), lease.deadline_unix_ms, num_tokens))
 
     async def Abort(self, request: common.AbortRequest, context) -> common.AbortReply:

@@ -44,6 +44,9 @@ class RouterConfig:
     """max_tokens when a request gives none."""
     request_timeout_s: float = 600.0
     """Upper bound on one request's life (x-request-timeout may lower it per request)."""
+    priority_preemption: bool = True
+    """Let a decode worker whose KV pool is full preempt less important running
+    requests (swap or recompute) to admit a more important one."""
     max_inflight: int = 256
     """Requests dispatched to workers at once; more wait in the priority queue."""
     max_queue: int = 1024

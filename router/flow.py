@@ -150,17 +150,19 @@ class RequestFlow:
         decoders = [w for w in self.pool.healthy("decode") if w not in failed]
         if not decoders:
             raise NoWorkerError("no healthy decode worker")
-        decode, overlap = self.placer.choose(decoders, hashes)
+        need = -(-len(context) // self.config.block_size) + 1
+        decode, overlap = self.placer.choose(decoders, hashes, need)
         trace.decode_worker = decode.name
         cached = overlap * self.config.block_size
         prefillers = [w for w in self.pool.healthy("prefill") if w not in failed]
         threshold = self.config.local_prefill_threshold
         gen = decode_pb2.GenerateRequest(request_id=rid, prompt_token_ids=prompt_ids,
                                          output_token_ids=generated,
-                                         sampling=sampling_to_proto(params), priority=priority)
+                                         sampling=sampling_to_proto(params), priority=priority,
+                                         preempt_lower_priority=self.config.priority_preemption)
         if threshold >= 0 and prefillers and len(context) - cached > threshold:
             trace.path = "disaggregated"
-            prefill, p_overlap = self.placer.choose(prefillers, hashes)
+            prefill, p_overlap = self.placer.choose(prefillers, hashes, need)
             trace.prefill_worker = prefill.name
             trace.predicted_cached_tokens = max(cached, p_overlap * self.config.block_size)
             touched.append(prefill)

@@ -10,8 +10,11 @@ from router.workers import Worker
 
 # Score = cached blocks - LOAD_WEIGHT * (requests in flight + waiting) - KV_WEIGHT * usage.
 # A worker with 2 more requests queued must hold 1 more cached block to be preferred.
+# A worker whose last reported free blocks cannot hold the request's uncached part
+# is passed over while another can (FULL_PENALTY).
 LOAD_WEIGHT = 0.5
 KV_WEIGHT = 4.0
+FULL_PENALTY = 1000.0
 
 
 class Placer:
@@ -20,9 +23,10 @@ class Placer:
         self.index = index
         self._rr = itertools.count()
 
-    def choose(self, workers: Sequence[Worker], hashes: Sequence[BlockHash]
-               ) -> tuple[Worker, int]:
-        """(worker, its cached leading blocks of this prompt). workers is non-empty."""
+    def choose(self, workers: Sequence[Worker], hashes: Sequence[BlockHash],
+               need_blocks: int = 0) -> tuple[Worker, int]:
+        """(worker, its cached leading blocks of this prompt). workers is non-empty;
+        need_blocks: KV blocks the whole context takes."""
         turn = next(self._rr)
         if self.policy == "round_robin":
             w = workers[turn % len(workers)]
@@ -32,6 +36,8 @@ class Placer:
             overlap = self.index.overlap(w.address, hashes)
             score = (overlap - LOAD_WEIGHT * (w.inflight + w.load.num_waiting)
                      - KV_WEIGHT * w.load.kv_usage)
+            if w.load.total_blocks and w.load.free_blocks < need_blocks - overlap:
+                score -= FULL_PENALTY
             key = (score, -((i - turn) % len(workers)))  # ties rotate
             if best_key is None or key > best_key:
                 best, best_key = (w, overlap), key

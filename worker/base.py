@@ -33,6 +33,7 @@ class WorkerBase:
         self.metrics_port: int | None = None
         self.engine: AsyncEngine | None = None
         self.hub: KVEventHub | None = None
+        self.draining = False
 
     @property
     def llm(self) -> LLMEngine:
@@ -57,11 +58,33 @@ class WorkerBase:
         self.health = grpc_server.add_health_and_reflection(self.server, service_names)
         self.port = grpc_server.bind(self.server, self.config.host, self.config.port)
         if not self.config.worker_id:
-            self.worker_id = f"{self.role}@{self.config.host}:{self.port}"
+            self.worker_id = f"{self.role}@{self.config.public_host}:{self.port}"
         await self.server.start()
         if self.config.metrics_port is not None:
             self.metrics_port = self.metrics.serve(self.config.host, self.config.metrics_port)
         log.info("%s serving gRPC on %s:%d", self.worker_id, self.config.host, self.port)
+
+    def busy(self) -> bool:
+        """Requests (or leases) still in flight on this worker."""
+        return bool(self.llm.requests) or self.active_leases() > 0
+
+    async def drain(self, timeout_s: float) -> None:
+        """Refuse new work (UNAVAILABLE; health NOT_SERVING so probes and routers move
+        away) and wait up to timeout_s for what runs to finish."""
+        self.draining = True
+        if getattr(self, "health", None) is not None:
+            self.health.enter_graceful_shutdown()
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while self.busy() and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.1)
+        if self.busy():
+            log.warning("%s: drain timed out with %d requests and %d leases left",
+                        self.worker_id, len(self.llm.requests), self.active_leases())
+
+    async def refuse_if_draining(self, context) -> None:
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"{self.worker_id} is draining; send the request elsewhere")
 
     async def stop(self, grace_s: float = 1.0) -> None:
         if self.hub is not None:

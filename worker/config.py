@@ -42,9 +42,26 @@ class WorkerConfig:
     """HTTP port for Prometheus /metrics; None = no metrics server."""
     worker_id: str = ""
     """Name in logs, traces and KV handles; default role@host:port."""
+    advertise_host: str = ""
+    """Address peers dial to reach this worker (written into KV handles); default: --host,
+    or this machine's address when --host is a wildcard (0.0.0.0 in a pod)."""
+    drain_timeout_s: float = 30.0
+    """On SIGTERM: seconds to finish running requests (new ones are refused and health
+    says NOT_SERVING) before the process exits."""
+
+    @property
+    def public_host(self) -> str:
+        if self.advertise_host:
+            return self.advertise_host
+        if self.host in ("0.0.0.0", "::", ""):
+            import socket
+            return socket.gethostbyname(socket.gethostname())
+        return self.host
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"--drain-timeout-s must be >= 0, got {self.drain_timeout_s}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"--metrics-port must be in [0, 65535], got {self.metrics_port}")

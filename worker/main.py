@@ -23,6 +23,11 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, default=None,
                    help="HTTP port for Prometheus /metrics (default: none)")
     p.add_argument("--worker-id", default="", help="name in traces (default: role@host:port)")
+    p.add_argument("--advertise-host", default="",
+                   help="address peers dial (default: --host, or this machine's address when "
+                        "--host is 0.0.0.0)")
+    p.add_argument("--drain-timeout-s", type=float, default=30.0,
+                   help="on SIGTERM, seconds to finish running requests (default: 30)")
     p.add_argument("--kv-blocks", dest="num_kv_blocks", type=int, default=None,
                    help="cap the KV pool at N blocks (default: size from --kv-cache-memory-gib)")
     p.add_argument("--ready-file", default=None,
@@ -37,7 +42,9 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
     engine = config_from_args(EngineConfig, args, model=resolve_model(args))
     kv = config_from_args(KVTransferConfig, args)
     return WorkerConfig(engine=engine, kv=kv, host=args.host, port=args.port,
-                        metrics_port=args.metrics_port, worker_id=args.worker_id)
+                        metrics_port=args.metrics_port, worker_id=args.worker_id,
+                        advertise_host=args.advertise_host,
+                        drain_timeout_s=args.drain_timeout_s)
 
 
 async def serve(service, ready_file: str | None) -> None:
@@ -56,7 +63,8 @@ async def serve(service, ready_file: str | None) -> None:
         import os
         os.replace(ready_file + ".tmp", ready_file)
     await stop.wait()
-    log.info("%s stopping", service.worker_id)
+    log.info("%s draining (up to %.0fs)", service.worker_id, service.config.drain_timeout_s)
+    await service.drain(service.config.drain_timeout_s)
     await service.stop()
 
 

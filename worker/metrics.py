@@ -38,13 +38,21 @@ class WorkerMetrics:
         self.leases = gauge("tandem:kv_leases_active", "Prefill leases held")
         self.prompt_tokens_waiting = gauge("tandem:num_prompt_tokens_waiting",
                                            "Prompt tokens queued and not yet computed")
-        self.preemptions = counter("tandem:num_preemptions", "Requests preempted")
+        self.preemptions = counter("tandem:num_preemptions", "Requests preempted, by mode",
+                                   ("mode",))
+        self.swap_bytes = counter("tandem:kv_swap_bytes", "KV bytes copied to/from the host "
+                                  "swap pool", ("direction",))
+        self.swap_seconds = counter("tandem:kv_swap_seconds", "Seconds spent copying swap blocks")
+        self.preempted_seconds = counter("tandem:request_preempted_seconds",
+                                         "Seconds finished requests spent preempted")
+        self._last = None  # EngineStats seen at the previous refresh
 
     def l(self, metric, **extra):  # noqa: E743 - short on purpose: metric.labels(...)
         return metric.labels(**self.labels, **extra)
 
     def observe_engine(self, engine: LLMEngine, active_leases: int = 0) -> None:
-        """Refresh the gauges (called after engine steps)."""
+        """Refresh the gauges and add the engine counters' growth (called after steps)."""
+        self._count_stats(engine.stats)
         self.l(self.kv_usage).set(engine.kv.pool.usage)
         self.l(self.running).set(len(engine.scheduler.running))
         self.l(self.waiting).set(len(engine.scheduler.waiting))
@@ -53,6 +61,23 @@ class WorkerMetrics:
             sum(len(r.token_ids) - r.num_computed_tokens for r in engine.scheduler.waiting)
             + sum(len(r.token_ids) - r.num_computed_tokens - 1 for r in engine.scheduler.running
                   if len(r.token_ids) - r.num_computed_tokens > 1))
+
+    def _count_stats(self, st) -> None:
+        last = self._last
+        for mode, n in st.preemptions.items():
+            grown = n - (last.preemptions.get(mode, 0) if last else 0)
+            if grown:
+                self.l(self.preemptions, mode=mode).inc(grown)
+        pairs = ((self.l(self.swap_bytes, direction="out"), st.swap_out_bytes, "swap_out_bytes"),
+                 (self.l(self.swap_bytes, direction="in"), st.swap_in_bytes, "swap_in_bytes"),
+                 (self.l(self.swap_seconds), st.swap_seconds, "swap_seconds"),
+                 (self.l(self.preempted_seconds), st.preempted_seconds, "preempted_seconds"))
+        for metric, now, name in pairs:
+            grown = now - (getattr(last, name) if last else 0)
+            if grown > 0:
+                metric.inc(grown)
+        self._last = type(st)(dict(st.preemptions), st.swap_out_bytes, st.swap_in_bytes,
+                              st.swap_seconds, st.preempted_seconds)
 
     def serve(self, host: str, port: int) -> int:
         """Start the /metrics HTTP server; returns the bound port."""

@@ -1,0 +1,124 @@
+"""Preemption under a small KV pool: swap-to-host and recompute give exactly the
+unconstrained outputs; priorities are respected; both pools end empty."""
+from __future__ import annotations
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.request import RequestStatus
+from engine.sampling import SamplingParams
+
+PROMPT_LEN, OUT = 20, 40  # 60 tokens = 4 blocks of 16 each: 16 blocks hold 4 requests
+
+
+def _requests():
+    reqs = []
+    for i in range(12):
+        prompt = [(i * 13 + j * 7) % 300 + 3 for j in range(PROMPT_LEN)]
+        seeded = i % 2 == 1
+        params = SamplingParams(max_tokens=OUT, ignore_eos=True,
+                                temperature=0.9 if seeded else 0.0,
+                                seed=100 + i if seeded else None)
+        reqs.append((f"r{i}", prompt, params, i % 3))  # priorities 0, 1, 2 mixed
+    return reqs
+
+
+def _engine(model_dir, **kw) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", max_model_len=64,
+                                  **kw))
+
+
+@pytest.fixture(scope="module")
+def unconstrained(tiny_model_dir) -> dict[str, list[int]]:
+    eng = _engine(tiny_model_dir, num_kv_blocks=256)
+    out = {}
+    for rid, prompt, params, _ in _requests():  # each alone
+        out[rid] = eng.generate([prompt], params)[0].token_ids
+    eng.leak_check()
+    return out
+
+
+def _run_tracking_priorities(eng: LLMEngine) -> dict[str, list[int]]:
+    """Run all 12 at once; after every step check no request was preempted while a
+    less important one kept running."""
+    for rid, prompt, params, prio in _requests():
+        eng.add_request(prompt, params, request_id=rid, priority=prio)
+    reqs = dict(eng.requests)
+    while eng.has_unfinished():
+        batch_before = {r.request_id for r in eng.scheduler.running}
+        eng.step()
+        running = eng.scheduler.running
+        for r in reqs.values():
+            if r.request_id in batch_before and r.status in (RequestStatus.SWAPPED,
+                                                            RequestStatus.WAITING):
+                worse = [o for o in running if o.sort_key() > r.sort_key()]
+                assert not worse, f"{r.request_id} (prio {r.priority}) preempted while " \
+                                  f"{[o.request_id for o in worse]} run"
+    return {rid: r.output_token_ids for rid, r in reqs.items()}
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute", "auto"])
+def test_twelve_requests_in_a_four_request_pool(tiny_model_dir, unconstrained, mode) -> None:
+    eng = _engine(tiny_model_dir, num_kv_blocks=16, preemption_mode=mode,
+                  swap_space_gib=0.01 if mode != "recompute" else 0.0)
+    out = _run_tracking_priorities(eng)
+    assert out == unconstrained
+    total = sum(eng.stats.preemptions.values())
+    assert total > 0
+    if mode == "swap":
+        assert eng.stats.preemptions.get("swap", 0) > 0
+        assert eng.stats.swap_out_bytes > 0 and eng.stats.swap_in_bytes == eng.stats.swap_out_bytes
+    if mode == "recompute":
+        assert set(eng.stats.preemptions) == {"recompute"}
+    eng.leak_check()  # device pool, swap pool, tables
+
+
+def test_full_swap_pool_falls_back_to_recompute(tiny_model_dir, unconstrained) -> None:
+    # room for one swapped request's blocks only
+    eng = _engine(tiny_model_dir, num_kv_blocks=16, preemption_mode="swap")
+    eng.swap.__init__(4)
+    out = _run_tracking_priorities(eng)
+    assert out == unconstrained
+    assert eng.stats.preemptions.get("recompute", 0) > 0
+    eng.leak_check()
+
+
+def test_high_priority_prompt_runs_between_chunks(tiny_model_dir) -> None:
+    eng = _engine(tiny_model_dir, num_kv_blocks=64, max_num_batched_tokens=8)
+    long = [5] * 50
+    eng.add_request(long, SamplingParams(max_tokens=2), request_id="low", priority=5)
+    eng.step()  # first chunk of the long prompt
+    eng.add_request([7] * 6, SamplingParams(max_tokens=2), request_id="high", priority=0)
+    eng.step()
+    low, high = eng.requests["low"], eng.requests["high"]
+    assert high.num_computed_tokens == 6  # ran whole, ahead of the next low chunk
+    assert low.num_computed_tokens < 16
+    while eng.has_unfinished():
+        eng.step()
+    eng.leak_check()
+
+
+def test_abort_of_a_swapped_request_frees_its_host_blocks(tiny_model_dir) -> None:
+    eng = _engine(tiny_model_dir, num_kv_blocks=16, preemption_mode="swap",
+                  swap_space_gib=0.01)
+    for rid, prompt, params, prio in _requests():
+        eng.add_request(prompt, params, request_id=rid, priority=prio)
+    while not eng.scheduler.swapped and eng.has_unfinished():
+        eng.step()
+    victim = eng.scheduler.swapped[0].request_id
+    assert eng.swap.tables.get(victim)
+    eng.abort(victim)
+    assert victim not in eng.swap.tables
+    for rid in list(eng.requests):
+        eng.abort(rid)
+    eng.leak_check()
+
+
+def test_bad_preemption_config_names_the_flag(tiny_model_dir) -> None:
+    with pytest.raises(ValueError, match="--swap-space-gib"):
+        EngineConfig(swap_space_gib=0, preemption_mode="swap")
+    with pytest.raises(ValueError, match="--preemption-mode"):
+        EngineConfig(preemption_mode="sometimes")
+    with pytest.raises(ValueError, match="--kv-blocks"):
+        _engine(tiny_model_dir, num_kv_blocks=3)
