@@ -110,7 +110,7 @@ class EngineConfig:
     """Reuse cached full blocks with equal chained hashes (and equal tokens)."""
     attention_backend: str = "auto"
     """auto | sdpa | flash_attn | naive."""
-    swap_space_gib: float = 1.0
+    swap_space: float = 1.0
     """Host (CPU) swap pool for preempted requests' KV blocks, GiB; pinned memory on CUDA."""
     preemption_mode: str = "auto"
     """swap | recompute | auto (swap, but recompute short contexts or when the swap pool is full)."""
@@ -136,9 +136,9 @@ class EngineConfig:
         if self.preemption_mode not in ("auto", "swap", "recompute"):
             raise ValueError(f"--preemption-mode must be swap, recompute or auto; "
                              f"got {self.preemption_mode!r}")
-        if self.swap_space_gib < 0 or (self.swap_space_gib == 0 and self.preemption_mode != "recompute"):
-            raise ValueError(f"--swap-space-gib must be > 0 with --preemption-mode "
-                             f"{self.preemption_mode} (got {self.swap_space_gib}); use "
+        if self.swap_space < 0 or (self.swap_space == 0 and self.preemption_mode != "recompute"):
+            raise ValueError(f"--swap-space must be > 0 with --preemption-mode "
+                             f"{self.preemption_mode} (got {self.swap_space}); use "
                              "--preemption-mode recompute to run without a swap pool")
         if self.attention_backend not in ("auto", "sdpa", "flash_attn", "naive"):
             raise ValueError(f"--attention-backend must be auto, sdpa, flash_attn or naive; "

@@ -48,7 +48,7 @@ class ModelRunner:
         cfg = ckpt.config
         self.kv = torch.zeros(self.num_blocks, cfg.num_layers, 2, config.block_size,
                               cfg.num_kv_heads, cfg.head_dim, dtype=self.dtype, device=self.device)
-        self.num_swap_blocks = int(config.swap_space_gib * (1 << 30)) // self.block_bytes
+        self.num_swap_blocks = int(config.swap_space * (1 << 30)) // self.block_bytes
         pin = self.device.type == "cuda"
         # empty, not zeros: a swap block is always written (swap-out) before it is read
         self.swap_kv = torch.empty((self.num_swap_blocks, *self.kv.shape[1:]), dtype=self.dtype,

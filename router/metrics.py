@@ -35,3 +35,8 @@ class RouterMetrics:
                                registry=r)
         self.healthy = Gauge("tandem:router_healthy_workers", "Healthy workers", ["role"],
                              registry=r)
+        for role in ("prefill", "decode"):  # every series exists from the start
+            self.healthy.labels(role=role)
+        for path in ("disaggregated", "local_prefill"):
+            for reason in ("stop", "length", "abort", "error"):
+                self.requests.labels(path=path, finish_reason=reason)

@@ -31,6 +31,10 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="router bind address (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="router HTTP port (default: 8000)")
     p.add_argument("--kv-blocks", type=int, default=None, help="cap each worker's KV pool")
+    p.add_argument("--swap-space", type=float, default=None,
+                   help="host swap pool per worker, GiB (default: the workers' 1.0)")
+    p.add_argument("--preemption-mode", choices=("auto", "swap", "recompute"), default=None,
+                   help="how a full decode worker preempts (default: the workers' auto)")
     p.add_argument("--dtype", default="auto", help="auto, float32 or bfloat16 (default: auto)")
     p.add_argument("--max-model-len", type=int, default=None, help="context window")
     p.add_argument("--local-prefill-threshold", type=int, default=32,
@@ -58,6 +62,10 @@ def _spawn_worker(role: str, args: argparse.Namespace, model: str, ready: Path,
            "--num-threads", str(threads), "--metrics-port", "0"]
     if args.kv_blocks:
         cmd += ["--kv-blocks", str(args.kv_blocks)]
+    if args.swap_space is not None:
+        cmd += ["--swap-space", str(args.swap_space)]
+    if args.preemption_mode:
+        cmd += ["--preemption-mode", args.preemption_mode]
     if args.max_model_len:
         cmd += ["--max-model-len", str(args.max_model_len)]
     cmd += args.worker_arg
@@ -127,6 +135,10 @@ def run_up(args: argparse.Namespace) -> int:
             print(f"tandem up: http://{args.host}:{args.port}/v1 ({args.mode}: "
                   f"{roles.count('prefill')} prefill, {roles.count('decode')} decode, "
                   f"kv-transfer {args.kv_transfer}); Ctrl-C stops", file=sys.stderr, flush=True)
+            for (role, _, ready) in started:
+                grpc_addr, mport = ready.read_text().split()
+                print(f"  {role:7} gRPC {grpc_addr}  metrics http://127.0.0.1:{mport}/metrics",
+                      file=sys.stderr, flush=True)
             run_router(config, args.log_level)
         except KeyboardInterrupt:
             pass

@@ -46,6 +46,21 @@ class WorkerMetrics:
         self.preempted_seconds = counter("tandem:request_preempted_seconds",
                                          "Seconds finished requests spent preempted")
         self._last = None  # EngineStats seen at the previous refresh
+        # Create every series now, so /metrics lists each name from the start (dashboards,
+        # autoscalers and their tests read names before any event happened).
+        for metric in (self.prompt_tokens, self.generation_tokens, self.prefix_hits,
+                       self.prefix_queries, self.kv_bytes, self.kv_blocks, self.kv_seconds,
+                       self.kv_usage, self.running, self.waiting, self.leases,
+                       self.prompt_tokens_waiting, self.swap_seconds, self.preempted_seconds):
+            self.l(metric)
+        for reason in ("stop", "length", "abort", "error", "handoff"):
+            self.l(self.requests, finish_reason=reason)
+        for reason in ("lease_expired", "peer_unreachable", "transfer_failed"):
+            self.l(self.kv_fallbacks, reason=reason)
+        for mode in ("swap", "recompute"):
+            self.l(self.preemptions, mode=mode)
+        for direction in ("in", "out"):
+            self.l(self.swap_bytes, direction=direction)
 
     def l(self, metric, **extra):  # noqa: E743 - short on purpose: metric.labels(...)
         return metric.labels(**self.labels, **extra)

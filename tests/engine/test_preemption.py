@@ -61,7 +61,7 @@ def _run_tracking_priorities(eng: LLMEngine) -> dict[str, list[int]]:
 @pytest.mark.parametrize("mode", ["swap", "recompute", "auto"])
 def test_twelve_requests_in_a_four_request_pool(tiny_model_dir, unconstrained, mode) -> None:
     eng = _engine(tiny_model_dir, num_kv_blocks=16, preemption_mode=mode,
-                  swap_space_gib=0.01 if mode != "recompute" else 0.0)
+                  swap_space=0.01 if mode != "recompute" else 0.0)
     out = _run_tracking_priorities(eng)
     assert out == unconstrained
     total = sum(eng.stats.preemptions.values())
@@ -101,7 +101,7 @@ def test_high_priority_prompt_runs_between_chunks(tiny_model_dir) -> None:
 
 def test_abort_of_a_swapped_request_frees_its_host_blocks(tiny_model_dir) -> None:
     eng = _engine(tiny_model_dir, num_kv_blocks=16, preemption_mode="swap",
-                  swap_space_gib=0.01)
+                  swap_space=0.01)
     for rid, prompt, params, prio in _requests():
         eng.add_request(prompt, params, request_id=rid, priority=prio)
     while not eng.scheduler.swapped and eng.has_unfinished():
@@ -116,8 +116,8 @@ def test_abort_of_a_swapped_request_frees_its_host_blocks(tiny_model_dir) -> Non
 
 
 def test_bad_preemption_config_names_the_flag(tiny_model_dir) -> None:
-    with pytest.raises(ValueError, match="--swap-space-gib"):
-        EngineConfig(swap_space_gib=0, preemption_mode="swap")
+    with pytest.raises(ValueError, match="--swap-space"):
+        EngineConfig(swap_space=0, preemption_mode="swap")
     with pytest.raises(ValueError, match="--preemption-mode"):
         EngineConfig(preemption_mode="sometimes")
     with pytest.raises(ValueError, match="--kv-blocks"):

@@ -62,6 +62,7 @@ spec:
             - --port={{ $w.grpcPort }}
             - --metrics-port={{ $w.metricsPort }}
             - --worker-id=$(POD_NAME)
+            - --drain-timeout-s={{ max 0 (sub (int $p.terminationGracePeriodSeconds) (add (int $p.preStopSleepSeconds) 5)) }}
             - --model=$(TANDEM_MODEL)
             - --kv-transfer=$(TANDEM_KV_TRANSFER)
             - --dtype=$(TANDEM_DTYPE)
