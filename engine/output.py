@@ -56,9 +56,17 @@ class OutputProcessor:
                              num_cached_tokens=req.num_cached_tokens, error=error)
 
     def _close(self, req: Request, reason: FinishReason) -> str:
+        """Finish req; returns the text still owed: what the detokenizer held back for a
+        split character, then what the stop matcher held back (neither after an abort
+        or once a stop string matched)."""
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
-        self.detok.pop(req.request_id, None)
-        if req.stop_matcher is not None and not req.stop_matcher.stopped and reason is not FinishReason.ABORT:
-            return req.stop_matcher.flush()
-        return ""
+        detok = self.detok.pop(req.request_id, None)
+        m = req.stop_matcher
+        if reason is FinishReason.ABORT or (m is not None and m.stopped):
+            return ""
+        tail = detok.flush() if detok is not None else ""
+        if m is None:
+            return tail
+        text, hit = m.feed(tail)
+        return text if hit else text + m.flush()

@@ -248,6 +248,8 @@ class _TextStream:
 
     def feed(self, token_ids: list[int], reason: str | None, logprobs: list[float]) -> Delta:
         text = "".join(self.detok.add(t) for t in token_ids)
+        if reason is not None:  # the end: what was held back for a split character goes out
+            text += self.detok.flush()
         if self.stop is not None:
             text, hit = self.stop.feed(text)
             if hit:
