@@ -114,6 +114,10 @@ class EngineConfig:
     """Host (CPU) swap pool for preempted requests' KV blocks, GiB; pinned memory on CUDA."""
     preemption_mode: str = "auto"
     """swap | recompute | auto (swap, but recompute short contexts or when the swap pool is full)."""
+    priority_batch_cap: int = 0
+    """When requests of several priorities are decoding, at most this many rows less
+    important than the best running priority join each step (protects the best class's
+    inter-token latency; the rest keep their KV and wait); 0 = no cap."""
     hash_seed: int = 0
     """Seed of the chained block hashes; every process of one cluster must agree."""
     num_threads: int | None = None
@@ -133,6 +137,8 @@ class EngineConfig:
             raise ValueError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"--max-model-len must be >= 1, got {self.max_model_len}")
+        if self.priority_batch_cap < 0:
+            raise ValueError(f"--priority-batch-cap must be >= 0, got {self.priority_batch_cap}")
         if self.preemption_mode not in ("auto", "swap", "recompute"):
             raise ValueError(f"--preemption-mode must be swap, recompute or auto; "
                              f"got {self.preemption_mode!r}")

@@ -81,7 +81,8 @@ class LLMEngine:
         self.swap = SwapPool(self.runner.num_swap_blocks) if self.runner.num_swap_blocks else None
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill, self.swap,
-                                   PreemptionPolicy(config.preemption_mode))
+                                   PreemptionPolicy(config.preemption_mode),
+                                   config.priority_batch_cap)
         self.stats = EngineStats()
         eos = set(ckpt.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:

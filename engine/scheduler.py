@@ -56,7 +56,9 @@ class PreemptionPolicy:
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool = True, swap: SwapPool | None = None,
-                 policy: PreemptionPolicy = PreemptionPolicy()) -> None:
+                 policy: PreemptionPolicy = PreemptionPolicy(), priority_batch_cap: int = 0
+                 ) -> None:
+        self.priority_batch_cap = priority_batch_cap
         self.kv = kv
         self.swap = swap
         self.policy = policy
@@ -97,11 +99,17 @@ class Scheduler:
         return batch
 
     def _decodes(self, batch: ScheduledBatch, budget: int) -> int:
+        best = self.running[0].priority if self.running else 0
+        lower_left = self.priority_batch_cap or len(self.running)
         for req in list(self.running):
             if req not in self.running or budget <= 0:
                 continue  # preempted earlier in this loop
             if len(req.token_ids) - req.num_computed_tokens != 1:
                 continue  # still prefilling: step 3
+            if req.priority > best:
+                if lower_left <= 0:
+                    continue  # capped: protects the best class's inter-token latency
+                lower_left -= 1
             while not self.kv.allocate(req, 1):
                 victim = self.running[-1]
                 self._preempt(victim, batch)

@@ -122,3 +122,19 @@ def test_bad_preemption_config_names_the_flag(tiny_model_dir) -> None:
         EngineConfig(preemption_mode="sometimes")
     with pytest.raises(ValueError, match="--kv-blocks"):
         _engine(tiny_model_dir, num_kv_blocks=3)
+
+
+def test_priority_batch_cap_limits_lower_rows(tiny_model_dir) -> None:
+    eng = _engine(tiny_model_dir, num_kv_blocks=64, priority_batch_cap=1)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    for i in range(4):
+        eng.add_request([5 + i] * 8, params, request_id=f"low{i}", priority=5)
+    eng.add_request([9] * 8, params, request_id="high", priority=0)
+    eng.step()  # all five prefill
+    batch = eng.scheduler.schedule()
+    rows = sorted(r.request_id for r, _ in batch.entries)
+    assert rows == ["high", "low0"]  # the best class, plus one lower row
+    eng.scheduler.running.sort(key=lambda r: r.sort_key())
+    for rid in list(eng.requests):
+        eng.abort(rid)
+    eng.leak_check()
