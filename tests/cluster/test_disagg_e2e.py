@@ -61,47 +61,54 @@ def _metric(text: str, name: str) -> float:
     return total
 
 
-@pytest.mark.parametrize("backend", ["nixl", "tcp"])
-def test_fifty_prompts_token_identical_to_colocated(model_path, colocated, backend) -> None:
-    if backend == "nixl":
+@pytest.fixture(scope="module", params=["nixl", "tcp"])
+def disagg_cluster(request, model_path):
+    """One cluster per backend, shared by the tests below (it is the slow part)."""
+    if request.param == "nixl":
         pytest.importorskip("nixl_cu12")
-    from engine.tokenizer import Tokenizer
-
-    tok = Tokenizer.load(model_path)
-    with cluster(model_path, backend, worker_args=FP32,
+    with cluster(model_path, request.param, worker_args=FP32,
                  router_args=["--local-prefill-threshold", "0"]) as c:
-        with cf.ThreadPoolExecutor(8) as pool:
-            results = list(pool.map(lambda p: _complete(c.url, p), prompts()))
-        texts = [r["choices"][0]["text"] for r in results]
-        want = [tok.decode(t) for t in colocated]
-        assert texts == want
-        assert all(r["usage"]["completion_tokens"] == MAX_TOKENS for r in results)
-        dm = c.metrics(c.decode[0])
-        assert _metric(dm, "tandem:kv_transfer_bytes_total") > 0
-        assert _metric(dm, "tandem:kv_transfer_fallbacks_total") == 0
-        c.leak_check()
+        c.backend = request.param
+        yield c
 
 
-def test_second_request_moves_only_the_blocks_decode_lacks(model_path) -> None:
+def test_fifty_prompts_token_identical_to_colocated(model_path, colocated, disagg_cluster) -> None:
     from engine.tokenizer import Tokenizer
 
     tok = Tokenizer.load(model_path)
-    base = tok.encode(SHARED * 3)[:48]  # exactly 3 blocks of 16
+    c = disagg_cluster
+    with cf.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda p: _complete(c.url, p), prompts()))
+    texts = [r["choices"][0]["text"] for r in results]
+    want = [tok.decode(t) for t in colocated]
+    assert texts == want
+    assert all(r["usage"]["completion_tokens"] == MAX_TOKENS for r in results)
+    dm = c.metrics(c.decode[0])
+    assert _metric(dm, "tandem:kv_transfer_bytes_total") > 0
+    assert _metric(dm, "tandem:kv_transfer_fallbacks_total") == 0
+    c.leak_check()
+
+
+def test_second_request_moves_only_the_blocks_decode_lacks(model_path, disagg_cluster) -> None:
+    from engine.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(model_path)
+    # a prefix no other test sent: exactly 3 blocks of 16
+    base = tok.encode("Maps of the old harbour town, drawn by hand in 1820, " * 4)[:48]
     first = base + tok.encode(" Tell me about rivers and lakes in the north.")
     second = base + tok.encode(" Describe the desert at night, please, in detail.")
-    with cluster(model_path, "tcp", worker_args=FP32,
-                 router_args=["--local-prefill-threshold", "0"]) as c:
-        block_bytes = 30 * 2 * 16 * 3 * 64 * 4  # fp32 SmolLM2 block
-        moved = []
-        for ids in (first, second):
-            before = _metric(c.metrics(c.decode[0]), "tandem:kv_transfer_bytes_total")
-            r = httpx.post(c.url + "/v1/completions", timeout=120, json={
-                "prompt": ids, "max_tokens": 4, "temperature": 0})
-            assert r.status_code == 200, r.text
-            moved.append(_metric(c.metrics(c.decode[0]), "tandem:kv_transfer_bytes_total") - before)
-        assert moved[0] == -(-len(first) // 16) * block_bytes
-        assert moved[1] == (-(-len(second) // 16) - 3) * block_bytes
-        c.leak_check()
+    c = disagg_cluster
+    block_bytes = 30 * 2 * 16 * 3 * 64 * 4  # fp32 SmolLM2 block
+    moved = []
+    for ids in (first, second):
+        before = _metric(c.metrics(c.decode[0]), "tandem:kv_transfer_bytes_total")
+        r = httpx.post(c.url + "/v1/completions", timeout=120, json={
+            "prompt": ids, "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200, r.text
+        moved.append(_metric(c.metrics(c.decode[0]), "tandem:kv_transfer_bytes_total") - before)
+    assert moved[0] == -(-len(first) // 16) * block_bytes
+    assert moved[1] == (-(-len(second) // 16) - 3) * block_bytes
+    c.leak_check()
 
 
 def test_killed_prefill_after_handle_makes_decode_recompute(model_path, colocated) -> None:
