@@ -130,6 +130,19 @@ def _up_run(args: argparse.Namespace) -> int:
     return run_up(args)
 
 
+# -- bench ----------------------------------------------------------------------------
+def _bench_setup(p: argparse.ArgumentParser) -> None:
+    from tandem.bench.cli import add_bench_args
+
+    add_bench_args(p)
+
+
+def _bench_run(args: argparse.Namespace) -> int:
+    from tandem.bench.cli import run_bench
+
+    return run_bench(args)
+
+
 COMMANDS = {
     "fetch-model": (_fetch_setup, _fetch_run,
                     "download the embedded SmolLM2-135M-Instruct GGUF into the cache (idempotent)"),
@@ -143,4 +156,6 @@ COMMANDS = {
                 "run a prefill worker (gRPC): chunked prefill, first token, KV under a lease"),
     "decode": (_worker_setup, _decode_run,
                "run a decode worker (gRPC): pull KV, continuous batching, stream tokens"),
+    "bench": (_bench_setup, _bench_run,
+              "load an OpenAI-compatible endpoint; report TTFT, TPOT, ITL, throughput, goodput"),
 }

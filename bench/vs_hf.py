@@ -1,0 +1,145 @@
+"""Tandem (tandem up --mode colocated, over HTTP) vs Hugging Face transformers
+``generate`` at batch 1, sequential, on the same prompts and output lengths.
+
+Tandem: a closed loop of --concurrency clients (throughput), then one client
+(batch-1 TPOT), through the shared bench client (tandem/bench). HF: each prompt
+through ``model.generate`` one at a time, in fp32 and in Tandem's dtype; the faster
+HF dtype is the baseline. TPOT on both sides is (e2e - TTFT) / (tokens - 1).
+Targets (those of bench/bench_engine.py): c32 throughput >= 10x HF sequential,
+batch-1 TPOT <= 1.0x HF.
+
+    .venv/bin/python bench/vs_hf.py [--concurrency 32] [--output-len 64]
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+from engine.config import dtype_name, resolve_dtype  # noqa: E402
+from tandem.bench import datasets, load, report, stats  # noqa: E402
+from tandem.bench.client import Endpoint  # noqa: E402
+from tandem.bench.servers import Noise, load_note, tandem_up  # noqa: E402
+from tandem.fetch_model import default_model_path  # noqa: E402
+
+
+class _Clock:
+    """A stopping criterion that never stops; it stamps each generated token."""
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+
+    def __call__(self, input_ids, scores, **kwargs) -> torch.Tensor:
+        self.stamps.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+
+def hf_sequential(model, prompts: list[list[int]], new_tokens: int) -> dict:
+    """Batch-1 generate per prompt: tokens/s over the whole sequence, TTFT and TPOT."""
+    from transformers import StoppingCriteriaList
+
+    cfg = copy.deepcopy(model.generation_config)
+    cfg.update(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=None)
+    cfg.eos_token_id = None  # like ignore_eos: always new_tokens tokens
+    tokens, wall, ttfts, tpots = 0, 0.0, [], []
+    for ids in prompts:
+        clock, x = _Clock(), torch.tensor([ids])
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(x, attention_mask=torch.ones_like(x), generation_config=cfg,
+                                 stopping_criteria=StoppingCriteriaList([clock]))
+        t1 = time.perf_counter()
+        n = out.shape[1] - len(ids)
+        tokens, wall = tokens + n, wall + (t1 - t0)
+        ttfts.append(clock.stamps[0] - t0)
+        tpots.append((t1 - clock.stamps[0]) / (n - 1))
+    return {"tok_s": tokens / wall, "ttft": statistics.median(ttfts),
+            "tpot": statistics.median(tpots), "tokens": tokens, "wall": wall}
+
+
+def load_hf(model_path: Path):
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    if model_path.is_dir():
+        return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(model_path.parent, gguf_file=model_path.name,
+                                                dtype=torch.float32).eval()
+
+
+def run_tandem(args, reqs: list[datasets.BenchRequest]) -> tuple[stats.Summary, stats.Summary, list]:
+    with tandem_up("--mode", "colocated", "--dtype", args.dtype, model=args.model) as srv:
+        ep = Endpoint(srv.url, Path(args.model).name.removesuffix(".gguf"))
+        load.run(ep, reqs[:4], concurrency=4, progress=False)  # warm-up
+        c = load.run(ep, reqs, concurrency=args.concurrency, label=f"tandem c{args.concurrency}")
+        b1 = load.run(ep, reqs[:args.batch1_prompts], concurrency=1, label="tandem c1")
+    return (stats.summarize(c.results, c.duration_s), stats.summarize(b1.results, b1.duration_s),
+            [(c.label, c.results), (b1.label, b1.results)])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=str(default_model_path()))
+    ap.add_argument("--dtype", default="auto", help="Tandem's dtype (HF runs fp32 and this)")
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--num-prompts", type=int, default=96, help="requests of the c32 run")
+    ap.add_argument("--batch1-prompts", type=int, default=4,
+                    help="prompts run one at a time (Tandem c1 and each HF dtype)")
+    ap.add_argument("--plot", default=None, help="PNG of the Tandem latency CDFs")
+    args = ap.parse_args()
+    t_start = time.perf_counter()
+    noise = Noise().start()
+    print(f"vs_hf: {load_note()} at start", flush=True)
+    reqs = datasets.synthetic(args.num_prompts, datasets.LengthDist.parse(args.prompt_len),
+                              datasets.LengthDist.parse(args.output_len), seed=0)
+    conc, b1, timelines = run_tandem(args, reqs)
+
+    from engine.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(args.model)
+    hf_prompts = [tok.encode(r.prompt) for r in reqs[:args.batch1_prompts]]
+    eng_dtype = dtype_name(resolve_dtype(args.dtype))
+    hf32 = load_hf(Path(args.model))
+    hf_sets = [("float32", hf32)]
+    if eng_dtype != "float32":
+        hf_sets.append((eng_dtype, copy.deepcopy(hf32).to(resolve_dtype(eng_dtype))))
+    hf = {}
+    for name, model in hf_sets:
+        hf_sequential(model, hf_prompts[:1], 8)  # warm-up
+        hf[name] = hf_sequential(model, hf_prompts, args.output_len)
+        print(f"  HF {name}: done", flush=True)
+    best = max(hf, key=lambda k: hf[k]["tok_s"])
+
+    print(f"\n{args.prompt_len}-token prompts, {args.output_len} output tokens (ignore_eos), "
+          f"greedy; Tandem colocated ({eng_dtype}, 2 threads) over HTTP")
+    print(report.format_table([(f"tandem c{args.concurrency}", conc), ("tandem c1", b1)]))
+    print(f"\n{'HF generate (batch 1, sequential)':34s} {'tok/s':>8s} {'TTFT ms':>8s} {'TPOT ms':>8s}")
+    for name, r in hf.items():
+        print(f"  {name:32s} {r['tok_s']:8.1f} {r['ttft'] * 1e3:8.1f} {r['tpot'] * 1e3:8.2f}")
+    print(f"\nbaseline: HF {best} (the faster HF dtype here)")
+    thr = conc.output_throughput / hf[best]["tok_s"]
+    tpot = b1.tpot.p50 / hf[best]["tpot"]
+    print(f"  Tandem c{args.concurrency} {conc.output_throughput:.1f} tok/s vs HF sequential "
+          f"{hf[best]['tok_s']:.1f} tok/s")
+    print("  " + report.target_line(f"throughput ratio Tandem c{args.concurrency} / HF sequential",
+                                    thr, ">=", 10.0))
+    print(f"  Tandem c1 TPOT p50 {b1.tpot.p50 * 1e3:.2f} ms vs HF {hf[best]['tpot'] * 1e3:.2f} ms")
+    print("  " + report.target_line("batch-1 TPOT ratio Tandem / HF", tpot, "<=", 1.0))
+    if args.plot:
+        report.plot_cdfs(args.plot, timelines, "Tandem colocated: c32 vs c1")
+    print(f"\ntotal {time.perf_counter() - t_start:.0f}s; {load_note()} at end")
+    print(noise.report())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+"""Start and stop the servers the comparison scripts in bench/ measure: `tandem up`
+in a given mode, or any command that serves an OpenAI API (llama.cpp's server),
+each in its own process group, ready when a URL answers 200."""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with code {proc.returncode} before it was ready")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} not ready at {url} after {timeout_s:.0f}s")
+        time.sleep(0.2)
+
+
+def stop(proc: subprocess.Popen, timeout_s: float = 20) -> None:
+    """SIGTERM the process group, SIGKILL after timeout_s."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@contextlib.contextmanager
+def serve(cmd: Sequence[str], ready_url: str, what: str, timeout_s: float = 600,
+          log: Path | None = None, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
+    """Run cmd in a new session until the block ends; output goes to log (or nowhere)."""
+    out = open(log, "w") if log else subprocess.DEVNULL
+    proc = subprocess.Popen(list(cmd), start_new_session=True, stdout=out,
+                            stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    try:
+        wait_ready(ready_url, proc, timeout_s, what)
+        yield proc
+    finally:
+        stop(proc)
+        if log:
+            out.close()
+
+
+def tandem_bin() -> list[str]:
+    """The tandem CLI of this interpreter (works from a checkout without the script)."""
+    return [sys.executable, "-m", "tandem.cli", "--log-level", "WARNING"]
+
+
+@dataclass
+class Server:
+    """A running server: its base URL (ending in /v1) and its process."""
+
+    url: str
+    proc: subprocess.Popen
+
+    def children(self) -> list[int]:
+        """Pids of the processes it started (the workers of `tandem up`)."""
+        out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True,
+                             text=True).stdout
+        return [int(p) for p in out.split()]
+
+    def cmdline(self, pid: int) -> str:
+        try:
+            return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            return ""
+
+
+@contextlib.contextmanager
+def tandem_up(*args: str, model: str | None = None, port: int | None = None,
+              log: Path | None = None) -> Iterator[Server]:
+    """`tandem up ARGS` on a free port, until the block ends."""
+    port = port or free_port()
+    cmd = [*tandem_bin(), "up", "--port", str(port), *args]
+    if model:
+        cmd += ["--model", model]
+    url = f"http://127.0.0.1:{port}"
+    with serve(cmd, url + "/ready", f"tandem up {' '.join(args)}", log=log) as proc:
+        yield Server(url + "/v1", proc)
+
+
+def load_note() -> str:
+    n = os.cpu_count() or 1
+    return f"load average {os.getloadavg()[0]:.2f} on {n} CPUs"
+
+
+def _proc_table() -> dict[int, tuple[int, int, int]]:
+    """pid -> (ppid, start time, utime + stime in clock ticks) for every process."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+        out[int(entry)] = (int(fields[1]), int(fields[19]), int(fields[11]) + int(fields[12]))
+    return out
+
+
+class Noise:
+    """CPU time that processes outside this one's tree used between start() and
+    report(): other work on the machine competing with the measurement (Linux only)."""
+
+    def __init__(self) -> None:
+        self.t0 = 0.0
+        self.before: dict[int, tuple[int, int, int]] = {}
+
+    def start(self) -> Noise:
+        self.t0, self.before = time.monotonic(), _proc_table()
+        return self
+
+    def others_cpu_s(self) -> float:
+        now, me = _proc_table(), os.getpid()
+
+        def mine(pid: int) -> bool:
+            for _ in range(64):
+                if pid == me:
+                    return True
+                if pid not in now or pid <= 1:
+                    return False
+                pid = now[pid][0]
+            return False
+
+        ticks = 0
+        for pid, (_, start, cpu) in now.items():
+            if mine(pid):
+                continue
+            old = self.before.get(pid)
+            ticks += cpu - (old[2] if old and old[1] == start else 0)
+        return ticks / os.sysconf("SC_CLK_TCK")
+
+    def report(self) -> str:
+        if not self.before:
+            return "other processes: not measured"
+        wall = max(time.monotonic() - self.t0, 1e-9)
+        cpu = self.others_cpu_s()
+        share = cpu / (wall * (os.cpu_count() or 1))
+        return (f"other processes used {cpu:.1f} CPU-s over {wall:.0f}s "
+                f"({share:.0%} of the machine){'  <- results disturbed' if share > 0.05 else ''}")
