@@ -157,6 +157,13 @@ def create_app(config: RouterConfig, tokenizer: Tokenizer | None = None) -> Fast
         if bad:
             raise APIError(400, f"prompt token id {bad[0]} is outside the vocabulary",
                            param="prompt")
+        if len(prompt_ids) >= config.max_model_len:
+            raise APIError(400, f"prompt has {len(prompt_ids)} tokens; the context window is "
+                                f"{config.max_model_len}", param="prompt")
+        if body.max_tokens and len(prompt_ids) + body.max_tokens > config.max_model_len:
+            raise APIError(400, f"max_tokens {body.max_tokens} + {len(prompt_ids)} prompt tokens "
+                                f"exceed the context window of {config.max_model_len}",
+                           param="max_tokens")
         try:
             params = body.sampling(config.default_max_tokens, logprobs)
         except ValueError as e:
@@ -242,7 +249,8 @@ def create_app(config: RouterConfig, tokenizer: Tokenizer | None = None) -> Fast
         headers = {"x-request-id": rid}
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
-            gen = _sse(first, deltas, rid, created, model_name, chat, usage, trace, m, account)
+            lp = _LogprobFormat(state["tokenizer"], chat) if logprobs is not None else None
+            gen = _sse(first, deltas, rid, created, model_name, chat, usage, trace, m, account, lp)
             return StreamingResponse(gen, media_type="text/event-stream", headers=headers)
         task = asyncio.ensure_future(_collect(first, deltas, m))
         while not task.done():
@@ -255,9 +263,11 @@ def create_app(config: RouterConfig, tokenizer: Tokenizer | None = None) -> Fast
                 account(trace, "abort")
                 return JSONResponse({}, status_code=499)
         m.in_flight.dec()
-        text, reason, lps = task.result()
+        text, reason, ids, lps = task.result()
         account(trace, reason)
-        return JSONResponse(_full_body(rid, created, model_name, chat, text, reason, trace, lps),
+        lp = (_LogprobFormat(state["tokenizer"], chat).render(ids, lps)
+              if logprobs is not None else None)
+        return JSONResponse(_full_body(rid, created, model_name, chat, text, reason, trace, lp),
                             headers=headers)
 
     @app.post("/v1/completions")
@@ -290,14 +300,37 @@ def create_app(config: RouterConfig, tokenizer: Tokenizer | None = None) -> Fast
 
 
 async def _collect(first: Delta, deltas: AsyncIterator[Delta], m: RouterMetrics):
-    parts, reason, lps = [first.text], first.finish_reason, list(first.logprobs)
+    parts, reason = [first.text], first.finish_reason
+    ids, lps = list(first.token_ids), list(first.logprobs)
     if not first.finished:
         async for d in deltas:
             parts.append(d.text)
+            ids.extend(d.token_ids)
             lps.extend(d.logprobs)
             if d.finished:
                 reason = d.finish_reason
-    return "".join(parts), reason, lps
+    return "".join(parts), reason, ids, lps
+
+
+class _LogprobFormat:
+    """OpenAI logprobs objects for the chosen tokens (top-N alternatives are not
+    carried through the router yet: top_logprobs lists are empty)."""
+
+    def __init__(self, tokenizer: Tokenizer, chat: bool) -> None:
+        self.tokenizer, self.chat = tokenizer, chat
+
+    def render(self, ids: list[int], lps: list[float]) -> dict:
+        pairs = list(zip(ids, lps))
+        tokens = [self.tokenizer.decode([t], skip_special_tokens=False) for t, _ in pairs]
+        if self.chat:
+            return {"content": [{"token": tok, "logprob": lp, "bytes": list(tok.encode()),
+                                 "top_logprobs": []} for tok, (_, lp) in zip(tokens, pairs)]}
+        offsets, pos = [], 0
+        for tok in tokens:
+            offsets.append(pos)
+            pos += len(tok)
+        return {"tokens": tokens, "token_logprobs": [lp for _, lp in pairs],
+                "top_logprobs": [None] * len(pairs), "text_offset": offsets}
 
 
 def _usage(trace: Trace) -> dict:
@@ -305,30 +338,33 @@ def _usage(trace: Trace) -> dict:
             "total_tokens": trace.prompt_tokens + trace.output_tokens}
 
 
-def _full_body(rid, created, model, chat, text, reason, trace, lps) -> dict:
+def _full_body(rid, created, model, chat, text, reason, trace, lp) -> dict:
     if chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "logprobs": None, "finish_reason": reason}
+                  "logprobs": lp, "finish_reason": reason}
         obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": reason}
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice],
             "usage": _usage(trace)}
 
 
 async def _sse(first: Delta, deltas: AsyncIterator[Delta], rid, created, model, chat: bool,
-               include_usage: bool, trace: Trace, m: RouterMetrics, account):
+               include_usage: bool, trace: Trace, m: RouterMetrics, account,
+               lp: _LogprobFormat | None = None):
     obj = "chat.completion.chunk" if chat else "text_completion"
     base = {"id": rid, "object": obj, "created": created, "model": model}
 
-    def chunk(text: str | None, reason: str | None, role: bool = False) -> str:
+    def chunk(text: str | None, reason: str | None, role: bool = False, d: Delta | None = None
+              ) -> str:
+        lps = lp.render(d.token_ids, d.logprobs) if lp is not None and d is not None else None
         if chat:
             delta = {"role": "assistant", "content": ""} if role else (
                 {} if text is None else {"content": text})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+            choice = {"index": 0, "delta": delta, "logprobs": lps, "finish_reason": reason}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+            choice = {"index": 0, "text": text or "", "logprobs": lps, "finish_reason": reason}
         return f"data: {json.dumps({**base, 'choices': [choice]})}\n\n"
 
     reason = None
@@ -338,8 +374,8 @@ async def _sse(first: Delta, deltas: AsyncIterator[Delta], rid, created, model, 
             yield chunk(None, None, role=True)
         d = first
         while True:
-            if d.text:
-                yield chunk(d.text, None)
+            if d.text or (lp is not None and d.token_ids):
+                yield chunk(d.text, None, d=d)
             if d.finished:
                 reason = d.finish_reason
                 break

@@ -40,6 +40,8 @@ class RouterConfig:
     """Tokens per KV block; must match the workers (for prefix hashing)."""
     hash_seed: int = 0
     """Block hash seed; must match the workers."""
+    max_model_len: int = 8192
+    """Context window of the workers (prompt + output); requests beyond it get 400."""
     default_max_tokens: int = 256
     """max_tokens when a request gives none."""
     request_timeout_s: float = 600.0

@@ -131,7 +131,7 @@ def run_up(args: argparse.Namespace) -> int:
                 prefill=tuple(a for r, a in zip(roles, addrs) if r == "prefill"),
                 decode=tuple(a for r, a in zip(roles, addrs) if r == "decode"),
                 local_prefill_threshold=-1 if args.mode == "colocated" else args.local_prefill_threshold,
-                routing=args.routing)
+                routing=args.routing, max_model_len=args.max_model_len or 8192)
             print(f"tandem up: http://{args.host}:{args.port}/v1 ({args.mode}: "
                   f"{roles.count('prefill')} prefill, {roles.count('decode')} decode, "
                   f"kv-transfer {args.kv_transfer}); Ctrl-C stops", file=sys.stderr, flush=True)

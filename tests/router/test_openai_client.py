@@ -1,0 +1,104 @@
+"""The official openai Python client against `tandem up` (a real subprocess):
+chat and completions, streaming and not, stop strings, max_tokens, seed,
+logprobs; errors raise the client's typed exceptions."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.cluster.launch import free_port
+
+MODEL = "tiny-llama"
+
+
+@pytest.fixture(scope="module")
+def client(tiny_model_dir):
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tandem.cli", "up", "--model", str(tiny_model_dir), "--port",
+         str(port), "--kv-transfer", "tcp", "--dtype", "float32", "--kv-blocks", "128",
+         "--max-model-len", "256", "--local-prefill-threshold", "4"],
+        stderr=subprocess.DEVNULL, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while True:
+        assert proc.poll() is None, "tandem up exited"
+        assert time.monotonic() < deadline, "tandem up not ready"
+        try:
+            if httpx.get(url + "/ready", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    os.killpg(proc.pid, signal.SIGINT)
+    proc.wait(timeout=30)
+
+
+def _model(client) -> str:
+    return client.models.list().data[0].id
+
+
+def test_completions_plain_and_streamed_agree(client) -> None:
+    m = _model(client)
+    full = client.completions.create(model=m, prompt="hello there, friend", max_tokens=7,
+                                     temperature=0, extra_body={"ignore_eos": True})
+    assert full.choices[0].finish_reason == "length" and full.usage.completion_tokens == 7
+    parts = [c.choices[0].text for c in client.completions.create(
+        model=m, prompt="hello there, friend", max_tokens=7, temperature=0, stream=True,
+        extra_body={"ignore_eos": True}) if c.choices]
+    assert "".join(parts) == full.choices[0].text
+
+
+def test_chat_streaming_usage_seed_and_logprobs(client) -> None:
+    m = _model(client)
+    msgs = [{"role": "user", "content": "tell me something"}]
+    a = client.chat.completions.create(model=m, messages=msgs, max_tokens=6, temperature=0.9,
+                                       seed=7, logprobs=True, extra_body={"ignore_eos": True})
+    b = client.chat.completions.create(model=m, messages=msgs, max_tokens=6, temperature=0.9,
+                                       seed=7, extra_body={"ignore_eos": True})
+    assert a.choices[0].message.content == b.choices[0].message.content  # seeded
+    lps = a.choices[0].logprobs.content
+    assert len(lps) == 6 and all(x.logprob <= 0 for x in lps)
+    stream = client.chat.completions.create(model=m, messages=msgs, max_tokens=6,
+                                            temperature=0.9, seed=7, stream=True,
+                                            stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == a.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == 6
+
+
+def test_stop_strings(client) -> None:
+    m = _model(client)
+    base = client.completions.create(model=m, prompt="abcdefgh", max_tokens=10, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = base[3:5]
+    cut = client.completions.create(model=m, prompt="abcdefgh", max_tokens=10, temperature=0,
+                                    stop=[stop], extra_body={"ignore_eos": True})
+    assert cut.choices[0].text == base[: base.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def test_errors_are_typed(client) -> None:
+    m = _model(client)
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model=m, prompt="x", max_tokens=100000)
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model=m, prompt="x", max_tokens=-1)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt="x")
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.chat.completions.create(model=m, messages=[{"role": "user", "content": "x"}],
+                                       temperature=7)
+    with pytest.raises(openai.BadRequestError, match="context window"):
+        client.completions.create(model=m, prompt="y" * 400, max_tokens=2)
