@@ -68,7 +68,9 @@ def activate(engine: LLMEngine, request_id: str, kv_arrived: bool) -> bool:
 
 
 def hold(engine: LLMEngine, req: Request) -> None:
-    """Move a finished prefill's block table into engine.held (refs kept)."""
+    """Move a finished prefill's block table into engine.held (refs kept). A table
+    still held under the same id (an earlier attempt of a retried request) is freed."""
+    release_held(engine, req.request_id)
     engine.held[req.request_id] = engine.kv.tables.pop(req.request_id)
     engine.kv._num_cached.pop(req.request_id, None)
 

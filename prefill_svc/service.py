@@ -91,6 +91,7 @@ class PrefillService(WorkerBase, pb_grpc.PrefillServicer):
         if request.deadline_unix_ms and request.deadline_unix_ms < time.time() * 1000:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                 f"request {rid}: deadline passed before prefill started")
+        await self._drop_lease(rid)  # a retry of a request whose decode side died
         q = self.engine.open_stream(rid)
         try:
             await self.engine.call(lambda e: e.add_request(
@@ -132,14 +133,17 @@ class PrefillService(WorkerBase, pb_grpc.PrefillServicer):
             self.worker_id, f"{self.config.public_host}:{self.port}", rid, lease.epoch,
             tuple(table), lease.deadline_unix_ms, num_tokens))
 
+    async def _drop_lease(self, rid: str) -> bool:
+        """Release rid's lease (if any) and free its blocks now."""
+        lease = self.leases.get(rid)
+        blocks = None if lease is None else self.leases.release(rid, lease.epoch)
+        if blocks is None:
+            return False
+        await self.engine.call(_release_blocks, list(blocks))
+        return True
+
     async def Abort(self, request: common.AbortRequest, context) -> common.AbortReply:
         rid = request.request_id
         out = await self.engine.call(lambda e: e.abort(rid))
-        lease = self.leases.get(rid)
-        dropped = False
-        if lease is not None:
-            blocks = self.leases.release(rid, lease.epoch)
-            if blocks is not None:
-                self._free_blocks(blocks)
-                dropped = True
+        dropped = await self._drop_lease(rid)
         return common.AbortReply(aborted=out is not None or dropped)

@@ -136,6 +136,9 @@ class RequestFlow:
                 failed.add(r.worker)
                 if r.worker in touched:
                     touched.remove(r.worker)
+                # what the failed attempt left elsewhere (a prefill lease) goes now
+                await asyncio.shield(_abort_all(rid, list(touched)))
+                touched.clear()
                 self.pool.mark_down(r.worker)
                 trace.retries += 1
                 trace.fallback = trace.fallback or f"{r.worker.role}_failover"

@@ -4,6 +4,7 @@ prefill worker is routed around. Real processes on the real model."""
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -50,12 +51,47 @@ def test_decode_killed_mid_stream_resumes_seamlessly(model_path, seeded) -> None
         c.leak_check()  # the surviving workers hold nothing
 
 
-def test_dead_prefill_worker_is_routed_around(model_path) -> None:
-    with cluster(model_path, "tcp", n_prefill=2, n_decode=1, worker_args=FP32,
+def test_killing_prefill_then_decode_during_fifty_streams(model_path) -> None:
+    """2 prefill + 2 decode workers, 50 streaming requests; a prefill worker is killed,
+    then a decode worker: every request completes with the undisturbed greedy tokens
+    and the survivors hold nothing afterwards."""
+    import concurrent.futures as cf
+    import threading
+
+    prompts = [f"{PROMPT} Part {i}: the {['first', 'second', 'third'][i % 3]} press"
+               for i in range(50)]
+    sp = dict(max_tokens=12, temperature=0.0, ignore_eos=True)
+    eng = LLMEngine(EngineConfig(model=str(model_path), dtype="float32", max_model_len=1024,
+                                 num_kv_blocks=512))
+    want = [c.text for c in eng.generate(prompts, SamplingParams(**sp))]
+    with cluster(model_path, "tcp", n_prefill=2, n_decode=2, worker_args=FP32,
                  router_args=["--local-prefill-threshold", "0"]) as c:
-        c.prefill[0].kill()
-        for i in range(4):
-            r = httpx.post(c.url + "/v1/completions", timeout=120, json={
-                "prompt": PROMPT + f" ({i})", "max_tokens": 4, "temperature": 0})
-            assert r.status_code == 200, r.text
-        c.leak_check()
+        done = []
+        lock = threading.Lock()
+
+        def stream(prompt: str) -> str:
+            parts = []
+            with httpx.stream("POST", c.url + "/v1/completions", timeout=300,
+                              json={"prompt": prompt, "stream": True, **sp}) as r:
+                assert r.status_code == 200
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        ev = json.loads(line[6:])
+                        assert "error" not in ev, ev
+                        parts.append(ev["choices"][0]["text"])
+            with lock:
+                done.append(prompt)
+            return "".join(parts)
+
+        with cf.ThreadPoolExecutor(6) as pool:
+            futs = [pool.submit(stream, p) for p in prompts]
+            while len(done) < 10:
+                time.sleep(0.05)
+            c.prefill[0].kill()
+            while len(done) < 25:
+                time.sleep(0.05)
+            busy = [d for d in c.decode if c.load(d).num_running] or c.decode
+            busy[0].kill()
+            got = [f.result() for f in futs]
+        assert got == want
+        c.leak_check()  # only the survivors are checked
