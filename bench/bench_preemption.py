@@ -52,9 +52,9 @@ def resume_latency(model: str, dtype: str, contexts: list[int], reps: int) -> li
     return rows
 
 
-async def _stream(client, url: str, body: dict) -> list[float]:
-    """Inter-token gaps of one streamed request."""
-    gaps, last = [], None
+async def _stream(client, url: str, body: dict, ttfts: list[float] | None = None) -> list[float]:
+    """Inter-token gaps of one streamed request (its TTFT appended to ttfts)."""
+    gaps, last, t0 = [], None, time.perf_counter()
     async with client.stream("POST", url + "/v1/completions", json={**body, "stream": True},
                              timeout=600) as r:
         async for line in r.aiter_lines():
@@ -62,11 +62,14 @@ async def _stream(client, url: str, body: dict) -> list[float]:
                 now = time.perf_counter()
                 if last is not None:
                     gaps.append(now - last)
+                elif ttfts is not None:
+                    ttfts.append(now - t0)
                 last = now
     return gaps
 
 
-async def priority_tpot(url: str, n_low: int, n_high: int, busy: bool) -> list[float]:
+async def priority_tpot(url: str, n_low: int, n_high: int, busy: bool,
+                        ttfts: list[float] | None = None) -> list[float]:
     import httpx
 
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=n_low + n_high + 4)) as c:
@@ -79,7 +82,8 @@ async def priority_tpot(url: str, n_low: int, n_high: int, busy: bool) -> list[f
         tpots = []
         for i in range(n_high):
             gaps = await _stream(c, url, {"prompt": f"Question {i}: what is the capital of France?",
-                                          "max_tokens": 32, "ignore_eos": True, "priority": 0})
+                                          "max_tokens": 32, "ignore_eos": True, "priority": 0},
+                                 ttfts)
             tpots += gaps
         for t in low:
             t.cancel()
@@ -117,9 +121,15 @@ def main() -> None:
         wargs = ["--dtype", args.dtype, "--priority-batch-cap", str(cap)]
         with cluster(args.model, "nixl", worker_args=wargs) as c:
             if idle is None:
-                idle = p99(asyncio.run(priority_tpot(c.url, low, args.high, busy=False)))
-                print(f"  idle cluster: {idle * 1e3:.1f} ms")
-            loaded = p99(asyncio.run(priority_tpot(c.url, low, args.high, busy=True)))
+                idle_ttft: list[float] = []
+                idle = p99(asyncio.run(priority_tpot(c.url, low, args.high, False, idle_ttft)))
+                print(f"  idle cluster: TPOT p99 {idle * 1e3:.1f} ms, TTFT p99 "
+                      f"{p99(idle_ttft) * 1e3:.1f} ms")
+            ttft: list[float] = []
+            loaded = p99(asyncio.run(priority_tpot(c.url, low, args.high, True, ttft)))
+            tr = p99(ttft) / p99(idle_ttft)
+            print(f"  high-priority TTFT p99 under the flood: {p99(ttft) * 1e3:.1f} ms -> "
+                  f"{tr:.2f}x idle (target <= 2x: {'met' if tr <= 2 else 'missed'})")
         ratio = loaded / idle
         print(f"  under {low} low-priority requests, --priority-batch-cap {cap}: "
               f"{loaded * 1e3:.1f} ms -> {ratio:.2f}x idle (target <= 1.5x: "
