@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-from tandem.bench import datasets, load, report, stats  # noqa: E402
+from tandem.bench import datasets, load, profile, report, stats  # noqa: E402
 from tandem.bench.client import Endpoint  # noqa: E402
 from tandem.bench.datasets import LengthDist  # noqa: E402
 from tandem.bench.servers import Noise, load_note, tandem_up  # noqa: E402
@@ -46,7 +47,17 @@ def run_mode(mode: str, args, reqs, arrivals, warm) -> load.LoadResult:
     with tandem_up(*up, model=args.model) as srv:
         ep = Endpoint(srv.url, Path(args.model).name.removesuffix(".gguf"))
         load.run(ep, warm, concurrency=len(warm), progress=False)
-        return load.run(ep, reqs, arrivals=arrivals, label=mode)
+        rec = out = None
+        if args.py_spy:  # the decode worker: the only worker when colocated
+            pid = next(p for p in srv.children() if " decode " in srv.cmdline(p))
+            out = Path(tempfile.gettempdir()) / f"disagg_vs_colocated.{mode}.pyspy.txt"
+            rec = profile.start_record(pid, args.py_spy, out)
+        res = load.run(ep, reqs, arrivals=arrivals, label=mode)
+        if rec is not None:
+            rec.wait()
+            print(f"\npy-spy, {mode} decode worker, first {args.py_spy:g}s of the load:\n"
+                  + profile.summarize(out), flush=True)
+        return res
 
 
 def main() -> None:
@@ -63,6 +74,9 @@ def main() -> None:
     ap.add_argument("--slo-ttft", type=float, default=3000.0, help="ms (default: 3000)")
     ap.add_argument("--slo-tpot", type=float, default=150.0, help="ms (default: 150)")
     ap.add_argument("--plot", default=None, help="PNG: latency CDFs of the short requests")
+    ap.add_argument("--py-spy", type=float, default=0, metavar="SECONDS",
+                    help="sample the decode worker with py-spy for the first SECONDS of each "
+                         "run and print a summary (default: off)")
     args = ap.parse_args()
     t_start = time.perf_counter()
     noise = Noise().start()

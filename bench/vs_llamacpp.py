@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-from tandem.bench import datasets, load, report, stats  # noqa: E402
+from tandem.bench import datasets, load, profile, report, stats  # noqa: E402
 from tandem.bench.client import Endpoint  # noqa: E402
 from tandem.bench.servers import Noise, free_port, load_note, serve, tandem_up  # noqa: E402
 from tandem.fetch_model import default_model_path  # noqa: E402
@@ -54,10 +54,13 @@ def eos_bias(model: str) -> dict[str, float]:
     return {str(t): -100.0 for t in sorted(eos)}
 
 
-def measure(ep: Endpoint, reqs, args, name: str) -> tuple[stats.Summary, stats.Summary, list]:
+def measure(ep: Endpoint, reqs, args, name: str, pid: int | None = None
+            ) -> tuple[stats.Summary, stats.Summary, list]:
+    """Closed loop at --concurrency, then one client. With pid and --py-spy, each phase's
+    first --py-spy seconds of that process are sampled and summarised on stdout."""
     load.run(ep, reqs[:2], concurrency=1, progress=False)  # warm-up
-    c = load.run(ep, reqs, concurrency=args.concurrency, label=f"{name} c{args.concurrency}")
-    b1 = load.run(ep, reqs[:args.batch1_prompts], concurrency=1, label=f"{name} c1")
+    c = _phase(ep, reqs, args.concurrency, f"{name} c{args.concurrency}", args, pid)
+    b1 = _phase(ep, reqs[:args.batch1_prompts], 1, f"{name} c1", args, pid)
     for run in (c, b1):
         bad = [r for r in run.results if not r.ok or r.output_tokens != r.request.max_tokens]
         if bad:
@@ -65,6 +68,19 @@ def measure(ep: Endpoint, reqs, args, name: str) -> tuple[stats.Summary, stats.S
                                f"{bad[0].error or bad[0].output_tokens}")
     return (stats.summarize(c.results, c.duration_s), stats.summarize(b1.results, b1.duration_s),
             [(c.label, c.results), (b1.label, b1.results)])
+
+
+def _phase(ep: Endpoint, reqs, concurrency: int, label: str, args, pid: int | None):
+    rec = out = None
+    if pid is not None and args.py_spy:
+        out = Path(tempfile.gettempdir()) / f"vs_llamacpp.{label.replace(' ', '_')}.pyspy.txt"
+        rec = profile.start_record(pid, args.py_spy, out)
+    res = load.run(ep, reqs, concurrency=concurrency, label=label)
+    if rec is not None:
+        rec.wait()
+        print(f"\npy-spy, engine worker, first {args.py_spy:g}s of {label}:\n"
+              + profile.summarize(out), flush=True)
+    return res
 
 
 def main() -> int:
@@ -77,6 +93,9 @@ def main() -> int:
     ap.add_argument("--batch1-prompts", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp threads (default: 2)")
     ap.add_argument("--plot", default=None, help="PNG of the latency CDFs of both servers")
+    ap.add_argument("--py-spy", type=float, default=0, metavar="SECONDS",
+                    help="sample Tandem's engine worker with py-spy for the first SECONDS of "
+                         "each phase and print a summary (default: off)")
     args = ap.parse_args()
     why = llamacpp_available()
     if why:
@@ -104,7 +123,8 @@ def main() -> int:
         print(f"SKIP vs_llamacpp: the llama.cpp server did not run ({e}); see {log}")
         return 0
     with tandem_up("--mode", "colocated", model=args.model) as srv:
-        td_c, td_1, td_t = measure(Endpoint(srv.url, name), reqs, args, "tandem")
+        td_c, td_1, td_t = measure(Endpoint(srv.url, name), reqs, args, "tandem",
+                                   pid=srv.children()[0])
 
     print(f"\n{args.prompt_len}-token prompts, {args.output_len} output tokens, greedy; "
           f"both on {Path(args.model).name} with 2 threads")
