@@ -6,7 +6,8 @@ workloads, through the shared bench client.
 2. Two decode workers (one core each, no prefill pool, --local-prefill-threshold large
    so each decode worker prefills its own prompts), --routing prefix vs round_robin.
    Each worker's KV pool (--kv-blocks) holds about half of the groups' prefixes, so
-   where a group's requests land decides whether its prefix is still cached.
+   where a group's requests land decides whether its prefix is still cached. Requests
+   come in a seeded random group order.
 
 Prints TTFT, throughput and the prefix-cache hit rate the router expected when it
 placed each request (tandem:prefix_cache_hits_predicted / tandem:router_prompt_tokens:
@@ -18,6 +19,7 @@ counter only covers KV handoffs, and these runs prefill locally).
 from __future__ import annotations
 
 import argparse
+import random
 import re
 import sys
 import time
@@ -89,6 +91,9 @@ def main() -> None:
     reqs = datasets.synthetic(args.num_prompts, LengthDist.parse(args.suffix_len),
                               LengthDist.parse(args.output_len), seed=0,
                               prefix_groups=args.groups, prefix_len=args.prefix_len)
+    # Groups arrive in random order: in group order with an even number of groups,
+    # round_robin would pin each group to one worker by accident.
+    random.Random(1).shuffle(reqs)
     warm = datasets.synthetic(2, LengthDist.parse("64"), LengthDist.parse("4"), seed=99)
     two = ["--mode", "disagg", "--prefill", "0", "--decode", "2",
            "--local-prefill-threshold", "100000", "--kv-blocks", str(args.kv_blocks)]

@@ -110,8 +110,8 @@ def load_note() -> str:
     return f"load average {os.getloadavg()[0]:.2f} on {n} CPUs"
 
 
-def _proc_table() -> dict[int, tuple[int, int, int]]:
-    """pid -> (ppid, start time, utime + stime in clock ticks) for every process."""
+def _proc_table() -> dict[int, tuple[int, int]]:
+    """pid -> (ppid, CPU ticks of it and its reaped children: utime+stime+cutime+cstime)."""
     out = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -120,45 +120,52 @@ def _proc_table() -> dict[int, tuple[int, int, int]]:
             stat = Path(f"/proc/{entry}/stat").read_text()
         except OSError:
             continue
-        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
-        out[int(entry)] = (int(fields[1]), int(fields[19]), int(fields[11]) + int(fields[12]))
+        f = stat[stat.rindex(")") + 2:].split()  # the fields after "pid (comm) "
+        out[int(entry)] = (int(f[1]), sum(int(x) for x in f[11:15]))
     return out
 
 
+def _tree_ticks() -> int:
+    """CPU ticks used by this process and its descendants, live or reaped."""
+    table, me = _proc_table(), os.getpid()
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    total, todo = 0, [me]
+    while todo:
+        pid = todo.pop()
+        total += table.get(pid, (0, 0))[1]
+        todo += children.get(pid, [])
+    return total
+
+
+def _machine_busy_ticks() -> int:
+    """Busy CPU ticks of the whole machine (user, nice, system, irq, softirq)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:8]]
+    return v[0] + v[1] + v[2] + v[5] + v[6]
+
+
 class Noise:
-    """CPU time that processes outside this one's tree used between start() and
-    report(): other work on the machine competing with the measurement (Linux only)."""
+    """CPU time used by processes outside this one's tree between start() and
+    report(): the machine's busy time minus our own. Other work on the box competes
+    with the measurement; this says how much (Linux only)."""
 
     def __init__(self) -> None:
         self.t0 = 0.0
-        self.before: dict[int, tuple[int, int, int]] = {}
+        self.busy0 = self.mine0 = 0
 
     def start(self) -> Noise:
-        self.t0, self.before = time.monotonic(), _proc_table()
+        self.t0, self.busy0, self.mine0 = time.monotonic(), _machine_busy_ticks(), _tree_ticks()
         return self
 
     def others_cpu_s(self) -> float:
-        now, me = _proc_table(), os.getpid()
-
-        def mine(pid: int) -> bool:
-            for _ in range(64):
-                if pid == me:
-                    return True
-                if pid not in now or pid <= 1:
-                    return False
-                pid = now[pid][0]
-            return False
-
-        ticks = 0
-        for pid, (_, start, cpu) in now.items():
-            if mine(pid):
-                continue
-            old = self.before.get(pid)
-            ticks += cpu - (old[2] if old and old[1] == start else 0)
-        return ticks / os.sysconf("SC_CLK_TCK")
+        busy = _machine_busy_ticks() - self.busy0
+        mine = _tree_ticks() - self.mine0
+        return max(0, busy - mine) / os.sysconf("SC_CLK_TCK")
 
     def report(self) -> str:
-        if not self.before:
+        if not self.t0:
             return "other processes: not measured"
         wall = max(time.monotonic() - self.t0, 1e-9)
         cpu = self.others_cpu_s()
