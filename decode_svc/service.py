@@ -82,9 +82,9 @@ class DecodeService(WorkerBase, pb_grpc.DecodeServicer):
         await self.refuse_if_draining(context)
         try:
             params = sampling_from_proto(request.sampling)
-            req = await self.engine.call(lambda e: e.make_request(
-                list(request.prompt_token_ids), params, rid, request.priority,
-                list(request.output_token_ids)))
+            # Validation only reads the engine: done here, not after the running step.
+            req = self.llm.make_request(list(request.prompt_token_ids), params, rid,
+                                        request.priority, list(request.output_token_ids))
         except ValueError as e:
             await invalid_argument(context, e)
             return
@@ -102,7 +102,7 @@ class DecodeService(WorkerBase, pb_grpc.DecodeServicer):
                                        num_prompt_tokens=req.num_prompt_tokens,
                                        num_output_tokens=req.num_output_tokens)
                 return
-            async for chunk in self._stream(q, trace):
+            async for chunk in self._stream(q, trace, local=not request.HasField("kv_handle")):
                 yield chunk
         except asyncio.CancelledError:
             await self.engine.call(lambda e: e.abort(rid))
@@ -114,7 +114,7 @@ class DecodeService(WorkerBase, pb_grpc.DecodeServicer):
         """Get the request into the running batch; None when it was aborted meanwhile."""
         trace = pb.KVTrace()
         if not request.HasField("kv_handle"):
-            await self.engine.call(lambda e: e.admit(req))
+            await self.engine.call(lambda e: e.admit(req), urgent=req.priority)
             return trace
         handle = blocks_from_proto(request.kv_handle)
         peer = await self._connect(handle, trace, context)  # compat is checked first
@@ -138,7 +138,8 @@ class DecodeService(WorkerBase, pb_grpc.DecodeServicer):
             self._abort_after_pull.discard(req.request_id)
             await self.engine.call(lambda e: e.abort(req.request_id))
             return None
-        await self.engine.call(lambda e: e.activate_remote(req.request_id, ok))
+        await self.engine.call(lambda e: e.activate_remote(req.request_id, ok),
+                               urgent=req.priority)
         m = self.metrics
         m.l(m.prompt_tokens).inc(req.num_prompt_tokens)
         m.l(m.prefix_queries).inc(num_kv)
@@ -150,7 +151,8 @@ class DecodeService(WorkerBase, pb_grpc.DecodeServicer):
         refused before)."""
         delay = 0.002
         while True:
-            res = await self.engine.call(lambda e: e.reserve_remote(req, num_kv, preempt_lower))
+            res = await self.engine.call(lambda e: e.reserve_remote(req, num_kv, preempt_lower),
+                                         urgent=req.priority)
             if res is not None:
                 return res
             await asyncio.sleep(delay)
@@ -215,7 +217,9 @@ class DecodeService(WorkerBase, pb_grpc.DecodeServicer):
         self.metrics.l(self.metrics.kv_fallbacks, reason=reason).inc()
         return False
 
-    async def _stream(self, q: asyncio.Queue, trace: pb.KVTrace):
+    async def _stream(self, q: asyncio.Queue, trace: pb.KVTrace, local: bool = False):
+        """Chunks of one request; the first carries the trace. local: this worker
+        prefilled the prompt itself, so its prefix-cache hit is known only now."""
         first = True
         while True:
             out = await q.get()
@@ -227,6 +231,12 @@ class DecodeService(WorkerBase, pb_grpc.DecodeServicer):
                 chunk.finish_reason = out.finish_reason.value if out.finish_reason else "error"
                 self.count_finish(out)
             if first:
+                if local:
+                    trace.local_cached_tokens = out.num_cached_tokens
+                    m = self.metrics
+                    m.l(m.prompt_tokens).inc(out.num_prompt_tokens)
+                    m.l(m.prefix_queries).inc(out.num_prompt_tokens)
+                    m.l(m.prefix_hits).inc(out.num_cached_tokens)
                 chunk.trace.CopyFrom(trace)
                 first = False
             self.metrics.l(self.metrics.generation_tokens).inc(len(out.new_token_ids))

@@ -50,10 +50,14 @@ class AsyncEngine:
         if self._thread is not None:
             self._thread.join(timeout=10)
 
-    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run fn(engine, *args) on the engine thread; return or raise its result."""
+    async def call(self, fn: Callable[..., Any], *args: Any, urgent: int | None = None) -> Any:
+        """Run fn(engine, *args) on the engine thread; return or raise its result.
+        urgent: the priority of the request fn queues; a step of only less important
+        requests is then cut short (LLMEngine.interrupt_for) instead of finishing first."""
         fut = self._loop.create_future()
         self._commands.put((fn, args, fut))
+        if urgent is not None and self.engine is not None:
+            self.engine.interrupt_for(urgent)
         return await fut
 
     def open_stream(self, request_id: str) -> asyncio.Queue[RequestOutput]:

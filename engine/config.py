@@ -115,9 +115,12 @@ class EngineConfig:
     preemption_mode: str = "auto"
     """swap | recompute | auto (swap, but recompute short contexts or when the swap pool is full)."""
     priority_batch_cap: int = 0
-    """When requests of several priorities are decoding, at most this many rows less
-    important than the best running priority join each step (protects the best class's
-    inter-token latency; the rest keep their KV and wait); 0 = no cap."""
+    """When requests of several priorities are running or waiting, at most this many
+    decode rows less important than the best of them join each step (protects the best
+    class's TTFT and inter-token latency; the rest keep their KV and wait); 0 = no cap."""
+    interrupt_steps: bool = True
+    """Abandon a running step between layers when a request more important than all of
+    its requests arrives (the newcomer then waits one layer, not one step)."""
     hash_seed: int = 0
     """Seed of the chained block hashes; every process of one cluster must agree."""
     num_threads: int | None = None

@@ -19,6 +19,7 @@ from engine.config import EngineConfig
 from engine.kv_cache import KVCacheManager
 from engine.loader import load_checkpoint
 from engine.model_runner import ModelRunner
+from engine.models.llama import StepInterrupted
 from engine.output import OutputProcessor
 from engine.request import FinishReason, Request, RequestOutput, RequestStatus
 from engine.sampling import SamplingParams
@@ -41,6 +42,8 @@ class EngineStats:
     swap_seconds: float = 0.0
     preempted_seconds: float = 0.0
     """Summed over finished requests: time spent preempted."""
+    interrupted_steps: int = 0
+    """Steps abandoned mid-forward for a more important arrival (interrupt_for)."""
 
 
 @dataclass
@@ -93,6 +96,8 @@ class LLMEngine:
         """Block tables of finished prefill_only requests, kept for a KV handoff."""
         self.num_computed_tokens_total = 0
         """Tokens run through the model since start (tests assert prefix-cache savings)."""
+        self._urgent: int | None = None
+        """Best priority of requests announced by interrupt_for since the step began."""
 
     # -- requests -------------------------------------------------------------
     def make_request(self, prompt: str | Sequence[int], params: SamplingParams,
@@ -147,14 +152,30 @@ class LLMEngine:
         return self.scheduler.has_work()
 
     # -- the step loop ----------------------------------------------------------
+    def interrupt_for(self, priority: int) -> None:
+        """A request of this priority is about to be queued (any thread may call this).
+        The step now running is abandoned between two layers when every request in it
+        is less important, so the newcomer waits for one layer, not a whole step; the
+        abandoned requests simply run again in the next step (nothing of theirs was
+        committed). Off with --no-interrupt-steps."""
+        if self.config.interrupt_steps and (self._urgent is None or priority < self._urgent):
+            self._urgent = priority
+
     def step(self) -> list[RequestOutput]:
+        self._urgent = None  # announced requests were queued before this step began
         batch = self.scheduler.schedule()
         self.apply_preemptions(batch)
         if not batch:
             return []
         tables = [self.kv.table(req.request_id) for req, _ in batch.entries]
+        best = min(req.priority for req, _ in batch.entries)
         try:
-            sampled, out = self.runner.execute(batch.entries, tables)
+            sampled, out = self.runner.execute(
+                batch.entries, tables,
+                lambda: self._urgent is not None and self._urgent < best)
+        except StepInterrupted:
+            self.stats.interrupted_steps += 1
+            return []
         except Exception as e:  # a failed step fails its requests, never the engine
             log.exception("engine step failed")
             return [self._finish(req, FinishReason.ERROR, error=f"engine step failed: {e}")

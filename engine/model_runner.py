@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Callable
 
 import torch
 
@@ -86,9 +87,11 @@ class ModelRunner:
         return nbytes
 
     @torch.inference_mode()
-    def execute(self, entries: list[tuple[Request, int]], tables: list[list[int]]
+    def execute(self, entries: list[tuple[Request, int]], tables: list[list[int]],
+                should_stop: Callable[[], bool] | None = None
                 ) -> tuple[list[Request], SamplerOutput | None]:
         """Run one forward pass; return the requests that were sampled and their tokens.
+        should_stop is asked between layers (StepInterrupted when it says True).
 
         entries: (request, new tokens) with prefill-path entries (more than one token)
         first; tables: each request's block table."""
@@ -107,7 +110,7 @@ class ModelRunner:
         num_prefills = sum(1 for n in qlens if n > 1)
         meta = build_metadata(qlens, slens, num_prefills, tables, self.config.block_size,
                               self.device)
-        ctx = ForwardContext(self.kv, meta, self.backend)
+        ctx = ForwardContext(self.kv, meta, self.backend, should_stop)
         hidden = self.model(torch.tensor(ids, device=self.device),
                             torch.tensor(pos, device=self.device), ctx)
         if not sampled:

@@ -99,7 +99,9 @@ class Scheduler:
         return batch
 
     def _decodes(self, batch: ScheduledBatch, budget: int) -> int:
-        best = self.running[0].priority if self.running else 0
+        # The best class decoding or about to be admitted: a step that admits an urgent
+        # prompt is kept as short as one that decodes it (its TTFT, not just its TPOT).
+        best = min((r.priority for r in self.running[:1] + self.waiting[:1]), default=0)
         lower_left = self.priority_batch_cap or len(self.running)
         for req in list(self.running):
             if req not in self.running or budget <= 0:

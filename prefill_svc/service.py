@@ -96,7 +96,8 @@ class PrefillService(WorkerBase, pb_grpc.PrefillServicer):
         try:
             await self.engine.call(lambda e: e.add_request(
                 list(request.token_ids), params, rid, request.priority,
-                output_token_ids=list(request.output_token_ids), prefill_only=True))
+                output_token_ids=list(request.output_token_ids), prefill_only=True),
+                urgent=request.priority)
         except ValueError as e:
             self.engine.close_stream(rid)
             return await invalid_argument(context, e)

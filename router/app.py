@@ -335,7 +335,8 @@ class _LogprobFormat:
 
 def _usage(trace: Trace) -> dict:
     return {"prompt_tokens": trace.prompt_tokens, "completion_tokens": trace.output_tokens,
-            "total_tokens": trace.prompt_tokens + trace.output_tokens}
+            "total_tokens": trace.prompt_tokens + trace.output_tokens,
+            "prompt_tokens_details": {"cached_tokens": trace.realized_cached_tokens}}
 
 
 def _full_body(rid, created, model, chat, text, reason, trace, lp) -> dict:

@@ -72,7 +72,12 @@ class Trace:
     prompt_tokens: int = 0
     output_tokens: int = 0
     predicted_cached_tokens: int = 0
+    """Prompt tokens the chosen worker's KV events said it held (the one that prefills)."""
     realized_cached_tokens: int = 0
+    """Prompt tokens that worker really served from its prefix cache: the prefill
+    worker's on the disaggregated path, the decode worker's on the local one."""
+    decode_cached_tokens: int = 0
+    """Prompt tokens the decode worker already held, so it did not pull them."""
     blocks_pulled: int = 0
     bytes_pulled: int = 0
     transfer_seconds: float = 0.0
@@ -170,6 +175,7 @@ class RequestFlow:
             trace.predicted_cached_tokens = max(cached, p_overlap * self.config.block_size)
             touched.append(prefill)
             first = await self._prefill(prefill, rid, prompt_ids, generated, params, priority)
+            trace.realized_cached_tokens = first.num_cached_tokens
             if first.finished:  # nothing leased
                 touched.remove(prefill)
             yield [first.first_token], first.finish_reason or None, (
@@ -225,7 +231,9 @@ class _Retry(Exception):
 
 
 def _absorb(trace: Trace, t: decode_pb2.KVTrace) -> None:
-    trace.realized_cached_tokens = t.local_cached_tokens
+    trace.decode_cached_tokens = t.local_cached_tokens
+    if trace.path == "local_prefill":
+        trace.realized_cached_tokens = t.local_cached_tokens
     trace.blocks_pulled += t.blocks_pulled
     trace.bytes_pulled += t.bytes_pulled
     trace.transfer_seconds += t.transfer_seconds

@@ -25,7 +25,7 @@ class RouterMetrics:
         self.predicted_hits = Counter("tandem:prefix_cache_hits_predicted",
                                       "Prompt tokens the router expected cached", registry=r)
         self.realized_hits = Counter("tandem:prefix_cache_hits_realized",
-                                     "Prompt tokens the decode worker found cached", registry=r)
+                                     "Prompt tokens the prefilling worker served from its prefix cache", registry=r)
         self.kv_bytes = Counter("tandem:router_kv_transfer_bytes",
                                 "KV bytes moved for requests routed here", registry=r)
         self.queue_time = Histogram("tandem:request_queue_time_seconds",

@@ -25,20 +25,23 @@ class Placer:
 
     def choose(self, workers: Sequence[Worker], hashes: Sequence[BlockHash],
                need_blocks: int = 0) -> tuple[Worker, int]:
-        """(worker, its cached leading blocks of this prompt). workers is non-empty;
-        need_blocks: KV blocks the whole context takes."""
+        """(worker, its cached leading blocks of this prompt as reported by its KV
+        events). workers is non-empty; need_blocks: KV blocks the whole context takes.
+        The prefix policy also counts blocks of requests just routed to a worker
+        (PrefixIndex.expect), so a burst sharing a prefix lands together."""
         turn = next(self._rr)
         if self.policy == "round_robin":
             w = workers[turn % len(workers)]
             return w, self.index.overlap(w.address, hashes)
         best, best_key = None, None
         for i, w in enumerate(workers):
-            overlap = self.index.overlap(w.address, hashes)
+            overlap = self.index.overlap(w.address, hashes, expected=True)
             score = (overlap - LOAD_WEIGHT * (w.inflight + w.load.num_waiting)
                      - KV_WEIGHT * w.load.kv_usage)
             if w.load.total_blocks and w.load.free_blocks < need_blocks - overlap:
                 score -= FULL_PENALTY
             key = (score, -((i - turn) % len(workers)))  # ties rotate
             if best_key is None or key > best_key:
-                best, best_key = (w, overlap), key
-        return best
+                best, best_key = w, key
+        self.index.expect(best.address, hashes)
+        return best, self.index.overlap(best.address, hashes)

@@ -42,8 +42,17 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
                         "worker (default: 32)")
     p.add_argument("--routing", choices=("prefix", "round_robin"), default="prefix",
                    help="placement policy (default: prefix)")
+    p.add_argument("--log-requests", default=None, metavar="PATH",
+                   help="the router writes each request's trace (workers, predicted and "
+                        "realized prefix hit, bytes moved, fallbacks) as a JSON line to PATH")
     p.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for every worker (repeat), e.g. --worker-arg=--no-enable-prefix-caching")
+    p.add_argument("--prefill-arg", action="append", default=[], metavar="ARG",
+                   help="extra argument for prefill workers only (repeat), after --worker-arg, "
+                        "e.g. --prefill-arg=--kv-blocks=200")
+    p.add_argument("--decode-arg", action="append", default=[], metavar="ARG",
+                   help="extra argument for decode workers only (repeat; in colocated mode, "
+                        "for the one engine), after --worker-arg")
 
 
 def _plan_cores(n_workers: int) -> list[set[int] | None]:
@@ -68,7 +77,7 @@ def _spawn_worker(role: str, args: argparse.Namespace, model: str, ready: Path,
         cmd += ["--preemption-mode", args.preemption_mode]
     if args.max_model_len:
         cmd += ["--max-model-len", str(args.max_model_len)]
-    cmd += args.worker_arg
+    cmd += args.worker_arg + (args.prefill_arg if role == "prefill" else args.decode_arg)
     proc = subprocess.Popen(cmd, start_new_session=True)
     if cores:
         os.sched_setaffinity(proc.pid, cores)
@@ -131,7 +140,8 @@ def run_up(args: argparse.Namespace) -> int:
                 prefill=tuple(a for r, a in zip(roles, addrs) if r == "prefill"),
                 decode=tuple(a for r, a in zip(roles, addrs) if r == "decode"),
                 local_prefill_threshold=-1 if args.mode == "colocated" else args.local_prefill_threshold,
-                routing=args.routing, max_model_len=args.max_model_len or 8192)
+                routing=args.routing, max_model_len=args.max_model_len or 8192,
+                log_requests=args.log_requests)
             print(f"tandem up: http://{args.host}:{args.port}/v1 ({args.mode}: "
                   f"{roles.count('prefill')} prefill, {roles.count('decode')} decode, "
                   f"kv-transfer {args.kv_transfer}); Ctrl-C stops", file=sys.stderr, flush=True)

@@ -2,6 +2,8 @@
 a process in tests). Names follow DESIGN.md ("tandem:" prefix, vLLM-style)."""
 from __future__ import annotations
 
+import dataclasses
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from engine.llm_engine import LLMEngine
@@ -45,13 +47,17 @@ class WorkerMetrics:
         self.swap_seconds = counter("tandem:kv_swap_seconds", "Seconds spent copying swap blocks")
         self.preempted_seconds = counter("tandem:request_preempted_seconds",
                                          "Seconds finished requests spent preempted")
+        self.interrupted_steps = counter("tandem:engine_steps_interrupted",
+                                         "Steps abandoned mid-forward for a more important "
+                                         "arrival")
         self._last = None  # EngineStats seen at the previous refresh
         # Create every series now, so /metrics lists each name from the start (dashboards,
         # autoscalers and their tests read names before any event happened).
         for metric in (self.prompt_tokens, self.generation_tokens, self.prefix_hits,
                        self.prefix_queries, self.kv_bytes, self.kv_blocks, self.kv_seconds,
                        self.kv_usage, self.running, self.waiting, self.leases,
-                       self.prompt_tokens_waiting, self.swap_seconds, self.preempted_seconds):
+                       self.prompt_tokens_waiting, self.swap_seconds, self.preempted_seconds,
+                       self.interrupted_steps):
             self.l(metric)
         for reason in ("stop", "length", "abort", "error", "handoff"):
             self.l(self.requests, finish_reason=reason)
@@ -86,13 +92,13 @@ class WorkerMetrics:
         pairs = ((self.l(self.swap_bytes, direction="out"), st.swap_out_bytes, "swap_out_bytes"),
                  (self.l(self.swap_bytes, direction="in"), st.swap_in_bytes, "swap_in_bytes"),
                  (self.l(self.swap_seconds), st.swap_seconds, "swap_seconds"),
-                 (self.l(self.preempted_seconds), st.preempted_seconds, "preempted_seconds"))
+                 (self.l(self.preempted_seconds), st.preempted_seconds, "preempted_seconds"),
+                 (self.l(self.interrupted_steps), st.interrupted_steps, "interrupted_steps"))
         for metric, now, name in pairs:
             grown = now - (getattr(last, name) if last else 0)
             if grown > 0:
                 metric.inc(grown)
-        self._last = type(st)(dict(st.preemptions), st.swap_out_bytes, st.swap_in_bytes,
-                              st.swap_seconds, st.preempted_seconds)
+        self._last = dataclasses.replace(st, preemptions=dict(st.preemptions))
 
     def serve(self, host: str, port: int) -> int:
         """Start the /metrics HTTP server; returns the bound port."""

@@ -9,7 +9,7 @@ overhead-bound); the HF checkpoint names are mapped once, in ``_FUSED``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +39,13 @@ class ForwardContext:
     """[num_blocks, num_layers, 2, block_size, Hkv, D] — the whole paged cache."""
     meta: AttentionMetadata
     backend: AttentionBackend
+    should_stop: Callable[[], bool] | None = None
+    """Asked between layers; True abandons the pass (StepInterrupted)."""
+
+
+class StepInterrupted(Exception):
+    """A forward pass was abandoned between layers: a more important request arrived.
+    Nothing of the step counts (its KV writes lie beyond every computed position)."""
 
 
 class Attention(nn.Module):
@@ -101,7 +108,9 @@ class LlamaModel(nn.Module):
         """input_ids, positions: [T] -> final hidden states [T, H]."""
         x = self.embed_tokens(input_ids)  # [T, H]
         cos, sin = self.rotary.tables(positions, x.dtype)  # [T, 1, D]
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
+            if i and ctx.should_stop is not None and ctx.should_stop():
+                raise StepInterrupted
             x = layer(x, cos, sin, ctx)
         return self.norm(x)
 

@@ -82,6 +82,8 @@ class RequestResult:
     usage_output_tokens: int | None = None
     """completion_tokens from the usage chunk, when the server sent one."""
     usage_prompt_tokens: int | None = None
+    usage_cached_tokens: int | None = None
+    """usage.prompt_tokens_details.cached_tokens, when the server reports it."""
     text: str = ""
     ended: float = 0.0
     """When send() returned, success or not."""
@@ -164,6 +166,8 @@ async def send(client: httpx.AsyncClient, endpoint: Endpoint, req: BenchRequest)
                 if event.get("usage"):
                     res.usage_output_tokens = event["usage"].get("completion_tokens")
                     res.usage_prompt_tokens = event["usage"].get("prompt_tokens")
+                    details = event["usage"].get("prompt_tokens_details") or {}
+                    res.usage_cached_tokens = details.get("cached_tokens")
                 text = _event_text(event)
                 if text:
                     res.chunk_times.append(now)

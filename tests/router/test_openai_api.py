@@ -134,6 +134,18 @@ def test_request_log_lines(c) -> None:
     assert t["output_tokens"] == 3 and t["bytes_pulled"] > 0
 
 
+def test_usage_reports_cached_prompt_tokens(c) -> None:
+    """usage.prompt_tokens_details.cached_tokens: what the prefilling worker served from
+    its prefix cache (the second send of a 3-block prompt finds at least 2 blocks), on
+    the disaggregated path and on the local one (decode worker prefills)."""
+    prompt = list(range(5, 5 + 50))  # token ids: 3 full blocks + 2 tokens
+    for _ in range(2):
+        r = post(c, "/v1/completions", {"prompt": prompt, "max_tokens": 2, "ignore_eos": True})
+    cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= 32 and cached % 16 == 0
+    assert r.json()["usage"]["prompt_tokens"] == 50
+
+
 def test_disconnect_aborts_on_every_worker(c) -> None:
     with httpx.stream("POST", c.url + "/v1/completions", timeout=60, json={
             "prompt": "a long story about everything that ever happened", "max_tokens": 200,
