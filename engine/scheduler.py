@@ -148,6 +148,8 @@ class Scheduler:
                     continue
                 batch.entries.append((req, n))
                 budget -= n
+            elif req.status is not RequestStatus.WAITING:
+                continue  # preempted earlier in this loop to seat a more important one
             elif (n := self._admit(req, batch, budget)) is not None:
                 budget -= n
             else:
@@ -155,7 +157,11 @@ class Scheduler:
 
     def _admit(self, req: Request, batch: ScheduledBatch, budget: int) -> int | None:
         if len(self.running) >= self.max_num_seqs:
-            return None
+            # A full batch gives up its least important seat to a more important request
+            # (else that request waits for a whole low-priority generation to end).
+            if self.running[-1].sort_key() <= req.sort_key():
+                return None
+            self._preempt(self.running[-1], batch)
         cached = self.kv.find_cached_prefix(req)
         ncached = len(cached) * self.kv.block_size
         n = len(req.token_ids) - ncached

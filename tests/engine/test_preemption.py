@@ -138,3 +138,29 @@ def test_priority_batch_cap_limits_lower_rows(tiny_model_dir) -> None:
     for rid in list(eng.requests):
         eng.abort(rid)
     eng.leak_check()
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_a_full_batch_gives_its_seat_to_a_more_important_request(tiny_model_dir, mode) -> None:
+    """max_num_seqs running low-priority requests: a high-priority arrival is admitted
+    at the next step (the least important one is preempted), and outputs are unchanged."""
+    ref = _engine(tiny_model_dir, num_kv_blocks=256)
+    reqs = _requests()[:3]
+    alone = {rid: ref.generate([prompt], params)[0].token_ids for rid, prompt, params, _ in reqs}
+    eng = _engine(tiny_model_dir, num_kv_blocks=256, max_num_seqs=2, preemption_mode=mode,
+                  swap_space=0.01)
+    for rid, prompt, params, _ in reqs[:2]:
+        eng.add_request(prompt, params, request_id=rid, priority=5)
+    eng.step()
+    eng.step()
+    rid, prompt, params, _ = reqs[2]
+    eng.add_request(prompt, params, request_id=rid, priority=0)
+    tracked = dict(eng.requests)
+    eng.step()
+    assert tracked[rid].status is RequestStatus.RUNNING and tracked[rid].num_output_tokens == 1
+    assert sum(r.num_preemptions for r in tracked.values()) == 1
+    assert tracked["r1"].num_preemptions == 1  # the latest of the two less important ones
+    while eng.has_unfinished():
+        eng.step()
+    assert {k: r.output_token_ids for k, r in tracked.items()} == alone
+    eng.leak_check()
