@@ -5,8 +5,8 @@ Tandem: a closed loop of --concurrency clients (throughput), then one client
 (batch-1 TPOT), through the shared bench client (tandem/bench). HF: each prompt
 through ``model.generate`` one at a time, in fp32 and in Tandem's dtype; the faster
 HF dtype is the baseline. TPOT on both sides is (e2e - TTFT) / (tokens - 1).
-Targets (those of bench/bench_engine.py): c32 throughput >= 10x HF sequential,
-batch-1 TPOT <= 1.0x HF.
+Targets: c32 throughput >= 15x HF sequential (the benchmarks issue; the engine's
+in-process target in bench/bench_engine.py is 10x), batch-1 TPOT <= 1.0x HF.
 
     .venv/bin/python bench/vs_hf.py [--concurrency 32] [--output-len 64]
 """
@@ -132,7 +132,7 @@ def main() -> None:
     print(f"  Tandem c{args.concurrency} {conc.output_throughput:.1f} tok/s vs HF sequential "
           f"{hf[best]['tok_s']:.1f} tok/s")
     print("  " + report.target_line(f"throughput ratio Tandem c{args.concurrency} / HF sequential",
-                                    thr, ">=", 10.0))
+                                    thr, ">=", 15.0))
     print(f"  Tandem c1 TPOT p50 {b1.tpot.p50 * 1e3:.2f} ms vs HF {hf[best]['tpot'] * 1e3:.2f} ms")
     print("  " + report.target_line("batch-1 TPOT ratio Tandem / HF", tpot, "<=", 1.0))
     if args.plot:

@@ -27,7 +27,7 @@ from proto import decode_pb2_grpc as pb_grpc
 from decode_svc.priority_gate import PriorityGate
 from worker.base import WorkerBase, invalid_argument
 from worker.config import WorkerConfig
-from worker.convert import sampling_from_proto
+from worker.convert import sampling_from_proto, top_to_proto
 
 log = logging.getLogger(__name__)
 _FALLBACK = {TransferState.EXPIRED: "lease_expired", TransferState.FAILED: "transfer_failed"}
@@ -227,6 +227,8 @@ class DecodeService(WorkerBase, pb_grpc.DecodeServicer):
                                      num_prompt_tokens=out.num_prompt_tokens,
                                      num_output_tokens=out.num_output_tokens,
                                      logprobs=[lp.logprob for lp in out.logprobs])
+            if any(lp.top for lp in out.logprobs):
+                chunk.top_logprobs.extend(top_to_proto(lp.top) for lp in out.logprobs)
             if out.finished:
                 chunk.finish_reason = out.finish_reason.value if out.finish_reason else "error"
                 self.count_finish(out)

@@ -25,7 +25,7 @@ from proto import prefill_pb2 as pb
 from proto import prefill_pb2_grpc as pb_grpc
 from worker.base import WorkerBase, invalid_argument
 from worker.config import WorkerConfig
-from worker.convert import sampling_from_proto
+from worker.convert import sampling_from_proto, top_to_proto
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +122,8 @@ class PrefillService(WorkerBase, pb_grpc.PrefillServicer):
             num_cached_tokens=out.num_cached_tokens, prefill_seconds=time.monotonic() - t0)
         if out.logprobs:
             reply.first_logprob = out.logprobs[0].logprob
+            if out.logprobs[0].top:
+                reply.first_top_logprobs.CopyFrom(top_to_proto(out.logprobs[0].top))
         if out.finish_reason is None:
             num_tokens = len(request.token_ids) + len(request.output_token_ids)
             reply.kv_handle.CopyFrom(await self._lease(rid, num_tokens))

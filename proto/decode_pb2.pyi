@@ -43,7 +43,7 @@ class KVTrace(_message.Message):
     def __init__(self, local_cached_tokens: _Optional[int] = ..., blocks_pulled: _Optional[int] = ..., bytes_pulled: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., fallback: _Optional[str] = ..., backend: _Optional[str] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
-    __slots__ = ("token_ids", "finished", "finish_reason", "num_prompt_tokens", "num_output_tokens", "trace", "logprobs")
+    __slots__ = ("token_ids", "finished", "finish_reason", "num_prompt_tokens", "num_output_tokens", "trace", "logprobs", "top_logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +51,7 @@ class GenerateChunk(_message.Message):
     NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TRACE_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finished: bool
     finish_reason: str
@@ -58,4 +59,5 @@ class GenerateChunk(_message.Message):
     num_output_tokens: int
     trace: KVTrace
     logprobs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., trace: _Optional[_Union[KVTrace, _Mapping]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TopLogprobs]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., trace: _Optional[_Union[KVTrace, _Mapping]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ...) -> None: ...

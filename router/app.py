@@ -26,7 +26,7 @@ from starlette.background import BackgroundTask
 from engine.tokenizer import Tokenizer
 from router.admission import Admission, DeadlineExceeded, QueueFull
 from router.config import RouterConfig
-from router.flow import Delta, NoWorkerError, RequestFlow, Trace, WorkerError
+from router.flow import Delta, Logprob, NoWorkerError, RequestFlow, Trace, WorkerError
 from router.metrics import RouterMetrics
 from router.openai_api import ChatCompletionRequest, CompletionRequest
 from router.workers import WorkerPool
@@ -94,9 +94,19 @@ def create_app(config: RouterConfig, tokenizer: Tokenizer | None = None) -> Fast
                                 "authentication_error").response(rid_of(request))
             length = request.headers.get("content-length")
             if length is not None and length.isdigit() and int(length) > config.max_body_bytes:
-                return APIError(413, f"request body of {length} bytes exceeds the limit of "
-                                     f"{config.max_body_bytes} (--max-body-bytes)").response(rid_of(request))
+                return too_large(request, f"request body of {length} bytes")
+            if length is None and request.method == "POST":  # chunked: count as it comes
+                body = b""
+                async for part in request.stream():
+                    body += part
+                    if len(body) > config.max_body_bytes:
+                        return too_large(request, f"request body of over {len(body)} bytes")
+                request._body = body  # the endpoint reads it from here (Starlette caches it)
         return await call_next(request)
+
+    def too_large(request: Request, what: str) -> JSONResponse:
+        return APIError(413, f"{what} exceeds the limit of {config.max_body_bytes} "
+                             "(--max-body-bytes)").response(rid_of(request))
 
     def rid_of(request: Request) -> str:
         return request.headers.get("x-request-id") or f"req-{uuid.uuid4().hex}"
@@ -313,24 +323,32 @@ async def _collect(first: Delta, deltas: AsyncIterator[Delta], m: RouterMetrics)
 
 
 class _LogprobFormat:
-    """OpenAI logprobs objects for the chosen tokens (top-N alternatives are not
-    carried through the router yet: top_logprobs lists are empty)."""
+    """OpenAI logprobs objects: chat (content list, top_logprobs entries) or
+    completions (tokens, token_logprobs, top_logprobs dicts, text_offset)."""
 
     def __init__(self, tokenizer: Tokenizer, chat: bool) -> None:
         self.tokenizer, self.chat = tokenizer, chat
 
-    def render(self, ids: list[int], lps: list[float]) -> dict:
+    def _tok(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def render(self, ids: list[int], lps: list[Logprob]) -> dict:
         pairs = list(zip(ids, lps))
-        tokens = [self.tokenizer.decode([t], skip_special_tokens=False) for t, _ in pairs]
+        tokens = [self._tok(t) for t, _ in pairs]
         if self.chat:
-            return {"content": [{"token": tok, "logprob": lp, "bytes": list(tok.encode()),
-                                 "top_logprobs": []} for tok, (_, lp) in zip(tokens, pairs)]}
+            return {"content": [
+                {"token": tok, "logprob": lp, "bytes": list(tok.encode()),
+                 "top_logprobs": [{"token": (alt := self._tok(t)), "logprob": alp,
+                                   "bytes": list(alt.encode())} for t, alp in top]}
+                for tok, (_, (lp, top)) in zip(tokens, pairs)]}
         offsets, pos = [], 0
         for tok in tokens:
             offsets.append(pos)
             pos += len(tok)
-        return {"tokens": tokens, "token_logprobs": [lp for _, lp in pairs],
-                "top_logprobs": [None] * len(pairs), "text_offset": offsets}
+        return {"tokens": tokens, "token_logprobs": [lp for _, (lp, _) in pairs],
+                "top_logprobs": [{self._tok(t): alp for t, alp in top} if top else None
+                                 for _, (_, top) in pairs],
+                "text_offset": offsets}
 
 
 def _usage(trace: Trace) -> dict:

@@ -28,7 +28,7 @@ from proto import decode_pb2, prefill_pb2
 from router.config import RouterConfig
 from router.placement import Placer
 from router.workers import Worker, WorkerPool
-from worker.convert import sampling_to_proto
+from worker.convert import sampling_to_proto, top_from_proto
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,10 @@ class WorkerError(RuntimeError):
         self.code = code
 
 
+Logprob = tuple[float, list[tuple[int, float]]]
+"""A generated token's logprob and its top-N alternatives [(token id, logprob)]."""
+
+
 @dataclass
 class Delta:
     """What the client sees next: new text (and tokens), and the end."""
@@ -59,7 +63,8 @@ class Delta:
     token_ids: list[int]
     finished: bool = False
     finish_reason: str | None = None
-    logprobs: list[float] = field(default_factory=list)
+    logprobs: list[Logprob] = field(default_factory=list)
+    """One per token id, when logprobs were requested."""
 
 
 @dataclass
@@ -179,7 +184,8 @@ class RequestFlow:
             if first.finished:  # nothing leased
                 touched.remove(prefill)
             yield [first.first_token], first.finish_reason or None, (
-                [first.first_logprob] if first.HasField("first_logprob") else [])
+                [(first.first_logprob, top_from_proto(first.first_top_logprobs))]
+                if first.HasField("first_logprob") else [])
             if first.finished:
                 return
             gen.output_token_ids.append(first.first_token)
@@ -195,7 +201,9 @@ class RequestFlow:
                     _absorb(trace, chunk.trace)
                     if touched[0] is not decode:  # the decode worker released the lease
                         touched.pop(0)
-                yield list(chunk.token_ids), chunk.finish_reason or None, list(chunk.logprobs)
+                tops = [top_from_proto(t) for t in chunk.top_logprobs]
+                yield list(chunk.token_ids), chunk.finish_reason or None, [
+                    (lp, tops[i] if i < len(tops) else []) for i, lp in enumerate(chunk.logprobs)]
                 if chunk.finished:
                     touched.remove(decode)
                     return
@@ -257,7 +265,7 @@ class _TextStream:
         self.stop = (StopStringMatcher(params.stop, params.include_stop_str_in_output)
                      if params.stop else None)
 
-    def feed(self, token_ids: list[int], reason: str | None, logprobs: list[float]) -> Delta:
+    def feed(self, token_ids: list[int], reason: str | None, logprobs: list[Logprob]) -> Delta:
         text = "".join(self.detok.add(t) for t in token_ids)
         if reason is not None:  # the end: what was held back for a split character goes out
             text += self.detok.flush()

@@ -1,6 +1,8 @@
 """`tandem up`: a whole local cluster — N prefill workers, M decode workers and
 the router on 127.0.0.1:8000 — each worker pinned to its own core where the
-machine has enough. Ctrl-C (or SIGTERM) stops every process it started."""
+machine has enough; the router then runs on the prefill workers' cores, so decode
+workers have theirs to themselves. Ctrl-C (or SIGTERM) stops every process it
+started."""
 from __future__ import annotations
 
 import argparse
@@ -149,6 +151,11 @@ def run_up(args: argparse.Namespace) -> int:
                 grpc_addr, mport = ready.read_text().split()
                 print(f"  {role:7} gRPC {grpc_addr}  metrics http://127.0.0.1:{mport}/metrics",
                       file=sys.stderr, flush=True)
+            prefill_cores = set().union(*(c for r, c in zip(roles, plan) if r == "prefill" and c))
+            if prefill_cores:
+                # The router shares the prefill workers' cores: decode workers keep theirs
+                # to themselves (TPOT is the latency-critical path; prefill is bursty).
+                os.sched_setaffinity(0, prefill_cores)
             run_router(config, args.log_level)
         except KeyboardInterrupt:
             pass

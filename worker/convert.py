@@ -47,3 +47,12 @@ def engine_load(engine: LLMEngine, worker_id: str, active_leases: int = 0) -> co
         kv_usage=pool.usage, free_blocks=pool.num_free, total_blocks=pool.num_blocks,
         queued_prompt_tokens=sum(len(r.token_ids) - r.num_computed_tokens for r in waiting),
         active_leases=active_leases, block_size=engine.config.block_size)
+
+
+def top_to_proto(top: list[tuple[int, float]]) -> common.TopLogprobs:
+    """The top-N (token id, logprob) pairs of one position."""
+    return common.TopLogprobs(token_ids=[t for t, _ in top], logprobs=[lp for _, lp in top])
+
+
+def top_from_proto(m: common.TopLogprobs) -> list[tuple[int, float]]:
+    return list(zip(m.token_ids, m.logprobs))

@@ -103,6 +103,20 @@ def test_body_size_limit(c) -> None:
     assert r.status_code == 413 and "--max-body-bytes" in r.json()["error"]["message"]
 
 
+def test_body_size_limit_holds_for_chunked_bodies(c) -> None:
+    """No Content-Length (Transfer-Encoding: chunked): counted as it arrives."""
+    def body(prompt: str):
+        yield json.dumps({"prompt": prompt, "max_tokens": 2, "ignore_eos": True}).encode()
+
+    headers = {"content-type": "application/json"}
+    r = httpx.post(c.url + "/v1/completions", content=body("x" * 10000), headers=headers,
+                   timeout=60)
+    assert r.status_code == 413 and "--max-body-bytes" in r.json()["error"]["message"]
+    r = httpx.post(c.url + "/v1/completions", content=body("a small chunked prompt here"),
+                   headers=headers, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
 def test_models_health_ready_metrics_openapi(c) -> None:
     models = httpx.get(c.url + "/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["object"] == "model"

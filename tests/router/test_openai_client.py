@@ -81,6 +81,37 @@ def test_chat_streaming_usage_seed_and_logprobs(client) -> None:
     assert chunks[-1].usage.completion_tokens == 6
 
 
+def test_top_logprobs_chat_and_completions(client) -> None:
+    """Greedy: the chosen token is the most likely one, so it heads its top list with
+    the same logprob; the lists have the requested length, on the first token (from
+    the prefill worker) and on the later ones (from the decode worker), streamed too."""
+    m = _model(client)
+    msgs = [{"role": "user", "content": "name a colour"}]
+    r = client.chat.completions.create(model=m, messages=msgs, max_tokens=4, temperature=0,
+                                       logprobs=True, top_logprobs=3,
+                                       extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    assert len(content) == 4
+    for x in content:
+        assert len(x.top_logprobs) == 3
+        assert x.top_logprobs[0].token == x.token
+        assert abs(x.top_logprobs[0].logprob - x.logprob) < 1e-4
+        assert x.top_logprobs[0].logprob >= x.top_logprobs[1].logprob >= x.top_logprobs[2].logprob
+
+    c = client.completions.create(model=m, prompt="The capital of France is", max_tokens=3,
+                                  temperature=0, logprobs=2, extra_body={"ignore_eos": True})
+    lp = c.choices[0].logprobs
+    assert len(lp.tokens) == 3 and all(len(d) == 2 for d in lp.top_logprobs)
+    for tok, tlp, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert abs(top[tok] - tlp) < 1e-4
+    stream = client.completions.create(model=m, prompt="The capital of France is", max_tokens=3,
+                                       temperature=0, logprobs=2, stream=True,
+                                       extra_body={"ignore_eos": True})
+    streamed = [d for ch in stream if ch.choices and ch.choices[0].logprobs
+                for d in ch.choices[0].logprobs.top_logprobs]
+    assert streamed == lp.top_logprobs
+
+
 def test_stop_strings(client) -> None:
     m = _model(client)
     base = client.completions.create(model=m, prompt="abcdefgh", max_tokens=10, temperature=0,
