@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.attention.base import AttentionBackend, gather_kv, write_kv
+from engine.attention.base import AttentionBackend, gather_blocks, gather_kv, write_kv
 from engine.attention.metadata import AttentionMetadata
 
 
@@ -54,9 +54,9 @@ class SDPABackend(AttentionBackend):
         if meta.num_decodes:
             bt, mask = meta.cached("decode", lambda: _decode_inputs(meta, q.device))
             n = bt.shape[0]
-            blocks = kv[bt, layer]  # [N, maxb, 2, B, Hkv, D]
-            ks = blocks[:, :, 0].reshape(n, -1, *blocks.shape[-2:]).transpose(1, 2)  # [N, Hkv, S, D]
-            vs = blocks[:, :, 1].reshape(n, -1, *blocks.shape[-2:]).transpose(1, 2)
+            ks, vs = gather_blocks(layer, kv, bt.view(-1))  # [N*maxb, B, Hkv, D] each
+            ks = ks.view(n, -1, *ks.shape[-2:]).transpose(1, 2)  # [N, Hkv, S, D]
+            vs = vs.view(n, -1, *vs.shape[-2:]).transpose(1, 2)
             qs = q[start:].unsqueeze(2)  # [N, Hq, 1, D]
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale,
                                                enable_gqa=True)
