@@ -81,7 +81,13 @@ def create_app(config: RouterConfig, tokenizer: Tokenizer | None = None) -> Fast
 
     app = FastAPI(title="Tandem router", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible API over Tandem's prefill and decode pools.")
-    admission = Admission(config.max_inflight, config.max_queue)
+    def decode_room(blocks: int) -> bool:
+        """Some healthy decode worker reported at least this many free KV blocks (or has
+        not reported yet)."""
+        return any(not w.load.total_blocks or w.load.free_blocks >= blocks
+                   for w in state["pool"].healthy("decode"))
+
+    admission = Admission(config.max_inflight, config.max_queue, decode_room)
     request_log = open(config.log_requests, "a", buffering=1) if config.log_requests else None
 
     @app.middleware("http")
@@ -223,7 +229,8 @@ def create_app(config: RouterConfig, tokenizer: Tokenizer | None = None) -> Fast
     async def respond(request: Request, body, prompt_ids: list[int], chat: bool,
                       logprobs: int | None):
         deadline = deadline_of(request)
-        slot = admission.slot(priority_of(request, body.priority), deadline)
+        blocks = -(-(len(prompt_ids) + 1) // config.block_size)
+        slot = admission.slot(priority_of(request, body.priority), deadline, blocks)
         try:
             queued = await slot.__aenter__()
         except QueueFull as e:
