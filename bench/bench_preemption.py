@@ -108,7 +108,8 @@ def main() -> None:
     ap.add_argument("--low", type=int, default=64, help="long low-priority requests")
     ap.add_argument("--high", type=int, default=8, help="high-priority requests")
     ap.add_argument("--caps", default="0,2",
-                    help="--priority-batch-cap values to run the flood with (default: 0,2)")
+                    help="--priority-batch-cap values to run the flood with (default: 0,2; "
+                         "0 = no cap, 2 = the workers' default)")
     ap.add_argument("--part", choices=("all", "resume", "priority"), default="all")
     args = ap.parse_args()
     if args.part != "priority":

@@ -114,10 +114,11 @@ class EngineConfig:
     """Host (CPU) swap pool for preempted requests' KV blocks, GiB; pinned memory on CUDA."""
     preemption_mode: str = "auto"
     """swap | recompute | auto (swap, but recompute short contexts or when the swap pool is full)."""
-    priority_batch_cap: int = 0
+    priority_batch_cap: int = 2
     """When requests of several priorities are running or waiting, at most this many
     decode rows less important than the best of them join each step (protects the best
-    class's TTFT and inter-token latency; the rest keep their KV and wait); 0 = no cap."""
+    class's TTFT and inter-token latency; the rest keep their KV and wait, and still
+    advance this many at a time); 0 = no cap. No effect when all priorities are equal."""
     interrupt_steps: bool = True
     """Abandon a running step between layers when a request more important than all of
     its requests arrives (the newcomer then waits one layer, not one step)."""
