@@ -60,6 +60,15 @@ def run_mode(mode: str, args, reqs, arrivals, warm) -> load.LoadResult:
         return res
 
 
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1e3:.1f}"
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    """a / b, or None when either was not measured (e.g. every request failed)."""
+    return None if a is None or not b else a / b
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=str(default_model_path()))
@@ -105,14 +114,15 @@ def main() -> None:
             print(f"{mode}: {len(failed)} failed; first: {failed[0].error}")
 
     d, c = sums["disagg", "short"], sums["colocated", "short"]
-    print(f"\n  short-request TPOT p99: disagg {d.tpot.p99 * 1e3:.1f} ms, "
-          f"colocated {c.tpot.p99 * 1e3:.1f} ms")
-    print("  " + report.target_line("p99 TPOT ratio disagg/colocated", d.tpot.p99 / c.tpot.p99,
-                                    "<=", 0.5))
+    print(f"\n  short-request TPOT p99: disagg {_ms(d.tpot.p99)} ms, "
+          f"colocated {_ms(c.tpot.p99)} ms")
+    print("  " + report.target_line("p99 TPOT ratio disagg/colocated",
+                                    _ratio(d.tpot.p99, c.tpot.p99), "<=", 0.5))
     for tag in (None, "short", "long"):
         d, c = sums["disagg", tag], sums["colocated", tag]
-        print(f"  {tag or 'all':5s} TTFT p99: disagg {d.ttft.p99 * 1e3:8.1f} ms, colocated "
-              f"{c.ttft.p99 * 1e3:8.1f} ms ({d.ttft.p99 / c.ttft.p99:.2f}x);  goodput: disagg "
+        print(f"  {tag or 'all':5s} TTFT p99: disagg {_ms(d.ttft.p99):>8s} ms, colocated "
+              f"{_ms(c.ttft.p99):>8s} ms ({_ratio(d.ttft.p99, c.ttft.p99) or 0:.2f}x);  "
+              f"goodput: disagg "
               f"{d.goodput:.3f} req/s ({d.slo_attainment:.0%}), colocated {c.goodput:.3f} req/s "
               f"({c.slo_attainment:.0%})")
     if args.plot:

@@ -11,8 +11,9 @@ workloads, through the shared bench client.
 
 Prints TTFT, throughput and the prefix-cache hit rate the router expected when it
 placed each request (tandem:prefix_cache_hits_predicted / tandem:router_prompt_tokens:
-the chosen worker's cached blocks as its KV events reported them; the "realized"
-counter only covers KV handoffs, and these runs prefill locally).
+the chosen worker's cached blocks as its KV events reported them). The realized rate
+per request (usage.prompt_tokens_details.cached_tokens) against an ideal is what
+bench/prefix_hit_rate.py measures, on 2 prefill + 2 decode workers.
 
     .venv/bin/python bench/prefix_and_routing.py [--groups 16] [--prefix-len 1024]
 """
