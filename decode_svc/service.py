@@ -150,11 +150,15 @@ class DecodeService(WorkerBase, pb_grpc.DecodeServicer):
         """Blocks for the request; waits while the pool is full (what can never fit was
         refused before)."""
         delay = 0.002
+        urgent: int | None = req.priority
         while True:
             res = await self.engine.call(lambda e: e.reserve_remote(req, num_kv, preempt_lower),
-                                         urgent=req.priority)
+                                         urgent=urgent)
             if res is not None:
                 return res
+            # Retries wait for steps to end: interrupting each one would stop the very
+            # requests whose completion frees the blocks.
+            urgent = None
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.05)
 

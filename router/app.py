@@ -83,9 +83,11 @@ def create_app(config: RouterConfig, tokenizer: Tokenizer | None = None) -> Fast
                   description="OpenAI-compatible API over Tandem's prefill and decode pools.")
     def decode_room(blocks: int) -> bool:
         """Some healthy decode worker reported at least this many free KV blocks (or has
-        not reported yet)."""
-        return any(not w.load.total_blocks or w.load.free_blocks >= blocks
-                   for w in state["pool"].healthy("decode"))
+        not reported yet). With no healthy decode worker at all, True: the request
+        goes on and gets its 503 now instead of waiting in the queue."""
+        decoders = state["pool"].healthy("decode")
+        return not decoders or any(not w.load.total_blocks or w.load.free_blocks >= blocks
+                                   for w in decoders)
 
     admission = Admission(config.max_inflight, config.max_queue, decode_room)
     request_log = open(config.log_requests, "a", buffering=1) if config.log_requests else None
