@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from engine.config import EngineConfig, dtype_name, resolve_dtype  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
+from tandem.bench.hf_baseline import generate_timed, load_hf  # noqa: E402
 
 DEFAULT_MODEL = os.environ.get("TANDEM_MODEL", "/root/.cache/tandem/SmolLM2-135M-Instruct.Q4_1.gguf")
 
@@ -101,54 +102,15 @@ def bench_engine_prefill(eng: LLMEngine, prompts: list[list[int]]) -> Result:
     return Result("engine prefill", len(prompts), len(prompts[0]), 1, None, computed / wall, wall)
 
 
-class _FirstTokenClock:
-    """A stopping criterion that never stops; it timestamps each generated token."""
-
-    def __init__(self) -> None:
-        self.stamps: list[float] = []
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
-        self.stamps.append(time.perf_counter())
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-
-
 def bench_hf(model, prompts: list[list[int]], new_tokens: int, name: str) -> Result:
     """HF generate, one prompt at a time; decode/e2e summed over the prompts."""
-    from transformers import StoppingCriteriaList
-
-    cfg = copy.deepcopy(model.generation_config)
-    cfg.update(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=None)
-    cfg.eos_token_id = None  # like ignore_eos: always new_tokens tokens
-    decode_tokens, decode_s, total_tokens, total_s = 0, 0.0, 0, 0.0
-    steps: list[float] = []
-    for ids in prompts:
-        clock = _FirstTokenClock()
-        x = torch.tensor([ids])
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            out = model.generate(x, attention_mask=torch.ones_like(x), generation_config=cfg,
-                                 stopping_criteria=StoppingCriteriaList([clock]))
-        t1 = time.perf_counter()
-        n = out.shape[1] - len(ids)
-        total_tokens += n
-        total_s += t1 - t0
-        decode_tokens += n - 1
-        decode_s += t1 - clock.stamps[0]
-        steps += [b - a for a, b in zip(clock.stamps, clock.stamps[1:])]
-    return Result(name, 1, len(prompts[0]), new_tokens, decode_tokens / decode_s,
-                  total_tokens / total_s, total_s, statistics.median(steps) * 1000)
-
-
-def load_hf(model_path: Path):
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    if model_path.is_dir():
-        return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-    return AutoModelForCausalLM.from_pretrained(model_path.parent, gguf_file=model_path.name,
-                                                dtype=torch.float32).eval()
+    runs = generate_timed(model, prompts, new_tokens)
+    decode_tokens = sum(r.new_tokens - 1 for r in runs)
+    total_tokens, total_s = sum(r.new_tokens for r in runs), sum(r.t1 - r.t0 for r in runs)
+    steps = [b - a for r in runs for a, b in zip(r.stamps, r.stamps[1:])]
+    return Result(name, 1, len(prompts[0]), new_tokens,
+                  decode_tokens / sum(r.decode_s for r in runs), total_tokens / total_s,
+                  total_s, statistics.median(steps) * 1000)
 
 
 def fmt(x: float | None) -> str:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -47,21 +46,12 @@ def run_mode(mode: str, args, reqs, arrivals, warm) -> load.LoadResult:
     with tandem_up(*up, model=args.model) as srv:
         ep = Endpoint(srv.url, Path(args.model).name.removesuffix(".gguf"))
         load.run(ep, warm, concurrency=len(warm), progress=False)
-        rec = out = None
-        if args.py_spy:  # the decode worker: the only worker when colocated
-            pid = next(p for p in srv.children() if " decode " in srv.cmdline(p))
-            out = Path(tempfile.gettempdir()) / f"disagg_vs_colocated.{mode}.pyspy.txt"
-            rec = profile.start_record(pid, args.py_spy, out)
-        res = load.run(ep, reqs, arrivals=arrivals, label=mode)
-        if rec is not None:
-            rec.wait()
-            print(f"\npy-spy, {mode} decode worker, first {args.py_spy:g}s of the load:\n"
-                  + profile.summarize(out), flush=True)
-        return res
-
-
-def _ms(x: float | None) -> str:
-    return "-" if x is None else f"{x * 1e3:.1f}"
+        # The decode worker (the only worker when colocated).
+        pid = next(p for p in srv.children() if " decode " in srv.cmdline(p)) \
+            if args.py_spy else None
+        with profile.sampled(pid, args.py_spy, f"disagg_vs_colocated.{mode}",
+                             f"{mode} decode worker, the load"):
+            return load.run(ep, reqs, arrivals=arrivals, label=mode)
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -114,14 +104,14 @@ def main() -> None:
             print(f"{mode}: {len(failed)} failed; first: {failed[0].error}")
 
     d, c = sums["disagg", "short"], sums["colocated", "short"]
-    print(f"\n  short-request TPOT p99: disagg {_ms(d.tpot.p99)} ms, "
-          f"colocated {_ms(c.tpot.p99)} ms")
+    print(f"\n  short-request TPOT p99: disagg {report.fmt_ms(d.tpot.p99)} ms, "
+          f"colocated {report.fmt_ms(c.tpot.p99)} ms")
     print("  " + report.target_line("p99 TPOT ratio disagg/colocated",
                                     _ratio(d.tpot.p99, c.tpot.p99), "<=", 0.5))
     for tag in (None, "short", "long"):
         d, c = sums["disagg", tag], sums["colocated", tag]
-        print(f"  {tag or 'all':5s} TTFT p99: disagg {_ms(d.ttft.p99):>8s} ms, colocated "
-              f"{_ms(c.ttft.p99):>8s} ms ({_ratio(d.ttft.p99, c.ttft.p99) or 0:.2f}x);  "
+        print(f"  {tag or 'all':5s} TTFT p99: disagg {report.fmt_ms(d.ttft.p99):>8s} ms, colocated "
+              f"{report.fmt_ms(c.ttft.p99):>8s} ms ({_ratio(d.ttft.p99, c.ttft.p99) or 0:.2f}x);  "
               f"goodput: disagg "
               f"{d.goodput:.3f} req/s ({d.slo_attainment:.0%}), colocated {c.goodput:.3f} req/s "
               f"({c.slo_attainment:.0%})")

@@ -19,60 +19,22 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 from engine.config import dtype_name, resolve_dtype  # noqa: E402
 from tandem.bench import datasets, load, report, stats  # noqa: E402
 from tandem.bench.client import Endpoint  # noqa: E402
+from tandem.bench.hf_baseline import generate_timed, load_hf  # noqa: E402
 from tandem.bench.servers import Noise, load_note, tandem_up  # noqa: E402
 from tandem.fetch_model import default_model_path  # noqa: E402
 
 
-class _Clock:
-    """A stopping criterion that never stops; it stamps each generated token."""
-
-    def __init__(self) -> None:
-        self.stamps: list[float] = []
-
-    def __call__(self, input_ids, scores, **kwargs) -> torch.Tensor:
-        self.stamps.append(time.perf_counter())
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
-
-
 def hf_sequential(model, prompts: list[list[int]], new_tokens: int) -> dict:
     """Batch-1 generate per prompt: tokens/s over the whole sequence, TTFT and TPOT."""
-    from transformers import StoppingCriteriaList
-
-    cfg = copy.deepcopy(model.generation_config)
-    cfg.update(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=None)
-    cfg.eos_token_id = None  # like ignore_eos: always new_tokens tokens
-    tokens, wall, ttfts, tpots = 0, 0.0, [], []
-    for ids in prompts:
-        clock, x = _Clock(), torch.tensor([ids])
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            out = model.generate(x, attention_mask=torch.ones_like(x), generation_config=cfg,
-                                 stopping_criteria=StoppingCriteriaList([clock]))
-        t1 = time.perf_counter()
-        n = out.shape[1] - len(ids)
-        tokens, wall = tokens + n, wall + (t1 - t0)
-        ttfts.append(clock.stamps[0] - t0)
-        tpots.append((t1 - clock.stamps[0]) / (n - 1))
-    return {"tok_s": tokens / wall, "ttft": statistics.median(ttfts),
-            "tpot": statistics.median(tpots), "tokens": tokens, "wall": wall}
-
-
-def load_hf(model_path: Path):
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    if model_path.is_dir():
-        return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-    return AutoModelForCausalLM.from_pretrained(model_path.parent, gguf_file=model_path.name,
-                                                dtype=torch.float32).eval()
+    runs = generate_timed(model, prompts, new_tokens)
+    tokens, wall = sum(r.new_tokens for r in runs), sum(r.t1 - r.t0 for r in runs)
+    return {"tok_s": tokens / wall, "ttft": statistics.median(r.ttft for r in runs),
+            "tpot": statistics.median(r.decode_s / (r.new_tokens - 1) for r in runs),
+            "tokens": tokens, "wall": wall}
 
 
 def run_tandem(args, reqs: list[datasets.BenchRequest]) -> tuple[stats.Summary, stats.Summary, list]:

@@ -71,16 +71,9 @@ def measure(ep: Endpoint, reqs, args, name: str, pid: int | None = None
 
 
 def _phase(ep: Endpoint, reqs, concurrency: int, label: str, args, pid: int | None):
-    rec = out = None
-    if pid is not None and args.py_spy:
-        out = Path(tempfile.gettempdir()) / f"vs_llamacpp.{label.replace(' ', '_')}.pyspy.txt"
-        rec = profile.start_record(pid, args.py_spy, out)
-    res = load.run(ep, reqs, concurrency=concurrency, label=label)
-    if rec is not None:
-        rec.wait()
-        print(f"\npy-spy, engine worker, first {args.py_spy:g}s of {label}:\n"
-              + profile.summarize(out), flush=True)
-    return res
+    with profile.sampled(pid, args.py_spy, f"vs_llamacpp.{label.replace(' ', '_')}",
+                         f"engine worker, {label}"):
+        return load.run(ep, reqs, concurrency=concurrency, label=label)
 
 
 def main() -> int:

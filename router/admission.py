@@ -8,8 +8,8 @@ it waits is refused too (HTTP 504).
 The KV check never strands a request: it is skipped when nothing is in flight (the
 pool can only be full of cached blocks the worker will evict) and when a less
 important request is in flight (the decode worker preempts it to make room). Worker
-loads change without the router hearing of it, so waiters re-check every
-RECHECK_S as well as whenever a request ends.
+loads change without the router hearing of it, so the queue head is re-checked
+every RECHECK_S as well as whenever a request ends.
 """
 from __future__ import annotations
 
@@ -46,6 +46,7 @@ class Admission:
         """Priorities of the requests in flight."""
         self._heap: list[tuple[int, int, int, asyncio.Future]] = []
         self._seq = itertools.count()
+        self._recheck: asyncio.Future | None = None
         self._recent_s = 1.0  # EWMA of request service time, for Retry-After
 
     @property
@@ -88,17 +89,15 @@ class Admission:
         fut = asyncio.get_running_loop().create_future()
         heapq.heappush(self._heap, (priority, next(self._seq), blocks, fut))
         self._pump()  # it may head the queue and fit already
+        if self.room is not None and self._recheck is None and not fut.done():
+            self._recheck = asyncio.ensure_future(self._recheck_while_waiting())
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
-            while not fut.done():
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    fut.cancel()
-                    raise DeadlineExceeded("the request's deadline passed while it was queued")
-                wait = RECHECK_S if left is None else min(RECHECK_S, left)
-                try:
-                    await asyncio.wait_for(asyncio.shield(fut), wait)
-                except asyncio.TimeoutError:
-                    self._pump()  # worker loads may have changed meanwhile
+            await asyncio.wait_for(asyncio.shield(fut), timeout)
+        except asyncio.TimeoutError:
+            if not fut.done():
+                fut.cancel()
+                raise DeadlineExceeded("the request's deadline passed while it was queued") from None
         except asyncio.CancelledError:  # client gone while queued
             if fut.done() and not fut.cancelled():
                 self._release(priority)  # we were given a slot: pass it on
@@ -106,6 +105,16 @@ class Admission:
                 fut.cancel()
             raise
         # fut done: _pump gave us the slot (inflight already counted)
+
+    async def _recheck_while_waiting(self) -> None:
+        """Worker loads change without the router hearing of it: one task re-checks
+        the queue head every RECHECK_S while anyone waits."""
+        try:
+            while self.waiting:
+                await asyncio.sleep(RECHECK_S)
+                self._pump()
+        finally:
+            self._recheck = None
 
     def _pump(self) -> None:
         """Admit waiters from the head of the queue while they fit."""

@@ -32,16 +32,16 @@ class Placer:
         turn = next(self._rr)
         if self.policy == "round_robin":
             w = workers[turn % len(workers)]
-            return w, self.index.overlap(w.address, hashes)
+            return w, self.index.overlap(w.address, hashes)[0]
         best, best_key = None, None
         for i, w in enumerate(workers):
-            overlap = self.index.overlap(w.address, hashes, expected=True)
+            reported, overlap = self.index.overlap(w.address, hashes)
             score = (overlap - LOAD_WEIGHT * (w.inflight + w.load.num_waiting)
                      - KV_WEIGHT * w.load.kv_usage)
             if w.load.total_blocks and w.load.free_blocks < need_blocks - overlap:
                 score -= FULL_PENALTY
             key = (score, -((i - turn) % len(workers)))  # ties rotate
             if best_key is None or key > best_key:
-                best, best_key = w, key
-        self.index.expect(best.address, hashes)
-        return best, self.index.overlap(best.address, hashes)
+                best, best_key = (w, reported), key
+        self.index.expect(best[0].address, hashes)
+        return best

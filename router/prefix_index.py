@@ -58,14 +58,18 @@ class PrefixIndex:
             self.removed(worker, h)
         self._expected.pop(worker, None)
 
-    def overlap(self, worker: str, hashes: Sequence[BlockHash], expected: bool = False) -> int:
-        """Leading blocks of the chain this worker holds (reported), or with
-        expected=True, holds or is about to (routed there within EXPECT_TTL_S)."""
-        exp = self._expected.get(worker, {}) if expected else {}
+    def overlap(self, worker: str, hashes: Sequence[BlockHash]) -> tuple[int, int]:
+        """(leading blocks of the chain this worker reported holding, leading blocks it
+        holds or is about to: routed there within EXPECT_TTL_S), in one walk."""
+        held = self._holders
+        exp = self._expected.get(worker) or {}
         now = self._clock() if exp else 0.0
-        n = 0
+        reported = n = 0
         for h in hashes:
-            if worker not in self._holders.get(h, ()) and exp.get(h, 0.0) <= now:
+            if worker in held.get(h, ()):
+                if reported == n:  # no expected-only block before this one
+                    reported += 1
+            elif exp.get(h, 0.0) <= now:
                 break
             n += 1
-        return n
+        return reported, n

@@ -8,10 +8,13 @@ of samples per thread, the hottest leaf frames and the hottest functions
 from __future__ import annotations
 
 import collections
+import contextlib
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+from typing import Iterator
 
 
 def py_spy() -> str | None:
@@ -32,6 +35,21 @@ def start_record(pid: int, seconds: float, out: Path, rate: int = 100) -> subpro
                              "-r", str(rate), "-f", "raw", "-o", str(out), "--threads",
                              "--nonblocking"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+@contextlib.contextmanager
+def sampled(pid: int | None, seconds: float, name: str, what: str) -> Iterator[None]:
+    """Sample pid with py-spy for the first `seconds` of the block, then print the
+    summary headed "py-spy, WHAT, first Ns:". The raw file is kept in the temp folder
+    as NAME.pyspy.txt. Does nothing when pid is None or seconds is 0."""
+    rec = None
+    if pid is not None and seconds:
+        out = Path(tempfile.gettempdir()) / f"{name}.pyspy.txt"
+        rec = start_record(pid, seconds, out)
+    yield
+    if rec is not None:
+        rec.wait()
+        print(f"\npy-spy, {what}, first {seconds:g}s:\n" + summarize(out), flush=True)
 
 
 def summarize(raw: Path, top: int = 12) -> str:

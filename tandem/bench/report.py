@@ -13,7 +13,8 @@ from tandem.bench.client import RequestResult
 from tandem.bench.stats import Dist, Summary
 
 
-def _ms(x: float | None) -> str:
+def fmt_ms(x: float | None) -> str:
+    """Seconds as milliseconds for a table ("-" when not measured)."""
     return "-" if x is None else f"{x * 1e3:,.1f}"
 
 
@@ -22,7 +23,7 @@ def _num(x: float | None, digits: int = 2) -> str:
 
 
 def _dist_rows(name: str, d: Dist, unit_ms: bool = True) -> list[tuple[str, str]]:
-    f = _ms if unit_ms else (lambda x: _num(x, 2))
+    f = fmt_ms if unit_ms else (lambda x: _num(x, 2))
     unit = "ms" if unit_ms else "s"
     return [(f"{name} {k} ({unit})", f(getattr(d, k))) for k in ("mean", "p50", "p90", "p99")]
 
@@ -34,7 +35,7 @@ def summary_rows(s: Summary) -> list[tuple[str, str]]:
             ("output tokens/s", _num(s.output_throughput, 1)),
             ("total tokens/s", _num(s.total_token_throughput, 1))]
     rows += _dist_rows("TTFT", s.ttft) + _dist_rows("TPOT", s.tpot)
-    rows += [(f"ITL {k} (ms)", _ms(getattr(s.itl, k))) for k in ("p50", "p90", "p99")]
+    rows += [(f"ITL {k} (ms)", fmt_ms(getattr(s.itl, k))) for k in ("p50", "p90", "p99")]
     rows += _dist_rows("E2E", s.e2e, unit_ms=False)
     if s.slo_ttft is not None or s.slo_tpot is not None:
         slo = " & ".join(x for x in (
