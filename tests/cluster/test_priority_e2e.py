@@ -49,11 +49,19 @@ def test_twelve_mixed_priority_requests_over_http(tiny_model_dir, mode) -> None:
             r = httpx.post(c.url + "/v1/completions", json=body, timeout=120)
             assert r.status_code == 200, r.text
             return r.json()["choices"][0]["text"]
+        # Sent least important first: those are in flight when the rest arrive, so the
+        # router admits the rest at once (the worker preempts to make room). Sent in any
+        # order, the router's admission may rightly hold back less important ones while
+        # the pool is full, and then nothing needs preempting.
+        reqs = _requests()
+        order = sorted(range(len(reqs)), key=lambda i: -reqs[i]["priority"])
         with cf.ThreadPoolExecutor(12) as pool:
-            got = list(pool.map(send, _requests()))
+            texts = dict(zip(order, pool.map(send, [reqs[i] for i in order])))
+        got = [texts[i] for i in range(len(reqs))]
         assert got == want
         m = c.metrics(c.decode[0])
         n = sum(float(v) for v in re.findall(
             rf'tandem:num_preemptions_total\{{[^}}]*mode="{mode}"[^}}]*\}} (\S+)', m))
         assert n > 0, "expected preemptions in a 4-request pool"
         c.leak_check()
+
