@@ -1,30 +1,36 @@
 """The decode worker: pulls a prompt's missing KV blocks, joins the request to its
 continuous batch, and streams tokens.
 
-Request life here (Generate): validate; reserve blocks on the engine thread (its
-own prefix-cache hit adopted, the rest allocated; waits while the pool is
-full); pull only the blocks it lacks from the prefill worker named in the
+Request life here (Generate): validate; queue the request as a remote admission
+(the engine's scheduler gives it blocks in priority order with everything else,
+its own prefix-cache hit adopted, preempting less important requests when the
+router allows); pull only the blocks it lacks from the prefill worker named in the
 KVHandle, then release the lease (KVLinkClient.pull does both); join the batch.
 If the pull fails (lease expired, peer gone, timeout) the prompt is recomputed
 here and the trace says why. Without a handle the prompt is prefilled locally
-(conditional disaggregation). Blocks are freed once, by the engine, when the
-request finishes or is aborted; an abort that arrives mid-pull waits for the
-pull to end so no byte lands in a block someone else owns.
+(conditional disaggregation).
+
+Blocks are freed once, by the engine, when the request finishes or is aborted. The
+pull's owner is this handler: an Abort that arrives mid-pull is held by the engine
+until the pull ends (no byte lands in a block someone else owns), and a cancelled
+handler waits for its pull to stop before it gives the blocks back.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 import grpc
 
-from engine.remote import RemoteReservation
-from kvtransfer.base import KVCompatError, ReadPlan, TransferState, get_backend
-from kvtransfer.link import KVLinkClient, blocks_from_proto
+from decode_svc.peers import Peer, PeerCache
+from decode_svc.priority_gate import PriorityGate
+from engine.request import RemoteReservation, Request
+from kvtransfer.base import KVCompatError, ReadPlan, SourceBlocks, TransferState, get_backend
+from kvtransfer.link import blocks_from_proto
 from proto import common_pb2 as common
 from proto import decode_pb2 as pb
 from proto import decode_pb2_grpc as pb_grpc
-from decode_svc.priority_gate import PriorityGate
 from worker.base import WorkerBase, invalid_argument
 from worker.config import WorkerConfig
 from worker.convert import sampling_from_proto, top_to_proto
@@ -38,191 +44,149 @@ class DecodeService(WorkerBase, pb_grpc.DecodeServicer):
 
     def __init__(self, config: WorkerConfig) -> None:
         super().__init__(config)
-        self._peers: dict[str, tuple[KVLinkClient, object]] = {}
-        self._peer_lock = asyncio.Lock()
-        self._reserve_gate = PriorityGate(1)  # freed blocks go to the most important first
-        self._pull_gate = PriorityGate(2)     # transfers served in priority order
-        self._pulling: set[str] = set()
-        self._abort_after_pull: set[str] = set()
+        self._pull_gate = PriorityGate(2)  # transfers served in priority order
 
     async def start(self) -> None:
         await self.start_engine()
         backend = get_backend(self.config.kv.backend)
-        self.backend_name = backend.name
         self.reader = backend.reader()
-        self.reader.register(self.llm.runner.kv, self.compat())
+        self.reader.register(self.engine.kv_tensor, self.compat())
+        self.peers = PeerCache(self.reader, self.compat, self.worker_id, backend.name)
+        self.backend_name = backend.name
         pb_grpc.add_DecodeServicer_to_server(self, self.server)
         await self.start_server([pb.DESCRIPTOR.services_by_name["Decode"].full_name])
 
     async def stop(self, grace_s: float = 1.0) -> None:
         await super().stop(grace_s)
-        for client, _ in self._peers.values():
-            await client.close()
+        await self.peers.close()
         self.reader.close()
 
-    async def _peer(self, endpoint: str):
-        """(client, reader peer) for a prefill worker; handshake once per endpoint.
-        KVCompatError when the two workers' KV records differ."""
-        async with self._peer_lock:
-            if endpoint not in self._peers:
-                client = KVLinkClient(endpoint, self.worker_id)
-                try:
-                    info = await client.handshake(self.compat(), self.backend_name)
-                    self.compat().check(info.compat)
-                    peer = self.reader.connect(info)
-                except BaseException:
-                    await client.close()
-                    raise
-                self._peers[endpoint] = (client, peer)
-            return self._peers[endpoint]
-
     # -- RPCs -----------------------------------------------------------------------
-    async def Generate(self, request: pb.GenerateRequest, context):
+    async def Generate(self, request: pb.GenerateRequest, context) -> None:
+        """Streams GenerateChunks with context.write, so a cancelled call (the router
+        went away) raises here and the cleanup below always runs."""
         rid = request.request_id
         await self.refuse_if_draining(context)
         try:
             params = sampling_from_proto(request.sampling)
-            # Validation only reads the engine: done here, not after the running step.
-            req = self.llm.make_request(list(request.prompt_token_ids), params, rid,
-                                        request.priority, list(request.output_token_ids))
+            req = self.engine.make_request(request.prompt_token_ids, params, rid,
+                                           request.priority, request.output_token_ids)
         except ValueError as e:
-            await invalid_argument(context, e)
-            return
-        need = self.llm.kv.blocks_needed(len(req.token_ids) + 1)
-        if need > self.llm.kv.pool.num_blocks:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"request {rid} needs {need} KV blocks; this decode worker has "
-                                f"{self.llm.kv.pool.num_blocks} in all (--kv-blocks)")
-            return
-        q = self.engine.open_stream(rid)
+            return await invalid_argument(context, e)
+        info = self.engine.info
+        need = -(-(len(req.token_ids) + 1) // info.block_size)
+        if need > info.num_blocks:
+            return await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"request {rid} needs {need} KV blocks; this decode worker has "
+                f"{info.num_blocks} in all (--kv-blocks)")
+        trace = pb.KVTrace()
+        local = not request.HasField("kv_handle")
         try:
-            trace = await self._admit(req, request, context)
-            if trace is None:  # aborted while its KV was being pulled
-                yield pb.GenerateChunk(finished=True, finish_reason="abort",
-                                       num_prompt_tokens=req.num_prompt_tokens,
-                                       num_output_tokens=req.num_output_tokens)
-                return
-            async for chunk in self._stream(q, trace, local=not request.HasField("kv_handle")):
-                yield chunk
-        except asyncio.CancelledError:
-            await self.engine.call(lambda e: e.abort(rid))
-            raise
+            q = await (self.engine.add(req) if local
+                       else self._admit_remote(req, request, trace, context))
+        except (ValueError, RuntimeError) as e:
+            return await self.admission_error(context, e)
+        try:
+            await self._stream(q, trace, context, local)
         finally:
             self.engine.close_stream(rid)
+            self.engine.abort_soon(rid)  # a no-op once it finished
 
-    async def _admit(self, req, request: pb.GenerateRequest, context) -> pb.KVTrace | None:
-        """Get the request into the running batch; None when it was aborted meanwhile."""
-        trace = pb.KVTrace()
-        if not request.HasField("kv_handle"):
-            await self.engine.call(lambda e: e.admit(req), urgent=req.priority)
-            return trace
+    async def _admit_remote(self, req: Request, request: pb.GenerateRequest,
+                            trace: pb.KVTrace, context) -> asyncio.Queue:
+        """Reserve blocks, pull what is missing, join the batch; the output queue. The
+        link's compatibility is checked before anything else, as the handle's block
+        count only means something between compatible caches."""
         handle = blocks_from_proto(request.kv_handle)
-        peer = await self._connect(handle, trace, context)  # compat is checked first
-        want = self.llm.kv.blocks_needed(handle.num_tokens)
-        if not 0 < handle.num_tokens < len(req.token_ids) or len(handle.block_ids) != want:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"kv_handle: {len(handle.block_ids)} block_ids for num_tokens "
-                                f"{handle.num_tokens} (expected {want}, and num_tokens below the "
-                                f"request's {len(req.token_ids)} tokens)")
-        num_kv = handle.num_tokens
-        async with self._reserve_gate.hold(req.priority):
-            res = await self._reserve(req, num_kv, request.preempt_lower_priority)
+        async with contextlib.AsyncExitStack() as stack:
+            peer: Peer | None = None
+            try:
+                peer = await stack.enter_async_context(self.peers.use(handle.endpoint))
+            except KVCompatError as e:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+            except Exception as e:  # noqa: BLE001 - unreachable peer: recompute here
+                log.warning("prefill worker %s unreachable (%s); recomputing %s",
+                            handle.endpoint, e, req.request_id)
+                self._fallback(trace, "peer_unreachable")
+            want = -(-handle.num_tokens // self.engine.info.block_size)
+            if not 0 < handle.num_tokens < len(req.token_ids) or len(handle.block_ids) != want:
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"kv_handle: {len(handle.block_ids)} block_ids for num_tokens "
+                    f"{handle.num_tokens} (expected {want}, and num_tokens below the "
+                    f"request's {len(req.token_ids)} tokens)")
+            return await self._reserve_and_pull(req, request, handle, peer, trace, context)
+
+    async def _reserve_and_pull(self, req: Request, request: pb.GenerateRequest,
+                                handle: SourceBlocks, peer: Peer | None, trace: pb.KVTrace,
+                                context) -> asyncio.Queue:
+        remaining = context.time_remaining()
+        try:
+            res, q = await asyncio.wait_for(
+                self.engine.reserve(req, handle.num_tokens, request.preempt_lower_priority),
+                timeout=remaining)
+        except asyncio.TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"request {req.request_id}: no KV room before its deadline")
         trace.local_cached_tokens = res.local_cached_tokens
-        self._pulling.add(req.request_id)
+        joined = False
         try:
-            async with self._pull_gate.hold(req.priority):
-                ok = peer is not None and await self._pull(handle, peer, res, trace)
+            ok = False
+            if peer is not None:
+                async with self._pull_gate.hold(req.priority):
+                    ok = await self._pull(handle, peer, res, trace)
+            await self.engine.end_pull(req.request_id, ok)
+            joined = True
         finally:
-            self._pulling.discard(req.request_id)
-        if req.request_id in self._abort_after_pull:
-            self._abort_after_pull.discard(req.request_id)
-            await self.engine.call(lambda e: e.abort(req.request_id))
-            return None
-        await self.engine.call(lambda e: e.activate_remote(req.request_id, ok),
-                               urgent=req.priority)
-        m = self.metrics
-        m.l(m.prompt_tokens).inc(req.num_prompt_tokens)
-        m.l(m.prefix_queries).inc(num_kv)
-        m.l(m.prefix_hits).inc(res.local_cached_tokens)
-        return trace
+            if not joined:  # cancelled or failed: the pull has ended, the blocks go back
+                self.engine.close_stream(req.request_id)
+                self.engine.abort_soon(req.request_id)
+        self.metrics.count_prompt(req.num_prompt_tokens, handle.num_tokens,
+                                  res.local_cached_tokens)
+        return q
 
-    async def _reserve(self, req, num_kv: int, preempt_lower: bool) -> RemoteReservation:
-        """Blocks for the request; waits while the pool is full (what can never fit was
-        refused before)."""
-        delay = 0.002
-        urgent: int | None = req.priority
-        while True:
-            res = await self.engine.call(lambda e: e.reserve_remote(req, num_kv, preempt_lower),
-                                         urgent=urgent)
-            if res is not None:
-                return res
-            # Retries wait for steps to end: interrupting each one would stop the very
-            # requests whose completion frees the blocks.
-            urgent = None
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.05)
-
-    async def _connect(self, handle, trace: pb.KVTrace, context):
-        """(client, peer) for the handle's source; None (fallback recorded) when it is
-        unreachable; FAILED_PRECONDITION naming the field when it is incompatible."""
-        try:
-            return await self._peer(handle.endpoint)
-        except KVCompatError as e:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-        except Exception as e:  # noqa: BLE001 - unreachable peer: recompute here
-            log.warning("prefill worker %s unreachable (%s); recomputing %s", handle.endpoint,
-                        e, handle.request_id)
-            self._fallback(trace, "peer_unreachable")
-            return None
-
-    async def _pull(self, handle, peer, res: RemoteReservation, trace: pb.KVTrace) -> bool:
-        """Pull the missing blocks and release the lease. True when the KV arrived."""
-        client, peer = peer
+    async def _pull(self, handle: SourceBlocks, peer: Peer, res: RemoteReservation,
+                    trace: pb.KVTrace) -> bool:
+        """Pull the missing blocks and release the lease. True when the KV arrived.
+        Cancelled: waits for the read to stop before re-raising."""
         if not res.fill:  # everything was cached here: only the lease to drop
-            await _quiet_release(client, handle)
+            await _quiet_release(peer, handle)
             return True
         plan = ReadPlan(handle.request_id, handle.epoch,
                         [handle.block_ids[i] for i, _ in res.fill], [b for _, b in res.fill])
-        task = asyncio.ensure_future(client.pull(self.reader, peer, plan,
-                                                 self.config.kv.transfer_timeout_s))
+        task = asyncio.ensure_future(peer.client.pull(self.reader, peer.peer_id, plan,
+                                                      self.config.kv.transfer_timeout_s))
         try:
             done = await asyncio.shield(task)
         except asyncio.CancelledError:
-            # the caller went away mid-pull: let the pull end before blocks are freed
             await asyncio.gather(task, return_exceptions=True)
             raise
         except Exception as e:  # noqa: BLE001 - peer died mid-pull, malformed reply, ...
             log.warning("pull of %s failed (%s); recomputing", handle.request_id, e)
-            await self._forget_peer(handle.endpoint)
+            self.peers.invalidate(peer)
             return self._fallback(trace, "transfer_failed")
         if done.state is not TransferState.DONE:
             log.warning("pull of %s ended %s (%s); recomputing", handle.request_id,
                         done.state.name, done.error)
             if done.state is TransferState.FAILED:  # the source may have restarted
-                await self._forget_peer(handle.endpoint)
+                self.peers.invalidate(peer)
             return self._fallback(trace, _FALLBACK.get(done.state, "transfer_failed"))
         trace.blocks_pulled, trace.bytes_pulled = plan.num_blocks, done.nbytes
         trace.transfer_seconds, trace.backend = done.seconds or 0.0, self.backend_name
         m = self.metrics
-        m.l(m.kv_bytes).inc(done.nbytes)
-        m.l(m.kv_blocks).inc(plan.num_blocks)
-        m.l(m.kv_seconds).observe(done.seconds or 0.0)
+        m.labelled(m.kv_bytes).inc(done.nbytes)
+        m.labelled(m.kv_blocks).inc(plan.num_blocks)
+        m.labelled(m.kv_seconds).observe(done.seconds or 0.0)
         return True
-
-    async def _forget_peer(self, endpoint: str) -> None:
-        """Drop a peer so the next request to it handshakes afresh."""
-        async with self._peer_lock:
-            entry = self._peers.pop(endpoint, None)
-        if entry is not None:
-            await entry[0].close()
 
     def _fallback(self, trace: pb.KVTrace, reason: str) -> bool:
         trace.fallback = reason
-        self.metrics.l(self.metrics.kv_fallbacks, reason=reason).inc()
+        self.metrics.labelled(self.metrics.kv_fallbacks, reason=reason).inc()
         return False
 
-    async def _stream(self, q: asyncio.Queue, trace: pb.KVTrace, local: bool = False):
-        """Chunks of one request; the first carries the trace. local: this worker
+    async def _stream(self, q: asyncio.Queue, trace: pb.KVTrace, context, local: bool) -> None:
+        """Write one request's chunks; the first carries the trace. local: this worker
         prefilled the prompt itself, so its prefix-cache hit is known only now."""
         first = True
         while True:
@@ -239,27 +203,23 @@ class DecodeService(WorkerBase, pb_grpc.DecodeServicer):
             if first:
                 if local:
                     trace.local_cached_tokens = out.num_cached_tokens
-                    m = self.metrics
-                    m.l(m.prompt_tokens).inc(out.num_prompt_tokens)
-                    m.l(m.prefix_queries).inc(out.num_prompt_tokens)
-                    m.l(m.prefix_hits).inc(out.num_cached_tokens)
+                    self.metrics.count_prompt(out.num_prompt_tokens, out.num_prompt_tokens,
+                                              out.num_cached_tokens)
                 chunk.trace.CopyFrom(trace)
                 first = False
-            self.metrics.l(self.metrics.generation_tokens).inc(len(out.new_token_ids))
-            yield chunk
+            self.metrics.labelled(self.metrics.generation_tokens).inc(len(out.new_token_ids))
+            await context.write(chunk)
             if out.finished:
                 return
 
     async def Abort(self, request: common.AbortRequest, context) -> common.AbortReply:
-        if request.request_id in self._pulling:  # its blocks are being written: defer
-            self._abort_after_pull.add(request.request_id)
-            return common.AbortReply(aborted=True)
-        out = await self.engine.call(lambda e: e.abort(request.request_id))
-        return common.AbortReply(aborted=out is not None)
+        """Cancel a request; its Generate stream ends with finish_reason "abort" (at once,
+        or when its pull ends)."""
+        return common.AbortReply(aborted=await self.engine.abort(request.request_id))
 
 
-async def _quiet_release(client: KVLinkClient, handle) -> None:
+async def _quiet_release(peer: Peer, handle: SourceBlocks) -> None:
     try:
-        await client.release(handle.request_id, handle.epoch)
+        await peer.client.release(handle.request_id, handle.epoch)
     except Exception as e:  # noqa: BLE001 - the lease will expire on its own
         log.warning("release of %s failed: %s", handle.request_id, e)

@@ -14,14 +14,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from engine import remote
 from engine.config import EngineConfig
 from engine.kv_cache import KVCacheManager
 from engine.loader import load_checkpoint
 from engine.model_runner import ModelRunner
 from engine.models.llama import StepInterrupted
 from engine.output import OutputProcessor
-from engine.request import FinishReason, Request, RequestOutput, RequestStatus
+from engine.request import (DuplicateRequestError, FinishReason, RemoteAdmission,
+                            RemoteReservation, Request, RequestOutput, RequestStatus)
 from engine.sampling import SamplingParams
 from engine.kv_cache.swap import SwapPool
 from engine.scheduler import PreemptionPolicy, Scheduler
@@ -104,17 +104,19 @@ class LLMEngine:
                      request_id: str | None = None, priority: int = 0,
                      output_token_ids: Sequence[int] = ()) -> Request:
         """Validate and build a Request without queueing it. Raises ValueError naming
-        the field (prompt, request_id) when it cannot be served."""
+        the field (prompt, output_token_ids) when it cannot be served. Reads only the
+        engine's fixed configuration, so any thread may call it; whether the id is free
+        is decided when the request is admitted (``admit``), on the engine thread."""
         request_id = request_id or uuid.uuid4().hex
-        if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ValueError("prompt is empty")
-        bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary "
-                             f"[0, {self.model_config.vocab_size})")
+        vocab = self.model_config.vocab_size
+        for name, seq in (("prompt", ids), ("output_token_ids", output_token_ids)):
+            bad = [t for t in seq if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"{name}: token id {bad[0]} is outside the vocabulary "
+                                 f"[0, {vocab})")
         if len(ids) + len(output_token_ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids) + len(output_token_ids)} tokens; the context "
                              f"window (max_model_len) is {self.max_model_len}, which leaves no "
@@ -134,19 +136,36 @@ class LLMEngine:
         return self.admit(req)
 
     def admit(self, req: Request) -> str:
-        """Queue a request built by make_request."""
+        """Queue a request built by make_request. DuplicateRequestError when its id is
+        live here (queued, running, or holding blocks for a handoff)."""
+        rid = req.request_id
+        if rid in self.requests or rid in self.held:
+            raise DuplicateRequestError(f"request_id {rid!r} is already in use on this worker")
         self.outputs.register(req)
-        self.requests[req.request_id] = req
+        self.requests[rid] = req
         self.scheduler.add(req)
-        return req.request_id
+        req.admitted = True
+        return rid
 
-    def abort(self, request_id: str) -> RequestOutput | None:
-        """Cancel a request; frees its blocks. Unknown ids are a no-op (None)."""
-        req = self.requests.pop(request_id, None)
+    def abort_if_admitted(self, req: Request) -> RequestOutput | None:
+        """abort(owner=True) of this very request, if it was admitted: a caller that
+        went away before learning whether its admission ran (a refused duplicate must
+        not abort the live request that owns the id)."""
+        return self.abort(req.request_id, owner=True) if req.admitted else None
+
+    def abort(self, request_id: str, owner: bool = False) -> RequestOutput | None:
+        """Cancel a request and free its blocks, held ones included; unknown ids are a
+        no-op (None). A request whose blocks a pull is writing (WAITING_FOR_KV) only
+        finishes when the pull ends (``end_pull``), unless the caller is the pull's
+        owner and says no pull is in flight (owner=True)."""
+        self.release_held(request_id)
+        req = self.requests.get(request_id)
         if req is None:
             return None
-        self.scheduler.remove(req)
-        return self.outputs.finish(req, FinishReason.ABORT)
+        if req.status is RequestStatus.WAITING_FOR_KV and not owner:
+            req.abort_pending = True
+            return None
+        return self._finish(req, FinishReason.ABORT)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -162,29 +181,39 @@ class LLMEngine:
             self._urgent = priority
 
     def step(self) -> list[RequestOutput]:
+        """One scheduling decision and one forward pass. A failure anywhere in it fails
+        the requests it touched (every request, when scheduling itself failed) with an
+        error output; the engine goes on serving the rest."""
         self._urgent = None  # announced requests were queued before this step began
-        batch = self.scheduler.schedule()
-        self.apply_preemptions(batch)
+        try:
+            batch = self.scheduler.schedule()
+            self.apply_preemptions(batch)
+        except Exception as e:  # noqa: BLE001 - the barrier: fail requests, not the engine
+            log.exception("engine scheduling failed")
+            return self.fail_all(f"engine scheduling failed: {e}")
         if not batch:
             return []
-        tables = [self.kv.table(req.request_id) for req, _ in batch.entries]
-        best = min(req.priority for req, _ in batch.entries)
+        results: list[RequestOutput] = []
         try:
-            sampled, out = self.runner.execute(
-                batch.entries, tables,
-                lambda: self._urgent is not None and self._urgent < best)
+            self._run_batch(batch, results)
         except StepInterrupted:
             self.stats.interrupted_steps += 1
-            return []
-        except Exception as e:  # a failed step fails its requests, never the engine
+        except Exception as e:  # noqa: BLE001 - a failed step fails its requests
             log.exception("engine step failed")
-            return [self._finish(req, FinishReason.ERROR, error=f"engine step failed: {e}")
-                    for req, _ in batch.entries]
+            results += [self._finish(req, FinishReason.ERROR, error=f"engine step failed: {e}")
+                        for req, _ in batch.entries if req.request_id in self.requests]
+        return results
+
+    def _run_batch(self, batch, results: list[RequestOutput]) -> None:
+        """Forward, commit, sample; appends each output to results as it is made."""
+        tables = [self.kv.table(req.request_id) for req, _ in batch.entries]
+        best = min(req.priority for req, _ in batch.entries)
+        sampled, out = self.runner.execute(
+            batch.entries, tables, lambda: self._urgent is not None and self._urgent < best)
         for req, n in batch.entries:
             req.num_computed_tokens += n
             self.num_computed_tokens_total += n
             self.kv.cache_computed(req)
-        results: list[RequestOutput] = []
         for i, req in enumerate(sampled):
             result = self.outputs.append(req, out.token_ids[i], out.logprobs[i])
             if req.prefill_only and not result.finished:
@@ -192,9 +221,20 @@ class LLMEngine:
                 req.status = RequestStatus.FINISHED
                 self.outputs.detok.pop(req.request_id, None)
             if result.finished:
-                self._release(req)
+                result.held_blocks = self._release(req)
             results.append(result)
-        return results
+
+    def fail_all(self, error: str) -> list[RequestOutput]:
+        """Finish every request with an error (its blocks freed), except those a pull is
+        writing into: they finish when their pull ends. What a failed scheduling step
+        leaves behind cannot be trusted, so nothing of it is kept."""
+        outs = []
+        for req in list(self.requests.values()):
+            if req.status is RequestStatus.WAITING_FOR_KV:
+                req.abort_pending = True
+            else:
+                outs.append(self._finish(req, FinishReason.ERROR, error=error))
+        return outs
 
     def apply_preemptions(self, batch) -> None:
         """Count a batch's preemptions and do its swap copies (before any forward)."""
@@ -213,23 +253,52 @@ class LLMEngine:
         self.scheduler.remove(req)
         return self.outputs.finish(req, reason, error)
 
-    def _release(self, req: Request) -> None:
+    def _release(self, req: Request) -> list[int] | None:
+        """A request finished: free it, or (a finished prefill_only request) keep its
+        block table in ``held`` for the handoff and return it."""
         self.requests.pop(req.request_id, None)
         self.stats.preempted_seconds += req.preempted_seconds
+        table = None
         if req.prefill_only and req.finish_reason is None:
-            remote.hold(self, req)
+            table = self.kv.tables.pop(req.request_id)  # refs kept: now owned by held
+            self.held[req.request_id] = table
         self.scheduler.remove(req)
+        return None if table is None else list(table)
 
-    # -- disaggregation (see engine/remote.py) --------------------------------------
-    def reserve_remote(self, req: Request, num_kv_tokens: int,
-                       preempt_lower: bool = False) -> remote.RemoteReservation | None:
-        return remote.reserve(self, req, num_kv_tokens, preempt_lower)
+    # -- disaggregation ----------------------------------------------------------------
+    def add_remote(self, req: Request, num_kv_tokens: int, preempt_lower: bool = False) -> str:
+        """Queue a request whose first num_kv_tokens of KV live on a prefill worker. It is
+        admitted in priority order with the rest (preempting less important requests
+        when preempt_lower); its reservation then appears in take_grants."""
+        if not 0 < num_kv_tokens < len(req.token_ids):
+            raise ValueError(f"kv_handle.num_tokens {num_kv_tokens} must be in [1, "
+                             f"{len(req.token_ids)}) (the request's tokens)")
+        req.remote = RemoteAdmission(num_kv_tokens, preempt_lower)
+        return self.admit(req)
 
-    def activate_remote(self, request_id: str, kv_arrived: bool) -> bool:
-        return remote.activate(self, request_id, kv_arrived)
+    def take_grants(self) -> list[RemoteReservation]:
+        """Reservations made since the last call; each must end with end_pull."""
+        return self.scheduler.take_grants()
+
+    def end_pull(self, request_id: str, kv_arrived: bool) -> RequestOutput | None:
+        """A reserved request's pull ended. It joins the running batch (kv_arrived=False:
+        the prompt is recomputed here), or, when an abort came meanwhile, finishes now
+        (its output is returned). None also for unknown ids."""
+        req = self.requests.get(request_id)
+        if req is None or req.status is not RequestStatus.WAITING_FOR_KV:
+            return None
+        if req.abort_pending:
+            return self._finish(req, FinishReason.ABORT)
+        self.scheduler.activate(req, kv_arrived)
+        return None
 
     def release_held(self, request_id: str) -> bool:
-        return remote.release_held(self, request_id)
+        """Free a held table once; False for unknown or already released ids."""
+        table = self.held.pop(request_id, None)
+        if table is None:
+            return False
+        self.kv.pool.free(list(reversed(table)))
+        return True
 
     # -- offline helper --------------------------------------------------------
     def generate(self, prompts: Sequence[str | Sequence[int]],
@@ -250,6 +319,8 @@ class LLMEngine:
         """AssertionError unless no request is held and every block is free."""
         if self.requests:
             raise AssertionError(f"requests still held: {sorted(self.requests)[:8]}")
+        if self.scheduler.reserved or self.scheduler.granted:
+            raise AssertionError(f"reservations still held: {sorted(self.scheduler.reserved)[:8]}")
         if self.held:
             raise AssertionError(f"prefill blocks still held for: {sorted(self.held)[:8]}")
         if self.swap is not None:

@@ -17,6 +17,33 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
+class DuplicateRequestError(ValueError):
+    """A request id that is already live in this engine (queued, running, or holding
+    blocks for a handoff). Ids are keys: a second request under one is refused."""
+
+
+@dataclass(frozen=True)
+class RemoteAdmission:
+    """A request whose leading prompt KV arrives from another worker (decode side)."""
+
+    num_kv_tokens: int
+    """Leading tokens whose KV the prefill worker holds (pulled, or already cached here)."""
+    preempt_lower: bool = False
+    """May preempt less important running requests to get its blocks (router policy)."""
+
+
+@dataclass(frozen=True)
+class RemoteReservation:
+    """Where a remote prompt's missing blocks must land in this engine's cache. Whoever
+    receives one owns the pull: it must end it with ``end_pull`` (or abort as owner)."""
+
+    request_id: str
+    local_cached_tokens: int
+    """Prompt tokens this engine already had (prefix cache hit)."""
+    fill: list[tuple[int, int]]
+    """(block index within the prompt, local block id) for every block to pull."""
+
+
 class FinishReason(str, enum.Enum):
     STOP = "stop"          # EOS, a stop token id or a stop string
     LENGTH = "length"      # max_tokens or the context window
@@ -51,8 +78,13 @@ class Request:
     prefill_only: bool = False
     """Disaggregated prefill: stop after the first token and keep the KV blocks
     (handed to the caller through LLMEngine.held) instead of freeing them."""
-    num_kv_tokens: int = 0
-    """Remote admission: leading tokens whose KV arrives from a prefill worker."""
+    remote: RemoteAdmission | None = None
+    """Set when the prompt's KV arrives from a prefill worker (see Scheduler.add)."""
+    admitted: bool = False
+    """Queued by LLMEngine.admit (its id was free)."""
+    abort_pending: bool = False
+    """An abort arrived while a pull writes into this request's blocks: it finishes
+    (and its blocks are freed) when the pull ends, not before."""
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -99,3 +131,6 @@ class RequestOutput:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    held_blocks: list[int] | None = None
+    """A prefill_only request's block table, now held for a KV handoff (finish_reason
+    None): the caller leases these blocks and frees them with release_held."""

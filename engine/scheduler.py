@@ -14,6 +14,13 @@ One step, in this order:
    preempt it to get in.
 The scheduler only does bookkeeping: it lists the block copies (swap out, swap
 in) that the runner performs before the forward pass.
+
+Remote admissions (decode side of a handoff: the prompt's KV arrives from a prefill
+worker) queue in ``waiting`` with the rest and are admitted in the same priority
+order, taking a seat and their blocks but no compute budget. An admitted one waits
+in ``reserved`` (WAITING_FOR_KV) while its blocks are pulled; ``granted`` lists the
+new reservations for the engine to hand out. Reserved requests are never preempted:
+bytes may be landing in their blocks.
 """
 from __future__ import annotations
 
@@ -22,7 +29,7 @@ from dataclasses import dataclass, field
 
 from engine.kv_cache.manager import KVCacheManager
 from engine.kv_cache.swap import SwapPool
-from engine.request import Request, RequestStatus
+from engine.request import RemoteReservation, Request, RequestStatus
 
 
 @dataclass
@@ -68,6 +75,12 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.swapped: list[Request] = []
+        self.reserved: dict[str, Request] = {}
+        """Remote admissions holding blocks while their KV is pulled (WAITING_FOR_KV)."""
+        self.granted: list[RemoteReservation] = []
+        """Reservations made since the engine last took them (take_grants)."""
+        self._cap_turn = 0
+        """Rotates which less important rows the priority cap lets through."""
 
     # -- queues ---------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -80,12 +93,33 @@ class Scheduler:
         for q in (self.waiting, self.running, self.swapped):
             if req in q:
                 q.remove(req)
+        self.reserved.pop(req.request_id, None)
         self.kv.free(req)
         if self.swap is not None:
             self.swap.free(req.request_id)
 
     def has_work(self) -> bool:
+        """Anything to compute or admit (reserved requests wait for bytes, not steps)."""
         return bool(self.waiting or self.running or self.swapped)
+
+    def take_grants(self) -> list[RemoteReservation]:
+        granted, self.granted = self.granted, []
+        return granted
+
+    def activate(self, req: Request, kv_arrived: bool) -> None:
+        """A reserved request's pull ended: it joins the running batch. kv_arrived=False
+        is the recompute fallback (only the local prefix hit counts as computed)."""
+        del self.reserved[req.request_id]
+        if kv_arrived:
+            req.num_computed_tokens = req.remote.num_kv_tokens
+            self.kv.cache_computed(req)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        self.running.sort(key=Request.sort_key)
+
+    @property
+    def seats_taken(self) -> int:
+        return len(self.running) + len(self.reserved)
 
     # -- the step ---------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
@@ -102,16 +136,14 @@ class Scheduler:
         # The best class decoding or about to be admitted: a step that admits an urgent
         # prompt is kept as short as one that decodes it (its TTFT, not just its TPOT).
         best = min((r.priority for r in self.running[:1] + self.waiting[:1]), default=0)
-        lower_left = self.priority_batch_cap or len(self.running)
+        allowed = self._capped_rows(best)
         for req in list(self.running):
             if req not in self.running or budget <= 0:
                 continue  # preempted earlier in this loop
             if len(req.token_ids) - req.num_computed_tokens != 1:
                 continue  # still prefilling: step 3
-            if req.priority > best:
-                if lower_left <= 0:
-                    continue  # capped: protects the best class's inter-token latency
-                lower_left -= 1
+            if allowed is not None and req.priority > best and req.request_id not in allowed:
+                continue  # capped: protects the best class's inter-token latency
             while not self.kv.allocate(req, 1):
                 victim = self.running[-1]
                 self._preempt(victim, batch)
@@ -122,9 +154,22 @@ class Scheduler:
                 budget -= 1
         return budget
 
+    def _capped_rows(self, best: int) -> set[str] | None:
+        """The decode rows less important than ``best`` that may run this step (at most
+        priority_batch_cap, taken in turn so every one advances); None: no cap."""
+        if not self.priority_batch_cap:
+            return None
+        lower = [r for r in self.running
+                 if r.priority > best and len(r.token_ids) - r.num_computed_tokens == 1]
+        if len(lower) > self.priority_batch_cap:
+            start = self._cap_turn % len(lower)
+            self._cap_turn = start + self.priority_batch_cap
+            lower = (lower + lower)[start:start + self.priority_batch_cap]
+        return {r.request_id for r in lower}
+
     def _swap_ins(self, batch: ScheduledBatch) -> None:
         self.swapped.sort(key=Request.sort_key)
-        while self.swapped and len(self.running) < self.max_num_seqs:
+        while self.swapped and self.seats_taken < self.max_num_seqs:
             req = self.swapped[0]
             if self.waiting and self.waiting[0].sort_key() < req.sort_key():
                 return  # a more important newcomer goes first
@@ -150,18 +195,40 @@ class Scheduler:
                 budget -= n
             elif req.status is not RequestStatus.WAITING:
                 continue  # preempted earlier in this loop to seat a more important one
+            elif req.remote is not None:
+                if not self._reserve(req, batch):
+                    return  # keep arrival order within the queue
             elif (n := self._admit(req, batch, budget)) is not None:
                 budget -= n
             else:
                 return  # keep arrival order within the queue: nothing overtakes a blocked head
 
+    def _seat(self, req: Request, batch: ScheduledBatch, may_preempt: bool = True) -> bool:
+        """A seat for req: a full batch gives up its least important seat to a more
+        important request (else that request waits for a whole low-priority generation
+        to end)."""
+        if self.seats_taken < self.max_num_seqs:
+            return True
+        if not may_preempt or not self.running or self.running[-1].sort_key() <= req.sort_key():
+            return False
+        self._preempt(self.running[-1], batch)
+        return True
+
+    def _allocate_or_preempt(self, req: Request, n: int, cached: list[int],
+                             batch: ScheduledBatch, may_preempt: bool = True) -> bool:
+        """Blocks for n more tokens of req, preempting less important running requests
+        while that helps; False (req untouched) when it still does not fit."""
+        while not self.kv.allocate(req, n, cached):
+            victim = self.running[-1] if self.running else None
+            if not may_preempt or victim is None or victim.sort_key() <= req.sort_key():
+                req.num_computed_tokens = 0
+                return False
+            self._preempt(victim, batch)
+        return True
+
     def _admit(self, req: Request, batch: ScheduledBatch, budget: int) -> int | None:
-        if len(self.running) >= self.max_num_seqs:
-            # A full batch gives up its least important seat to a more important request
-            # (else that request waits for a whole low-priority generation to end).
-            if self.running[-1].sort_key() <= req.sort_key():
-                return None
-            self._preempt(self.running[-1], batch)
+        if not self._seat(req, batch):
+            return None
         cached = self.kv.find_cached_prefix(req)
         ncached = len(cached) * self.kv.block_size
         n = len(req.token_ids) - ncached
@@ -169,18 +236,36 @@ class Scheduler:
             return None
         n = min(n, budget)
         req.num_computed_tokens = ncached
-        while not self.kv.allocate(req, n, cached):
-            victim = self.running[-1] if self.running else None
-            if victim is None or victim.sort_key() <= req.sort_key():
-                req.num_computed_tokens = 0
-                return None
-            self._preempt(victim, batch)
+        if not self._allocate_or_preempt(req, n, cached, batch):
+            return None
         if req.num_preemptions == 0:
             req.num_cached_tokens = min(ncached, req.num_prompt_tokens)
         self.waiting.remove(req)
         self._resume(req)
         batch.entries.append((req, n))
         return n
+
+    def _reserve(self, req: Request, batch: ScheduledBatch) -> bool:
+        """Admit a remote request: adopt its local prefix hit, allocate the rest of its
+        context, and park it in ``reserved`` (no compute this step)."""
+        remote = req.remote
+        if not self._seat(req, batch, remote.preempt_lower):
+            return False
+        hit = self.kv.find_cached_prefix(req, max_tokens=remote.num_kv_tokens)
+        req.num_computed_tokens = len(hit) * self.kv.block_size
+        need = len(req.token_ids) - req.num_computed_tokens
+        if not self._allocate_or_preempt(req, need, hit, batch, remote.preempt_lower):
+            return False
+        req.num_cached_tokens = req.num_computed_tokens
+        self.waiting.remove(req)
+        req.status = RequestStatus.WAITING_FOR_KV
+        self.reserved[req.request_id] = req
+        table = self.kv.table(req.request_id)
+        last = self.kv.blocks_needed(remote.num_kv_tokens)
+        self.granted.append(RemoteReservation(
+            req.request_id, req.num_computed_tokens,
+            [(i, table[i]) for i in range(len(hit), last)]))
+        return True
 
     def _resume(self, req: Request) -> None:
         if req.preempted_at is not None:
@@ -191,16 +276,6 @@ class Scheduler:
         self.running.sort(key=Request.sort_key)
 
     # -- preemption ---------------------------------------------------------------------
-    def preempt_for(self, req: Request, num_blocks: int) -> ScheduledBatch:
-        """Preempt running requests less important than req (least important first)
-        until num_blocks are free or none is left; the batch lists the copies to do."""
-        batch = ScheduledBatch()
-        self.running.sort(key=Request.sort_key)
-        while self.kv.pool.num_free < num_blocks and self.running \
-                and self.running[-1].sort_key() > req.sort_key():
-            self._preempt(self.running[-1], batch)
-        return batch
-
     def _preempt(self, req: Request, batch: ScheduledBatch) -> None:
         self.running.remove(req)
         batch.entries = [(r, n) for r, n in batch.entries if r is not req]

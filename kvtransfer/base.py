@@ -258,6 +258,8 @@ class ReadHandle:
 class KVSource(ABC):
     """Source side of one backend: exposes one KV tensor to readers.
 
+    Constructed with at least the keyword ``advertise_host`` (the address readers
+    should dial when ``serve`` binds a wildcard; backends that need none ignore it).
     Lifecycle: ``register`` once, ``serve`` once, ``handshake_info`` any number of
     times, ``close`` once (idempotent). Methods may be called from any thread;
     implementations serialize on an internal lock. The source never frees or

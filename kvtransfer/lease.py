@@ -77,6 +77,20 @@ class LeaseTable:
     def release_with_reason(self, request_id: str, epoch: int) -> tuple[list[int] | None, str]:
         """``release`` plus why: "released", "duplicate", "expired",
         "epoch_mismatch" or "unknown" (the ReleaseReply reasons)."""
+        lease, reason = self.end(request_id, epoch)
+        return (None if lease is None else list(lease.block_ids)), reason
+
+    def drop(self, request_id: str) -> Lease | None:
+        """End whatever lease request_id holds, live or expired (its request was
+        aborted); the lease, the first time only."""
+        with self._lock:
+            lease = self._leases.pop(request_id, None)
+            if lease is not None:
+                self._remember(lease, "released")
+            return lease
+
+    def end(self, request_id: str, epoch: int) -> tuple[Lease | None, str]:
+        """Like ``release_with_reason``, returning the ended lease itself."""
         with self._lock:
             lease = self._leases.get(request_id)
             if lease is None or lease.epoch != epoch:
@@ -88,7 +102,7 @@ class LeaseTable:
                 return None, "expired"
             del self._leases[request_id]
             self._remember(lease, "released")
-            return list(lease.block_ids), "released"
+            return lease, "released"
 
     def expire(self, now: float | None = None) -> list[Lease]:
         """Remove every lease whose deadline is at or before ``now`` (default:

@@ -1,8 +1,8 @@
 """The KVLink control path over gRPC (grpc.aio): handshake and release.
 
 Source side: ``KVLinkServicer`` answers Handshake from its KVSource and Release
-from its LeaseTable, calling ``free_blocks`` with each block id exactly once
-(on release, or when ``reap_expired`` finds the lease expired). Destination
+from its LeaseTable, calling ``lease_ended`` with each lease exactly once (on
+release, or when ``reap_expired`` finds it expired): the owner frees its blocks. Destination
 side: ``KVLinkClient`` does the handshake and release, and ``pull`` runs the
 whole handoff for one request: start the read, poll it, always send Release,
 and, for one-sided reads (nixl), trust the bytes only if Release says the
@@ -23,13 +23,14 @@ import grpc
 from kvtransfer.base import (CompatRecord, KVCompatError, KVReader, KVSource, KVTransferError,
                              LeaseError, PeerId, ReadHandle, ReadPlan, SourceBlocks, SourceInfo,
                              TransferState)
-from kvtransfer.lease import LeaseTable
+from kvtransfer.lease import Lease, LeaseTable
 from proto import kv_link_pb2 as pb
 from proto import kv_link_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
-FreeBlocks = Callable[[list[int]], None]
+LeaseEnded = Callable[[Lease], None]
+"""Called once per lease that ended (released or expired): free its blocks."""
 
 
 def compat_to_proto(c: CompatRecord) -> pb.CompatRecord:
@@ -73,15 +74,15 @@ def blocks_from_proto(m: pb.KVHandle) -> SourceBlocks:
 
 
 class KVLinkServicer(pb_grpc.KVLinkServicer):
-    """Source side. ``free_blocks`` runs on the gRPC event loop thread; it must
+    """Source side. ``lease_ended`` runs on the gRPC event loop thread; it must
     be thread-safe against the scheduler that owns the block pool (e.g. post
-    the ids to the scheduler's queue)."""
+    the request id to the engine's thread)."""
 
-    def __init__(self, source: KVSource, leases: LeaseTable, free_blocks: FreeBlocks,
+    def __init__(self, source: KVSource, leases: LeaseTable, lease_ended: LeaseEnded,
                  worker_id: str) -> None:
         self.source = source
         self.leases = leases
-        self.free_blocks = free_blocks
+        self.lease_ended = lease_ended
         self.worker_id = worker_id
 
     async def Handshake(self, request: pb.HandshakeRequest,
@@ -102,10 +103,10 @@ class KVLinkServicer(pb_grpc.KVLinkServicer):
     async def Release(self, request: pb.ReleaseRequest,
                       context: grpc.aio.ServicerContext) -> pb.ReleaseReply:
         self.reap_expired()
-        blocks, reason = self.leases.release_with_reason(request.request_id, request.epoch)
-        if blocks is not None:
-            self.free_blocks(blocks)
-        return pb.ReleaseReply(released=blocks is not None, reason=reason)
+        lease, reason = self.leases.end(request.request_id, request.epoch)
+        if lease is not None:
+            self.lease_ended(lease)
+        return pb.ReleaseReply(released=lease is not None, reason=reason)
 
     def reap_expired(self) -> int:
         """Free the blocks of every expired lease; returns how many leases.
@@ -114,7 +115,7 @@ class KVLinkServicer(pb_grpc.KVLinkServicer):
         for lease in gone:
             log.warning("kv lease %s epoch %d expired; freeing %d blocks",
                         lease.request_id, lease.epoch, len(lease.block_ids))
-            self.free_blocks(list(lease.block_ids))
+            self.lease_ended(lease)
         return len(gone)
 
 

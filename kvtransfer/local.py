@@ -23,7 +23,8 @@ _LIVE: weakref.WeakValueDictionary[str, LocalSource] = weakref.WeakValueDictiona
 class LocalSource(KVSource):
     name = "local"
 
-    def __init__(self) -> None:
+    def __init__(self, advertise_host: str | None = None) -> None:
+        """advertise_host: unused (readers find an in-process source by name)."""
         self._lock = threading.Lock()
         self._agent_name = f"local-src-{uuid.uuid4().hex[:12]}"
         self._blocks: torch.Tensor | None = None

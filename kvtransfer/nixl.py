@@ -66,7 +66,10 @@ def _block_descs(base_addr: int, block_bytes: int, num_blocks: int, device: int)
 class NixlSource(KVSource):
     name = "nixl"
 
-    def __init__(self, progress_interval_s: float = 0.005) -> None:
+    def __init__(self, progress_interval_s: float = 0.005,
+                 advertise_host: str | None = None) -> None:
+        """advertise_host: unused (UCX wire-up carries the addresses in the agent
+        metadata)."""
         self._progress_interval_s = progress_interval_s
         self._lock = threading.Lock()
         self._agent: nixl_agent | None = None

@@ -2,10 +2,12 @@
 
 Request life here: Prefill() queues the prompt as a prefill_only engine request
 (the engine's scheduler chunks it under the token budget, batched with other
-prompts); when its first token is sampled the engine keeps the blocks (held),
-this service grants a lease over them and returns a KVHandle. The blocks are
-freed exactly once: when the decode worker's Release arrives, when the lease
-expires (a reaper runs every 250 ms), or on Abort.
+prompts); when its first token is sampled the engine keeps the blocks (held) and
+hands their ids back with that output, and this service grants a lease over them
+at once (no await between the two, so no cancellation can fall in the gap) and
+returns a KVHandle. The held blocks are freed exactly once, keyed by request id:
+when the decode worker's Release arrives, when the lease expires (a reaper runs
+every 250 ms), on Abort, or when the Prefill call is cancelled before its reply.
 """
 from __future__ import annotations
 
@@ -15,9 +17,8 @@ import time
 
 import grpc
 
-from engine.llm_engine import LLMEngine
 from kvtransfer.base import SourceBlocks, get_backend
-from kvtransfer.lease import LeaseTable
+from kvtransfer.lease import Lease, LeaseTable
 from kvtransfer.link import KVLinkServicer, add_kv_link, blocks_to_proto
 from proto import common_pb2 as common
 from proto import kv_link_pb2
@@ -28,14 +29,6 @@ from worker.config import WorkerConfig
 from worker.convert import sampling_from_proto, top_to_proto
 
 log = logging.getLogger(__name__)
-
-
-def _release_blocks(engine: LLMEngine, block_ids: list[int]) -> bool:
-    """Engine thread: free the held table made of exactly these blocks."""
-    for rid, table in engine.held.items():
-        if table == block_ids:
-            return engine.release_held(rid)
-    return False
 
 
 class PrefillService(WorkerBase, pb_grpc.PrefillServicer):
@@ -52,11 +45,10 @@ class PrefillService(WorkerBase, pb_grpc.PrefillServicer):
     async def start(self) -> None:
         await self.start_engine()
         backend = get_backend(self.config.kv.backend)
-        self.source = (backend.source(advertise_host=self.config.public_host)
-                       if backend.name == "tcp" else backend.source())
-        self.source.register(self.llm.runner.kv, self.compat(), self.leases.check_readable)
+        self.source = backend.source(advertise_host=self.config.public_host)
+        self.source.register(self.engine.kv_tensor, self.compat(), self.leases.check_readable)
         self.source.serve(self.config.host)
-        self.link = KVLinkServicer(self.source, self.leases, self._free_blocks, self.worker_id)
+        self.link = KVLinkServicer(self.source, self.leases, self._lease_ended, self.worker_id)
         pb_grpc.add_PrefillServicer_to_server(self, self.server)
         add_kv_link(self.server, self.link)
         await self.start_server([pb.DESCRIPTOR.services_by_name["Prefill"].full_name,
@@ -70,9 +62,9 @@ class PrefillService(WorkerBase, pb_grpc.PrefillServicer):
         await super().stop(grace_s)
         self.source.close()
 
-    def _free_blocks(self, block_ids: list[int]) -> None:
+    def _lease_ended(self, lease: Lease) -> None:
         """KVLinkServicer callback (event loop thread): free on the engine thread."""
-        asyncio.ensure_future(self.engine.call(_release_blocks, list(block_ids)))
+        asyncio.ensure_future(self.engine.release_held(lease.request_id))
 
     async def _reap_loop(self) -> None:
         while True:
@@ -86,67 +78,67 @@ class PrefillService(WorkerBase, pb_grpc.PrefillServicer):
         await self.refuse_if_draining(context)
         try:
             params = sampling_from_proto(request.sampling)
+            req = self.engine.make_request(request.token_ids, params, rid, request.priority,
+                                           request.output_token_ids)
         except ValueError as e:
             return await invalid_argument(context, e)
         if request.deadline_unix_ms and request.deadline_unix_ms < time.time() * 1000:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                 f"request {rid}: deadline passed before prefill started")
-        await self._drop_lease(rid)  # a retry of a request whose decode side died
-        q = self.engine.open_stream(rid)
         try:
-            await self.engine.call(lambda e: e.add_request(
-                list(request.token_ids), params, rid, request.priority,
-                output_token_ids=list(request.output_token_ids), prefill_only=True),
-                urgent=request.priority)
-        except ValueError as e:
-            self.engine.close_stream(rid)
-            return await invalid_argument(context, e)
+            q = await self.engine.add(req, prefill_only=True)
+        except (ValueError, RuntimeError) as e:
+            return await self.admission_error(context, e)
+        granted = False
         try:
             out = await q.get()
-        except asyncio.CancelledError:  # the router went away: free everything
-            await self.engine.call(lambda e: (e.abort(rid), e.release_held(rid)))
-            raise
+            if out.held_blocks is not None:  # no await from the hold to the grant
+                handle = self._grant(rid, out.held_blocks,
+                                     len(request.token_ids) + len(request.output_token_ids))
+                granted = True
         finally:
             self.engine.close_stream(rid)
+            if not granted:  # cancelled (router gone), or finished without a handoff
+                self.engine.abort_soon(rid)
         if out.error:
+            if granted:
+                self._drop(rid)
             await context.abort(grpc.StatusCode.INTERNAL, out.error)
+        return self._reply(request, out, handle if granted else None, time.monotonic() - t0)
+
+    def _reply(self, request: pb.PrefillRequest, out, handle, seconds: float
+               ) -> pb.PrefillResponse:
         self.count_finish(out)
-        m = self.metrics
-        m.l(m.prompt_tokens).inc(out.num_prompt_tokens)
-        m.l(m.generation_tokens).inc(1)
-        m.l(m.prefix_queries).inc(out.num_prompt_tokens)
-        m.l(m.prefix_hits).inc(out.num_cached_tokens)
+        self.metrics.count_prompt(out.num_prompt_tokens, out.num_prompt_tokens,
+                                  out.num_cached_tokens)
+        self.metrics.labelled(self.metrics.generation_tokens).inc(1)
         reply = pb.PrefillResponse(
-            request_id=rid, first_token=out.new_token_ids[0], finished=out.finish_reason is not None,
+            request_id=request.request_id, first_token=out.new_token_ids[0],
+            finished=out.finish_reason is not None,
             finish_reason=out.finish_reason.value if out.finish_reason else "",
-            num_cached_tokens=out.num_cached_tokens, prefill_seconds=time.monotonic() - t0)
+            num_cached_tokens=out.num_cached_tokens, prefill_seconds=seconds)
         if out.logprobs:
             reply.first_logprob = out.logprobs[0].logprob
             if out.logprobs[0].top:
                 reply.first_top_logprobs.CopyFrom(top_to_proto(out.logprobs[0].top))
-        if out.finish_reason is None:
-            num_tokens = len(request.token_ids) + len(request.output_token_ids)
-            reply.kv_handle.CopyFrom(await self._lease(rid, num_tokens))
+        if handle is not None:
+            reply.kv_handle.CopyFrom(handle)
         return reply
 
-    async def _lease(self, rid: str, num_tokens: int):
-        table = await self.engine.call(lambda e: list(e.held[rid]))
-        lease = self.leases.grant(rid, table, self.config.kv.lease_ttl_s)
+    def _grant(self, rid: str, blocks: list[int], num_tokens: int):
+        lease = self.leases.grant(rid, blocks, self.config.kv.lease_ttl_s)
         return blocks_to_proto(SourceBlocks(
             self.worker_id, f"{self.config.public_host}:{self.port}", rid, lease.epoch,
-            tuple(table), lease.deadline_unix_ms, num_tokens))
+            tuple(blocks), lease.deadline_unix_ms, num_tokens))
 
-    async def _drop_lease(self, rid: str) -> bool:
-        """Release rid's lease (if any) and free its blocks now."""
-        lease = self.leases.get(rid)
-        blocks = None if lease is None else self.leases.release(rid, lease.epoch)
-        if blocks is None:
-            return False
-        await self.engine.call(_release_blocks, list(blocks))
-        return True
+    def _drop(self, rid: str) -> bool:
+        """End rid's lease (if any) and free its held blocks."""
+        lease = self.leases.drop(rid)
+        self.engine.abort_soon(rid)
+        return lease is not None
 
     async def Abort(self, request: common.AbortRequest, context) -> common.AbortReply:
         rid = request.request_id
-        out = await self.engine.call(lambda e: e.abort(rid))
-        dropped = await self._drop_lease(rid)
-        return common.AbortReply(aborted=out is not None or dropped)
+        dropped = self.leases.drop(rid) is not None
+        aborted = await self.engine.abort(rid, owner=True)  # held blocks go too
+        return common.AbortReply(aborted=aborted or dropped)

@@ -68,14 +68,16 @@ class KVEventsRequest(_message.Message):
     def __init__(self, subscriber: _Optional[str] = ...) -> None: ...
 
 class KVEventBatch(_message.Message):
-    __slots__ = ("worker_id", "events", "load")
+    __slots__ = ("worker_id", "events", "load", "reset")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    RESET_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     events: _containers.RepeatedCompositeFieldContainer[KVEvent]
     load: WorkerLoad
-    def __init__(self, worker_id: _Optional[str] = ..., events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ...) -> None: ...
+    reset: bool
+    def __init__(self, worker_id: _Optional[str] = ..., events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., reset: _Optional[bool] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
     __slots__ = ()

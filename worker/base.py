@@ -1,5 +1,6 @@
 """The part of a worker service that does not depend on its role: the engine on
-its thread, KV event streaming, load reports, metrics, the gRPC server."""
+its thread (through the typed EngineWorker), KV event and load streaming, metrics,
+the gRPC server, draining, and what happens when the engine dies."""
 from __future__ import annotations
 
 import asyncio
@@ -7,18 +8,21 @@ import logging
 
 import grpc
 
-from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine
 from engine.request import RequestOutput
+from engine.worker_api import DuplicateRequestError, EngineDead, EngineWorker
 from kvtransfer.base import CompatRecord
 from proto import common_pb2 as common
 from worker.config import WorkerConfig
-from worker.convert import engine_load, events_to_proto
+from worker.convert import events_to_proto, load_to_proto
 from worker.events import KVEventHub
 from worker.metrics import WorkerMetrics
 from worker import server as grpc_server
 
 log = logging.getLogger(__name__)
+
+SNAPSHOT_CHUNK = 32768
+"""Block hashes per snapshot batch (about 1.3 MB, under gRPC's 4 MB default)."""
 
 
 class WorkerBase:
@@ -31,14 +35,12 @@ class WorkerBase:
         self.server: grpc.aio.Server | None = None  # made in start(): it binds to the running loop
         self.port = 0
         self.metrics_port: int | None = None
-        self.engine: AsyncEngine | None = None
+        self.engine: EngineWorker | None = None
         self.hub: KVEventHub | None = None
+        self.health = None
         self.draining = False
-
-    @property
-    def llm(self) -> LLMEngine:
-        """The engine, for read-only access off its thread (config, tokenizer, sizes)."""
-        return self.engine.engine
+        self.died = asyncio.Event()
+        """Set when the engine thread died (the process should exit non-zero)."""
 
     def active_leases(self) -> int:
         return 0
@@ -46,13 +48,14 @@ class WorkerBase:
     async def start_engine(self) -> None:
         self.server = grpc_server.new_server()
         self.hub = KVEventHub(asyncio.get_running_loop())
-        self.engine = AsyncEngine(lambda: LLMEngine(self.config.engine),
-                                  on_events=self.hub.publish,
-                                  on_step=lambda e: self.metrics.observe_engine(e, self.active_leases()))
+        self.engine = EngineWorker(
+            lambda: LLMEngine(self.config.engine), on_events=self.hub.publish,
+            on_step=lambda e: self.metrics.observe_engine(e, self.active_leases()),
+            on_load=lambda _: self.hub.load_changed(), on_death=self._engine_died)
         await self.engine.start()
 
     def compat(self) -> CompatRecord:
-        return CompatRecord.from_kv(self.llm.runner.kv, self.llm.fingerprint)
+        return CompatRecord.from_kv(self.engine.kv_tensor, self.engine.info.fingerprint)
 
     async def start_server(self, service_names: list[str]) -> None:
         self.health = grpc_server.add_health_and_reflection(self.server, service_names)
@@ -64,27 +67,36 @@ class WorkerBase:
             self.metrics_port = self.metrics.serve(self.config.host, self.config.metrics_port)
         log.info("%s serving gRPC on %s:%d", self.worker_id, self.config.host, self.port)
 
+    def _engine_died(self, error: BaseException) -> None:
+        log.critical("%s: the engine thread died (%s); health is NOT_SERVING and the "
+                     "process exits", self.worker_id, error)
+        if self.health is not None:
+            self.health.enter_graceful_shutdown()
+        self.died.set()
+
     def busy(self) -> bool:
         """Requests (or leases) still in flight on this worker."""
-        return bool(self.llm.requests) or self.active_leases() > 0
+        return self.engine.load.busy or self.active_leases() > 0
 
     async def drain(self, timeout_s: float) -> None:
         """Refuse new work (UNAVAILABLE; health NOT_SERVING so probes and routers move
         away) and wait up to timeout_s for what runs to finish."""
         self.draining = True
-        if getattr(self, "health", None) is not None:
+        if self.health is not None:
             self.health.enter_graceful_shutdown()
         deadline = asyncio.get_running_loop().time() + timeout_s
-        while self.busy() and asyncio.get_running_loop().time() < deadline:
+        while self.busy() and not self.died.is_set() \
+                and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.1)
         if self.busy():
-            log.warning("%s: drain timed out with %d requests and %d leases left",
-                        self.worker_id, len(self.llm.requests), self.active_leases())
+            log.warning("%s: drain ended with work left: %s, %d leases", self.worker_id,
+                        self.engine.load, self.active_leases())
 
     async def refuse_if_draining(self, context) -> None:
-        if self.draining:
+        if self.draining or not self.engine.alive:
             await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                f"{self.worker_id} is draining; send the request elsewhere")
+                                f"{self.worker_id} is draining; send the request elsewhere"
+                                if self.draining else f"{self.worker_id}: engine is down")
 
     async def stop(self, grace_s: float = 1.0) -> None:
         if self.hub is not None:
@@ -95,34 +107,51 @@ class WorkerBase:
         if self.engine is not None:
             self.engine.stop()
 
+    def load_proto(self) -> common.WorkerLoad:
+        return load_to_proto(self.engine.load, self.worker_id, self.engine.info.block_size,
+                             self.active_leases())
+
     # -- RPCs both roles serve ----------------------------------------------------
     async def GetLoad(self, request, context) -> common.WorkerLoad:
-        return engine_load(self.llm, self.worker_id, self.active_leases())
+        return self.load_proto()
 
-    async def StreamKVEvents(self, request, context):
-        """First batch: a snapshot of every cached block; then each change."""
-        q = self.hub.subscribe()
+    async def StreamKVEvents(self, request, context) -> None:
+        """A snapshot of every cached block (chunked, the first batch reset=true), then
+        each change and each load change, until the worker stops or cuts us off.
+        Written with context.write, so a subscriber that goes away always unsubscribes."""
+        sub = self.hub.subscribe()  # before the snapshot, so no change falls between
         try:
-            snapshot = await self.engine.call(lambda e: list(e.kv.pool.cached))
-            yield common.KVEventBatch(
-                worker_id=self.worker_id, load=engine_load(self.llm, self.worker_id),
-                events=[common.KVEvent(kind=common.KVEvent.STORED, block_hash=h) for h in snapshot])
+            snapshot = await self.engine.cached_hashes()
+            for i in range(0, max(len(snapshot), 1), SNAPSHOT_CHUNK):
+                await context.write(common.KVEventBatch(
+                    worker_id=self.worker_id, load=self.load_proto(), reset=i == 0,
+                    events=[common.KVEvent(kind=common.KVEvent.STORED, block_hash=h)
+                            for h in snapshot[i:i + SNAPSHOT_CHUNK]]))
             while True:
-                events = await q.get()
-                if events is None:  # the worker is stopping
+                item = await sub.queue.get()
+                if item is None:  # the worker is stopping, or we fell too far behind
                     return
-                yield common.KVEventBatch(worker_id=self.worker_id, events=events_to_proto(events),
-                                          load=engine_load(self.llm, self.worker_id,
-                                                           self.active_leases()))
-        except asyncio.CancelledError:  # subscriber gone or server stopping: a normal end
+                await context.write(common.KVEventBatch(
+                    worker_id=self.worker_id, load=self.load_proto(),
+                    events=events_to_proto(item.events or [])))
+        except EngineDead:
             return
         finally:
-            self.hub.unsubscribe(q)
+            self.hub.unsubscribe(sub)
 
     # -- helpers --------------------------------------------------------------------
     def count_finish(self, out: RequestOutput) -> None:
         reason = out.finish_reason.value if out.finish_reason else "handoff"
-        self.metrics.l(self.metrics.requests, finish_reason=reason).inc()
+        self.metrics.labelled(self.metrics.requests, finish_reason=reason).inc()
+
+    async def admission_error(self, context: grpc.aio.ServicerContext, error: Exception) -> None:
+        """Answer a request the engine refused: ALREADY_EXISTS for a live id,
+        UNAVAILABLE when the engine is down, INVALID_ARGUMENT otherwise."""
+        if isinstance(error, DuplicateRequestError):
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(error))
+        if isinstance(error, EngineDead):
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.worker_id}: {error}")
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
 
 
 async def invalid_argument(context: grpc.aio.ServicerContext, error: Exception) -> None:

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from engine.kv_cache import KVEvent, KVEventKind
-from engine.llm_engine import LLMEngine
 from engine.sampling import SamplingParams
+from engine.worker_api import EngineLoad
 from proto import common_pb2 as common
 
 
@@ -37,16 +37,15 @@ def events_to_proto(events: list[KVEvent]) -> list[common.KVEvent]:
     return [common.KVEvent(kind=kinds[e.kind], block_hash=e.block_hash) for e in events]
 
 
-def engine_load(engine: LLMEngine, worker_id: str, active_leases: int = 0) -> common.WorkerLoad:
-    """A load snapshot; reads engine state without locking (a slightly stale number
-    is fine for placement), so it may run off the engine thread."""
-    sched, pool = engine.scheduler, engine.kv.pool
-    waiting = list(sched.waiting)
+def load_to_proto(load: EngineLoad, worker_id: str, block_size: int,
+                  active_leases: int = 0) -> common.WorkerLoad:
+    """The engine thread's latest load snapshot as the wire message."""
     return common.WorkerLoad(
-        worker_id=worker_id, num_waiting=len(waiting), num_running=len(sched.running),
-        kv_usage=pool.usage, free_blocks=pool.num_free, total_blocks=pool.num_blocks,
-        queued_prompt_tokens=sum(len(r.token_ids) - r.num_computed_tokens for r in waiting),
-        active_leases=active_leases, block_size=engine.config.block_size)
+        worker_id=worker_id, num_waiting=load.num_waiting,
+        num_running=load.num_running + load.num_reserved, kv_usage=load.kv_usage,
+        free_blocks=load.free_blocks, total_blocks=load.total_blocks,
+        queued_prompt_tokens=load.queued_prompt_tokens, active_leases=active_leases,
+        block_size=block_size)
 
 
 def top_to_proto(top: list[tuple[int, float]]) -> common.TopLogprobs:

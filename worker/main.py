@@ -47,7 +47,9 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
                         drain_timeout_s=args.drain_timeout_s)
 
 
-async def serve(service, ready_file: str | None) -> None:
+async def serve(service, ready_file: str | None) -> int:
+    """Run until SIGINT/SIGTERM (then drain) or until the engine dies; the exit code
+    (1 when the engine died, so a supervisor or Kubernetes restarts the worker)."""
     import uvloop  # noqa: F401 - imported to fail early if missing
 
     stop = asyncio.Event()
@@ -62,10 +64,19 @@ async def serve(service, ready_file: str | None) -> None:
             f.write(msg)
         import os
         os.replace(ready_file + ".tmp", ready_file)
-    await stop.wait()
+    died = asyncio.ensure_future(service.died.wait())
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({died, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    died.cancel()
+    stopped.cancel()
+    if service.died.is_set():
+        log.critical("%s: engine died; exiting with status 1", service.worker_id)
+        await service.stop(0)
+        return 1
     log.info("%s draining (up to %.0fs)", service.worker_id, service.config.drain_timeout_s)
     await service.drain(service.config.drain_timeout_s)
     await service.stop()
+    return 0
 
 
 def run_worker(role: str, args: argparse.Namespace) -> int:
@@ -76,5 +87,4 @@ def run_worker(role: str, args: argparse.Namespace) -> int:
         from prefill_svc.service import PrefillService as cls
     else:
         from decode_svc.service import DecodeService as cls
-    uvloop.run(serve(cls(config), args.ready_file))
-    return 0
+    return uvloop.run(serve(cls(config), args.ready_file))

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from engine.llm_engine import LLMEngine
+if TYPE_CHECKING:
+    from engine.llm_engine import LLMEngine
 
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -58,27 +61,35 @@ class WorkerMetrics:
                        self.kv_usage, self.running, self.waiting, self.leases,
                        self.prompt_tokens_waiting, self.swap_seconds, self.preempted_seconds,
                        self.interrupted_steps):
-            self.l(metric)
+            self.labelled(metric)
         for reason in ("stop", "length", "abort", "error", "handoff"):
-            self.l(self.requests, finish_reason=reason)
+            self.labelled(self.requests, finish_reason=reason)
         for reason in ("lease_expired", "peer_unreachable", "transfer_failed"):
-            self.l(self.kv_fallbacks, reason=reason)
+            self.labelled(self.kv_fallbacks, reason=reason)
         for mode in ("swap", "recompute"):
-            self.l(self.preemptions, mode=mode)
+            self.labelled(self.preemptions, mode=mode)
         for direction in ("in", "out"):
-            self.l(self.swap_bytes, direction=direction)
+            self.labelled(self.swap_bytes, direction=direction)
 
-    def l(self, metric, **extra):  # noqa: E743 - short on purpose: metric.labels(...)
+    def labelled(self, metric, **extra):
+        """metric.labels(...) with this worker's role and id filled in."""
         return metric.labels(**self.labels, **extra)
+
+    def count_prompt(self, prompt_tokens: int, queried_tokens: int, cached_tokens: int) -> None:
+        """A prompt was admitted: queried_tokens looked up in the prefix cache, of which
+        cached_tokens were hits."""
+        self.labelled(self.prompt_tokens).inc(prompt_tokens)
+        self.labelled(self.prefix_queries).inc(queried_tokens)
+        self.labelled(self.prefix_hits).inc(cached_tokens)
 
     def observe_engine(self, engine: LLMEngine, active_leases: int = 0) -> None:
         """Refresh the gauges and add the engine counters' growth (called after steps)."""
         self._count_stats(engine.stats)
-        self.l(self.kv_usage).set(engine.kv.pool.usage)
-        self.l(self.running).set(len(engine.scheduler.running))
-        self.l(self.waiting).set(len(engine.scheduler.waiting))
-        self.l(self.leases).set(active_leases)
-        self.l(self.prompt_tokens_waiting).set(
+        self.labelled(self.kv_usage).set(engine.kv.pool.usage)
+        self.labelled(self.running).set(len(engine.scheduler.running))
+        self.labelled(self.waiting).set(len(engine.scheduler.waiting))
+        self.labelled(self.leases).set(active_leases)
+        self.labelled(self.prompt_tokens_waiting).set(
             sum(len(r.token_ids) - r.num_computed_tokens for r in engine.scheduler.waiting)
             + sum(len(r.token_ids) - r.num_computed_tokens - 1 for r in engine.scheduler.running
                   if len(r.token_ids) - r.num_computed_tokens > 1))
@@ -88,12 +99,12 @@ class WorkerMetrics:
         for mode, n in st.preemptions.items():
             grown = n - (last.preemptions.get(mode, 0) if last else 0)
             if grown:
-                self.l(self.preemptions, mode=mode).inc(grown)
-        pairs = ((self.l(self.swap_bytes, direction="out"), st.swap_out_bytes, "swap_out_bytes"),
-                 (self.l(self.swap_bytes, direction="in"), st.swap_in_bytes, "swap_in_bytes"),
-                 (self.l(self.swap_seconds), st.swap_seconds, "swap_seconds"),
-                 (self.l(self.preempted_seconds), st.preempted_seconds, "preempted_seconds"),
-                 (self.l(self.interrupted_steps), st.interrupted_steps, "interrupted_steps"))
+                self.labelled(self.preemptions, mode=mode).inc(grown)
+        pairs = ((self.labelled(self.swap_bytes, direction="out"), st.swap_out_bytes, "swap_out_bytes"),
+                 (self.labelled(self.swap_bytes, direction="in"), st.swap_in_bytes, "swap_in_bytes"),
+                 (self.labelled(self.swap_seconds), st.swap_seconds, "swap_seconds"),
+                 (self.labelled(self.preempted_seconds), st.preempted_seconds, "preempted_seconds"),
+                 (self.labelled(self.interrupted_steps), st.interrupted_steps, "interrupted_steps"))
         for metric, now, name in pairs:
             grown = now - (getattr(last, name) if last else 0)
             if grown > 0:

@@ -104,7 +104,8 @@ def test_malformed_plans_rejected_before_any_byte_moves(worker: Worker) -> None:
 
 async def _serve(worker: Worker) -> tuple[grpc.aio.Server, str]:
     server = grpc.aio.server()
-    add_kv_link(server, KVLinkServicer(worker.source, worker.leases, worker.freed.extend, "src"))
+    add_kv_link(server, KVLinkServicer(worker.source, worker.leases,
+                                       lambda lease: worker.freed.extend(lease.block_ids), "src"))
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     return server, f"127.0.0.1:{port}"

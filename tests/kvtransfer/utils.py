@@ -56,7 +56,8 @@ def _source_main(conn: Any, backend: str, dtype: torch.dtype, seed: int, fingerp
     source = get_backend(backend).source()  # type: ignore[arg-type]
     source.register(kv, CompatRecord.from_kv(kv, fingerprint), leases.check_readable)
     source.serve("127.0.0.1", 0)
-    servicer = KVLinkServicer(source, leases, freed.extend, worker_id=f"src-{backend}-{seed}")
+    servicer = KVLinkServicer(source, leases, lambda lease: freed.extend(lease.block_ids),
+                              worker_id=f"src-{backend}-{seed}")
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
 

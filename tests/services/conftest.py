@@ -49,7 +49,7 @@ async def leak_check(*svcs) -> None:
         if getattr(s, "leases", None) is not None:
             assert s.leases.active() == 0, f"{s.worker_id} still holds leases"
         await asyncio.sleep(0.05)
-        await s.engine.call(lambda e: e.leak_check())
+        await s.engine.leak_check()
 
 
 def sampling(max_tokens: int = 8, **kw) -> common_pb2.SamplingParams:

@@ -15,7 +15,7 @@ def test_drain_finishes_running_and_refuses_new(tiny_model_dir) -> None:
     async def body():
         async with services(tiny_model_dir) as (p, d, ps, ds):
             running = asyncio.create_task(generate(ds, "long", [5] * 10, [], sampling(60)))
-            while not d.llm.requests:
+            while not d.engine.load.busy:
                 await asyncio.sleep(0.01)
             drain = asyncio.create_task(d.drain(timeout_s=30))
             await asyncio.sleep(0.05)

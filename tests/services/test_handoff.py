@@ -27,7 +27,7 @@ def test_disagg_equals_colocated_and_moves_only_missing_blocks(tiny_model_dir, r
 
     async def body():
         async with services(tiny_model_dir, backend) as (p, d, ps, ds):
-            bb = d.llm.runner.block_bytes
+            bb = d.engine.info.block_bytes
             shared = _prompt(48, seed=1)  # exactly 3 blocks
             a, b = shared + _prompt(21, 2), shared + _prompt(30, 3)
             toks_a, chunks_a = await disagg(ps, ds, "a", a, sampling())
@@ -41,7 +41,7 @@ def test_disagg_equals_colocated_and_moves_only_missing_blocks(tiny_model_dir, r
             assert t.local_cached_tokens == 48
             assert (t.blocks_pulled, t.bytes_pulled) == (2, 2 * bb)
             m = d.metrics
-            assert m.l(m.kv_bytes)._value.get() == 7 * bb
+            assert m.labelled(m.kv_bytes)._value.get() == 7 * bb
             await leak_check(p, d)
     run(body())
 

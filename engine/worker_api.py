@@ -1,0 +1,359 @@
+"""The typed boundary between a worker service and its engine.
+
+An ``EngineWorker`` runs one LLMEngine on a dedicated thread and is the only way a
+service touches it: each coroutine below runs its work on the engine thread between
+steps and returns the result to the event loop. Nothing reads engine state from
+another thread; what is fixed at build time (``info``) and the load snapshot the
+engine thread publishes after every iteration (``load``) are plain values.
+
+The engine is built *on* its thread (torch's OpenMP pool then lives on the thread
+that runs the model; building it elsewhere made every small op pay a futex wake-up).
+
+Streams: ``add`` and ``reserve`` open the request's output queue atomically with the
+id check, so two requests under one id can never share a queue or a block table
+(the second gets DuplicateRequestError). A request's outputs, its abort included,
+arrive on its queue; the queue is the caller's to close.
+
+Failure: a step that raises fails its requests inside the engine (LLMEngine.step).
+If the engine thread dies anyway, every pending call and stream gets EngineDead,
+``alive`` turns False and ``on_death`` runs on the event loop (the services turn
+health NOT_SERVING and exit non-zero).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from engine.config import ModelConfig
+from engine.kv_cache import BlockHash, KVEvent
+from engine.llm_engine import LLMEngine
+from engine.request import (DuplicateRequestError, FinishReason, RemoteReservation, Request,
+                            RequestOutput)
+from engine.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+__all__ = ["DuplicateRequestError", "EngineDead", "EngineInfo", "EngineLoad", "EngineWorker"]
+
+
+class EngineDead(RuntimeError):
+    """The engine thread has stopped; nothing more can run on it."""
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What never changes after the engine is built (safe to read from any thread)."""
+
+    model_config: ModelConfig
+    fingerprint: str
+    block_size: int
+    num_blocks: int
+    max_model_len: int
+    block_bytes: int
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """A snapshot the engine thread takes after every loop iteration."""
+
+    num_waiting: int = 0
+    num_running: int = 0
+    num_reserved: int = 0
+    """Remote admissions waiting for their KV bytes."""
+    num_held: int = 0
+    """Finished prefills whose blocks are held for a handoff."""
+    free_blocks: int = 0
+    total_blocks: int = 0
+    queued_prompt_tokens: int = 0
+    swap_used_blocks: int = 0
+
+    @property
+    def kv_usage(self) -> float:
+        return 1.0 - self.free_blocks / self.total_blocks if self.total_blocks else 0.0
+
+    @property
+    def busy(self) -> bool:
+        """Anything still in flight (drain waits for False)."""
+        return bool(self.num_waiting or self.num_running or self.num_reserved or self.num_held)
+
+
+def _load_of(engine: LLMEngine) -> EngineLoad:
+    sched, pool = engine.scheduler, engine.kv.pool
+    return EngineLoad(
+        num_waiting=len(sched.waiting) + len(sched.swapped), num_running=len(sched.running),
+        num_reserved=len(sched.reserved), num_held=len(engine.held),
+        free_blocks=pool.num_free, total_blocks=pool.num_blocks,
+        queued_prompt_tokens=sum(len(r.token_ids) - r.num_computed_tokens for r in sched.waiting),
+        swap_used_blocks=(engine.swap.num_blocks - engine.swap.num_free) if engine.swap else 0)
+
+
+class EngineWorker:
+    def __init__(self, build: Callable[[], LLMEngine],
+                 on_events: Callable[[list[KVEvent]], None] | None = None,
+                 on_step: Callable[[LLMEngine], None] | None = None,
+                 on_load: Callable[[EngineLoad], None] | None = None,
+                 on_death: Callable[[BaseException], None] | None = None) -> None:
+        """on_events, on_step and on_load run on the engine thread (keep them cheap and
+        thread-safe); on_death runs on the event loop."""
+        self._build = build
+        self._on_events, self._on_step, self._on_load = on_events, on_step, on_load
+        self._on_death = on_death
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._grants: dict[str, asyncio.Future[RemoteReservation]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopped = threading.Event()
+        self._engine: LLMEngine | None = None
+        self._dead: BaseException | None = None
+        self.info: EngineInfo | None = None
+        self.load = EngineLoad()
+        self.kv_tensor = None
+        """The paged KV tensor, for registering with a KV transfer backend (the backend's
+        readers and the model write disjoint blocks; ownership is the lease's job)."""
+
+    # -- life ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        ready: asyncio.Future = self._loop.create_future()
+        self._thread = threading.Thread(target=self._run, args=(ready,), name="engine",
+                                        daemon=True)
+        self._thread.start()
+        await ready
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._commands.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    @property
+    def alive(self) -> bool:
+        return self._dead is None and self._thread is not None and self._thread.is_alive()
+
+    # -- requests -----------------------------------------------------------------------
+    def make_request(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str,
+                     priority: int = 0, output_token_ids: Sequence[int] = ()) -> Request:
+        """Validate and build a request (ValueError naming the field). Reads only fixed
+        configuration, so it runs here, off the engine thread."""
+        if not request_id:
+            raise ValueError("request_id is empty")
+        return self._engine.make_request(list(prompt_ids), params, request_id, priority,
+                                         list(output_token_ids))
+
+    async def add(self, req: Request, prefill_only: bool = False) -> asyncio.Queue[RequestOutput]:
+        """Queue a request; returns its output queue. DuplicateRequestError when the id
+        is live here."""
+        req.prefill_only = prefill_only
+        q = self._open(req.request_id)
+        try:
+            await self._call(lambda e: e.admit(req), urgent=req.priority)
+        except BaseException:
+            self._close_if(req.request_id, q)
+            self._fire(lambda e: e.abort_if_admitted(req))  # cancelled: it may run later
+            raise
+        return q
+
+    async def reserve(self, req: Request, num_kv_tokens: int, preempt_lower: bool
+                      ) -> tuple[RemoteReservation, asyncio.Queue[RequestOutput]]:
+        """Queue a remote admission and wait until the scheduler gives it blocks (in
+        priority order, preempting when preempt_lower). The caller then owns the pull
+        and must end it with ``end_pull`` (or ``abort(owner=True)`` once no pull is in
+        flight). Cancelled while waiting: the request is dropped here."""
+        rid = req.request_id
+        q = self._open(rid)
+        fut: asyncio.Future[RemoteReservation] = self._loop.create_future()
+        self._grants[rid] = fut
+        try:
+            await self._call(lambda e: e.add_remote(req, num_kv_tokens, preempt_lower),
+                             urgent=req.priority)
+            return await fut, q
+        except BaseException:
+            self._grants.pop(rid, None)
+            self._close_if(rid, q)
+            self._fire(lambda e: e.abort_if_admitted(req))  # no pull was started
+            raise
+
+    async def end_pull(self, request_id: str, kv_arrived: bool) -> None:
+        """The pull into a reserved request's blocks is over (see LLMEngine.end_pull)."""
+        out = await self._call(lambda e: e.end_pull(request_id, kv_arrived),
+                               urgent=None)
+        if out is not None:
+            self._deliver([out])
+
+    async def abort(self, request_id: str, owner: bool = False) -> bool:
+        """Cancel a request (its held blocks too); its stream gets the abort output.
+        owner=True: the caller owns the request's pull and none is in flight. True when
+        the id was live here."""
+        known, out = await self._call(lambda e: (
+            request_id in e.requests or request_id in e.held, e.abort(request_id, owner)))
+        if out is not None:
+            self._deliver([out])
+        return known
+
+    def abort_soon(self, request_id: str) -> None:
+        """abort(owner=True) without waiting: for cleanup paths that must not await."""
+        self._fire(lambda e: e.abort(request_id, owner=True))
+
+    async def release_held(self, request_id: str) -> bool:
+        """Free a finished prefill's held blocks once (False: unknown or already freed)."""
+        return await self._call(lambda e: e.release_held(request_id))
+
+    def close_stream(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    # -- queries ------------------------------------------------------------------------
+    async def cached_hashes(self) -> list[BlockHash]:
+        return await self._call(lambda e: list(e.kv.pool.cached))
+
+    async def leak_check(self) -> None:
+        """AssertionError unless nothing is held (LLMEngine.leak_check)."""
+        await self._call(lambda e: e.leak_check())
+
+    async def run(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Escape hatch for tests and benchmarks: fn(engine) on the engine thread."""
+        return await self._call(fn)
+
+    # -- plumbing -------------------------------------------------------------------------
+    def _open(self, request_id: str) -> asyncio.Queue[RequestOutput]:
+        if self._dead is not None:
+            raise EngineDead(f"the engine has stopped: {self._dead}")
+        if request_id in self._streams:
+            raise DuplicateRequestError(f"request_id {request_id!r} is already in use on "
+                                        "this worker")
+        q: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._streams[request_id] = q
+        return q
+
+    def _close_if(self, request_id: str, q: asyncio.Queue) -> None:
+        if self._streams.get(request_id) is q:
+            del self._streams[request_id]
+
+    async def _call(self, fn: Callable[[LLMEngine], Any], urgent: int | None = None) -> Any:
+        """Run fn(engine) on the engine thread; return or raise its result. urgent: the
+        priority of the request fn queues (a step of only less important requests is
+        then cut short, LLMEngine.interrupt_for)."""
+        if self._dead is not None:
+            raise EngineDead(f"the engine has stopped: {self._dead}")
+        fut = self._loop.create_future()
+        self._commands.put((fn, fut))
+        if urgent is not None and self._engine is not None:
+            self._engine.interrupt_for(urgent)
+        return await fut
+
+    def _fire(self, fn: Callable[[LLMEngine], Any]) -> None:
+        """Queue fn without awaiting it (its outputs still reach their streams)."""
+        if self._dead is None:
+            fut = self._loop.create_future()
+            fut.add_done_callback(self._deliver_result)
+            self._commands.put((fn, fut))
+
+    def _deliver_result(self, fut: asyncio.Future) -> None:
+        if not fut.cancelled() and fut.exception() is None and \
+                isinstance(fut.result(), RequestOutput):
+            self._deliver([fut.result()])
+
+    # -- engine thread ------------------------------------------------------------------------
+    def _run(self, ready: asyncio.Future) -> None:
+        try:
+            engine = self._build()
+            self._engine = engine
+            self.kv_tensor = engine.runner.kv
+            self.info = EngineInfo(engine.model_config, engine.fingerprint,
+                                   engine.config.block_size, engine.kv.pool.num_blocks,
+                                   engine.max_model_len, engine.runner.block_bytes)
+            self.load = _load_of(engine)
+        except BaseException as e:  # noqa: BLE001 - report any build failure to start()
+            self._loop.call_soon_threadsafe(_settle, ready, None, e)
+            return
+        self._loop.call_soon_threadsafe(_settle, ready, None, None)
+        try:
+            while not self._stopped.is_set():
+                self._iterate(engine)
+        except BaseException as e:  # noqa: BLE001 - the engine thread is dying: say so
+            log.critical("engine thread died", exc_info=True)
+            self._dead = e
+            self._loop.call_soon_threadsafe(self._die, e)
+
+    def _iterate(self, engine: LLMEngine) -> None:
+        self._run_commands(engine, block=not engine.has_unfinished())
+        if engine.has_unfinished():
+            outs = engine.step()
+            if outs:
+                self._loop.call_soon_threadsafe(self._deliver, outs)
+        grants = engine.take_grants()
+        if grants:
+            self._loop.call_soon_threadsafe(self._deliver_grants, grants)
+        events = engine.kv.pool.drain_events()
+        if events and self._on_events is not None:
+            self._on_events(events)
+        if self._on_step is not None:
+            self._on_step(engine)
+        load = _load_of(engine)
+        if load != self.load:
+            self.load = load
+            if self._on_load is not None:
+                self._on_load(load)
+
+    def _run_commands(self, engine: LLMEngine, block: bool) -> None:
+        try:
+            item = self._commands.get(timeout=0.05) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while item is not None:
+            fn, fut = item
+            try:
+                result, error = fn(engine), None
+            except Exception as e:  # noqa: BLE001 - the caller gets it
+                result, error = None, e
+            self._loop.call_soon_threadsafe(_settle, fut, result, error)
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    # -- event loop -----------------------------------------------------------------------------
+    def _deliver(self, outs: list[RequestOutput]) -> None:
+        for out in outs:
+            q = self._streams.get(out.request_id)
+            if q is not None:
+                q.put_nowait(out)
+
+    def _deliver_grants(self, grants: list[RemoteReservation]) -> None:
+        for grant in grants:
+            fut = self._grants.pop(grant.request_id, None)
+            if fut is None or fut.done():  # its caller went away before the grant: no pull
+                self._fire(lambda e, rid=grant.request_id: e.abort(rid, owner=True))
+            else:
+                fut.set_result(grant)
+
+    def _die(self, error: BaseException) -> None:
+        """Engine thread gone: fail everything that waits on it."""
+        dead = EngineDead(f"the engine thread died: {type(error).__name__}: {error}")
+        while True:
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                _settle(item[1], None, dead)
+        for fut in self._grants.values():
+            _settle(fut, None, dead)
+        self._grants.clear()
+        for rid, q in self._streams.items():
+            q.put_nowait(RequestOutput(rid, [], "", True, FinishReason.ERROR, error=str(dead)))
+        if self._on_death is not None:
+            self._on_death(error)
+
+
+def _settle(fut: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if fut.done():
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(result)
