@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Sequence
 
 from engine.config import EngineConfig
+from engine.limits import check_priority, check_prompt
 from engine.kv_cache import KVCacheManager
 from engine.loader import load_checkpoint
 from engine.model_runner import ModelRunner
@@ -109,18 +110,8 @@ class LLMEngine:
         is decided when the request is admitted (``admit``), on the engine thread."""
         request_id = request_id or uuid.uuid4().hex
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not ids:
-            raise ValueError("prompt is empty")
-        vocab = self.model_config.vocab_size
-        for name, seq in (("prompt", ids), ("output_token_ids", output_token_ids)):
-            bad = [t for t in seq if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"{name}: token id {bad[0]} is outside the vocabulary "
-                                 f"[0, {vocab})")
-        if len(ids) + len(output_token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids) + len(output_token_ids)} tokens; the context "
-                             f"window (max_model_len) is {self.max_model_len}, which leaves no "
-                             "room for output")
+        check_prompt(ids, self.model_config.vocab_size, self.max_model_len, output_token_ids)
+        check_priority(priority)
         req = Request(request_id, ids, params, priority)
         if output_token_ids:  # resumed elsewhere: the outputs so far join the context
             req.token_ids.extend(output_token_ids)

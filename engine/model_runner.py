@@ -73,17 +73,26 @@ class ModelRunner:
                     swap_in: list[tuple[list[int], list[int]]]) -> int:
         """Swap-outs (device -> host) first, then swap-ins (host -> device): a block
         freed by a swap-out may be the target of a swap-in in the same step.
-        Returns the bytes copied."""
+        Returns the bytes copied.
+
+        On CUDA each block is copied straight into its slot of the pinned swap tensor
+        (an async copy), and the stream is synchronised before anything on the host may
+        read those slots. Gathering on the device and index-assigning the result on the
+        host instead read a pinned staging tensor while its copy was still in flight."""
         nbytes = 0
         for dev, host in swap_out:
-            self.swap_kv[torch.tensor(host)] = self.kv[torch.tensor(dev)].to("cpu", non_blocking=True)
+            for d, h in zip(dev, host):
+                self.swap_kv[h].copy_(self.kv[d], non_blocking=True)
             nbytes += len(dev) * self.block_bytes
         if swap_out and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # host copies must land before reuse
+            torch.cuda.current_stream(self.device).synchronize()  # host copies have landed
         for host, dev in swap_in:
-            self.kv[torch.tensor(dev, device=self.device)] = self.swap_kv[torch.tensor(host)].to(
-                self.device, non_blocking=True)
+            for h, d in zip(host, dev):
+                self.kv[d].copy_(self.swap_kv[h], non_blocking=True)
             nbytes += len(dev) * self.block_bytes
+        if swap_in and self.device.type == "cuda":
+            # a swapped-in request's host blocks are freed right after this call
+            torch.cuda.current_stream(self.device).synchronize()
         return nbytes
 
     @torch.inference_mode()

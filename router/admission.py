@@ -21,17 +21,9 @@ from collections import Counter
 from contextlib import asynccontextmanager
 from typing import AsyncIterator, Callable
 
+from router.outcomes import DeadlineExceeded, QueueFull
+
 RECHECK_S = 0.1
-
-
-class QueueFull(Exception):
-    def __init__(self, waiting: int, retry_after_s: int) -> None:
-        super().__init__(f"the request queue is full ({waiting} waiting); retry later")
-        self.retry_after_s = retry_after_s
-
-
-class DeadlineExceeded(Exception):
-    pass
 
 
 class Admission:
@@ -51,7 +43,7 @@ class Admission:
 
     @property
     def waiting(self) -> int:
-        return sum(1 for *_, f in self._heap if not f.done())
+        return len(self._heap)
 
     def _fits(self, priority: int, blocks: int) -> bool:
         if self.inflight >= self.max_inflight:
@@ -96,15 +88,21 @@ class Admission:
             await asyncio.wait_for(asyncio.shield(fut), timeout)
         except asyncio.TimeoutError:
             if not fut.done():
-                fut.cancel()
+                self._forget(fut)
                 raise DeadlineExceeded("the request's deadline passed while it was queued") from None
         except asyncio.CancelledError:  # client gone while queued
             if fut.done() and not fut.cancelled():
                 self._release(priority)  # we were given a slot: pass it on
             else:
-                fut.cancel()
+                self._forget(fut)
             raise
         # fut done: _pump gave us the slot (inflight already counted)
+
+    def _forget(self, fut: asyncio.Future) -> None:
+        """A waiter gave up: out of the queue now (not left for _pump to skip)."""
+        fut.cancel()
+        self._heap = [e for e in self._heap if e[3] is not fut]
+        heapq.heapify(self._heap)
 
     async def _recheck_while_waiting(self) -> None:
         """Worker loads change without the router hearing of it: one task re-checks

@@ -31,9 +31,9 @@ class RouterConfig:
     """Label selector of the decode Service's EndpointSlices."""
     k8s_port_name: str = "grpc"
     """Name of the workers' gRPC port in the EndpointSlices."""
-    local_prefill_threshold: int = 32
+    local_prefill_threshold: int | None = 32
     """Prompts with at most this many uncached tokens are prefilled on the decode
-    worker itself (conditional disaggregation); -1 = always local (colocated)."""
+    worker itself (conditional disaggregation); none = always local (colocated)."""
     routing: str = "prefix"
     """prefix (prefix overlap against load) or round_robin."""
     block_size: int = 16
@@ -70,8 +70,9 @@ class RouterConfig:
         for name in ("max_inflight", "max_queue", "max_body_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.local_prefill_threshold < -1:
-            raise ValueError("--local-prefill-threshold must be >= -1")
+        if self.local_prefill_threshold is not None and self.local_prefill_threshold < 0:
+            raise ValueError(f"--local-prefill-threshold must be >= 0 (or none: always "
+                             f"local), got {self.local_prefill_threshold}")
 
     def make_discovery(self):
         """The Discovery this config asks for; a static list without a decode worker

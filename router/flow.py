@@ -7,6 +7,11 @@
 3. stream the decode worker's tokens; detokenize and apply stop strings here,
    where the client's text is produced.
 If the client goes away, the request is aborted on every worker it touched.
+
+Identity: the router mints the request id (``rid``). Each attempt on the workers
+runs under its own id, ``{rid}-{attempt}``, so a retry never collides with what
+an earlier attempt left behind (a lease, a held table) and the workers can refuse
+any duplicate id outright. One deadline bounds the whole request, retries included.
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from proto import common_pb2 as common
 from proto import decode_pb2, prefill_pb2
 from router.config import RouterConfig
+from router.outcomes import DeadlineExceeded, NoWorkerError, WorkerError
 from router.placement import Placer
 from router.workers import Worker, WorkerPool
 from worker.convert import sampling_to_proto, top_from_proto
@@ -34,21 +40,10 @@ log = logging.getLogger(__name__)
 
 
 MAX_ATTEMPTS = 3
-# A worker that died or stopped answering; another can take the request over.
-RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
-             grpc.StatusCode.ABORTED}
-
-
-class NoWorkerError(RuntimeError):
-    """No healthy worker of a needed role (HTTP 503)."""
-
-
-class WorkerError(RuntimeError):
-    """A worker refused the request (its gRPC status maps to an HTTP code)."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
+# A worker that died, stopped answering or is shutting down; another can take the
+# request over. UNKNOWN is not here: it is what an unhandled error in a handler looks
+# like, and retrying it would let one poison request mark every worker down.
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED}
 
 
 Logprob = tuple[float, list[tuple[int, float]]]
@@ -70,6 +65,8 @@ class Delta:
 @dataclass
 class Trace:
     request_id: str
+    client_request_id: str = ""
+    """The client's x-request-id, if it sent one (echoed and logged, never a key)."""
     path: str = ""
     """disaggregated | local_prefill"""
     prefill_worker: str = ""
@@ -105,17 +102,19 @@ class RequestFlow:
         self.placer = Placer(config.routing, pool.index)
 
     async def run(self, prompt_ids: list[int], params: SamplingParams, priority: int = 0,
-                  request_id: str | None = None, trace: Trace | None = None
-                  ) -> AsyncIterator[Delta]:
+                  request_id: str | None = None, trace: Trace | None = None,
+                  deadline: float | None = None) -> AsyncIterator[Delta]:
+        """The client's deltas. deadline (time.monotonic()): DeadlineExceeded once it
+        passes; default now + request_timeout_s."""
         rid = request_id or uuid.uuid4().hex
         trace = trace or Trace(rid)
         trace.prompt_tokens = len(prompt_ids)
         t0 = time.monotonic()
+        req = _Request(rid, prompt_ids, params, priority,
+                       deadline or t0 + self.config.request_timeout_s)
         text = _TextStream(self.tokenizer, prompt_ids, params)
-        touched: list[Worker] = []  # workers that may still hold something of rid
         try:
-            async for token_ids, reason, logprobs in self._tokens(rid, prompt_ids, params,
-                                                                  priority, trace, touched):
+            async for token_ids, reason, logprobs in self._tokens(req, trace):
                 if not trace.ttft_seconds:
                     trace.ttft_seconds = time.monotonic() - t0
                 delta = text.feed(token_ids, reason, logprobs)
@@ -125,64 +124,62 @@ class RequestFlow:
                     return
         finally:
             trace.e2e_seconds = time.monotonic() - t0
-            if touched:  # client gone, a stop string, or an error: free every worker
-                await asyncio.shield(_abort_all(rid, list(touched)))
+            # client gone, a stop string, or an error: free what any worker still holds
+            await asyncio.shield(req.held.abort_all())
 
-    async def _tokens(self, rid, prompt_ids, params, priority, trace, touched):
+    async def _tokens(self, req: _Request, trace: Trace):
         """Tokens as the workers produce them, surviving worker deaths: a prefill worker
         that fails before its first token is replaced; a decode worker that fails
         mid-stream is replaced and the request re-prefilled with the tokens it already
         made, so the client sees one uninterrupted stream."""
-        generated: list[int] = []
         failed: set[Worker] = set()
         for attempt in range(MAX_ATTEMPTS):
             try:
-                async for toks, reason, lps in self._attempt(rid, prompt_ids, generated, params,
-                                                             priority, trace, touched, failed):
-                    generated.extend(toks)
+                async for toks, reason, lps in self._attempt(req, f"{req.rid}-{attempt}",
+                                                             trace, failed):
+                    req.generated.extend(toks)
                     yield toks, reason, lps
                 return
             except _Retry as r:
                 failed.add(r.worker)
-                if r.worker in touched:
-                    touched.remove(r.worker)
+                req.held.forget(r.worker)
                 # what the failed attempt left elsewhere (a prefill lease) goes now
-                await asyncio.shield(_abort_all(rid, list(touched)))
-                touched.clear()
+                await asyncio.shield(req.held.abort_all())
                 self.pool.mark_down(r.worker)
                 trace.retries += 1
                 trace.fallback = trace.fallback or f"{r.worker.role}_failover"
                 log.warning("request %s: %s worker %s failed (%s); retrying elsewhere with %d "
-                            "tokens generated", rid, r.worker.role, r.worker.name, r.reason,
-                            len(generated))
-        raise NoWorkerError(f"request {rid}: workers kept failing ({MAX_ATTEMPTS} attempts)")
+                            "tokens generated", req.rid, r.worker.role, r.worker.name, r.reason,
+                            len(req.generated))
+        raise NoWorkerError(f"request {req.rid}: workers kept failing ({MAX_ATTEMPTS} attempts)")
 
-    async def _attempt(self, rid, prompt_ids, generated, params, priority, trace, touched, failed):
-        context = prompt_ids + generated
-        hashes = hash_token_blocks(context, self.config.block_size, self.config.hash_seed)
+    async def _attempt(self, req: _Request, wid: str, trace: Trace, failed: set[Worker]):
+        """One try: (optionally) prefill on a prefill worker, then stream from a decode
+        worker, both under the worker-level id wid."""
+        context = req.prompt_ids + req.generated
+        bs = self.config.block_size
+        hashes = hash_token_blocks(context, bs, self.config.hash_seed)
         decoders = [w for w in self.pool.healthy("decode") if w not in failed]
         if not decoders:
             raise NoWorkerError("no healthy decode worker")
-        need = -(-len(context) // self.config.block_size) + 1
+        need = -(-len(context) // bs) + 1
         decode, overlap = self.placer.choose(decoders, hashes, need)
         trace.decode_worker = decode.name
-        cached = overlap * self.config.block_size
+        cached = overlap * bs
         prefillers = [w for w in self.pool.healthy("prefill") if w not in failed]
-        threshold = self.config.local_prefill_threshold
-        gen = decode_pb2.GenerateRequest(request_id=rid, prompt_token_ids=prompt_ids,
-                                         output_token_ids=generated,
-                                         sampling=sampling_to_proto(params), priority=priority,
+        gen = decode_pb2.GenerateRequest(request_id=wid, prompt_token_ids=req.prompt_ids,
+                                         output_token_ids=req.generated,
+                                         sampling=sampling_to_proto(req.params),
+                                         priority=req.priority,
                                          preempt_lower_priority=self.config.priority_preemption)
-        if threshold >= 0 and prefillers and len(context) - cached > threshold:
+        threshold = self.config.local_prefill_threshold
+        if threshold is not None and prefillers and len(context) - cached > threshold:
             trace.path = "disaggregated"
             prefill, p_overlap = self.placer.choose(prefillers, hashes, need)
             trace.prefill_worker = prefill.name
-            trace.predicted_cached_tokens = max(cached, p_overlap * self.config.block_size)
-            touched.append(prefill)
-            first = await self._prefill(prefill, rid, prompt_ids, generated, params, priority)
+            trace.predicted_cached_tokens = max(cached, p_overlap * bs)
+            first = await self._prefill(prefill, wid, req)
             trace.realized_cached_tokens = first.num_cached_tokens
-            if first.finished:  # nothing leased
-                touched.remove(prefill)
             yield [first.first_token], first.finish_reason or None, (
                 [(first.first_logprob, top_from_proto(first.first_top_logprobs))]
                 if first.HasField("first_logprob") else [])
@@ -193,41 +190,100 @@ class RequestFlow:
         else:
             trace.path = "local_prefill"
             trace.predicted_cached_tokens = cached
-        touched.append(decode)
+        async for item in self._decode(decode, wid, gen, req, trace):
+            yield item
+
+    async def _decode(self, decode: Worker, wid: str, gen, req: _Request, trace: Trace):
+        req.held.add(decode, wid)
         decode.inflight += 1
         try:
-            async for chunk in decode.stub.Generate(gen, timeout=self.config.request_timeout_s):
+            async for chunk in decode.stub.Generate(gen, timeout=req.remaining()):
                 if chunk.HasField("trace"):
                     _absorb(trace, chunk.trace)
-                    if touched[0] is not decode:  # the decode worker released the lease
-                        touched.pop(0)
+                    req.held.forget_role("prefill")  # the decode worker released the lease
                 tops = [top_from_proto(t) for t in chunk.top_logprobs]
                 yield list(chunk.token_ids), chunk.finish_reason or None, [
                     (lp, tops[i] if i < len(tops) else []) for i, lp in enumerate(chunk.logprobs)]
                 if chunk.finished:
-                    touched.remove(decode)
+                    req.held.forget(decode)
                     return
             raise _Retry(decode, "stream ended without a finished chunk")
         except grpc.aio.AioRpcError as e:
-            if e.code() in RETRYABLE:
-                raise _Retry(decode, e.code().name) from e
-            raise WorkerError(e.code(), f"decode worker {decode.name}: {e.details()}") from e
+            raise _failure(decode, e, req) from e
         finally:
             decode.inflight -= 1
 
-    async def _prefill(self, w: Worker, rid, prompt_ids, generated, params, priority):
+    async def _prefill(self, w: Worker, wid: str, req: _Request):
+        req.held.add(w, wid)
         w.inflight += 1
         try:
-            return await w.stub.Prefill(prefill_pb2.PrefillRequest(
-                request_id=rid, token_ids=prompt_ids, output_token_ids=generated,
-                sampling=sampling_to_proto(params), priority=priority),
-                timeout=self.config.request_timeout_s)
+            first = await w.stub.Prefill(prefill_pb2.PrefillRequest(
+                request_id=wid, token_ids=req.prompt_ids, output_token_ids=req.generated,
+                sampling=sampling_to_proto(req.params), priority=req.priority),
+                timeout=req.remaining())
         except grpc.aio.AioRpcError as e:
-            if e.code() in RETRYABLE:
-                raise _Retry(w, e.code().name) from e
-            raise WorkerError(e.code(), f"prefill worker {w.name}: {e.details()}") from e
+            raise _failure(w, e, req) from e
         finally:
             w.inflight -= 1
+        if first.finished:  # nothing leased
+            req.held.forget(w)
+        return first
+
+
+@dataclass
+class _Request:
+    """One client request as the flow carries it across attempts."""
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    priority: int
+    deadline: float
+    generated: list[int] = field(default_factory=list)
+    held: _Held = field(default_factory=lambda: _Held())
+
+    def remaining(self) -> float:
+        """Seconds left before the deadline (DeadlineExceeded when none)."""
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise DeadlineExceeded(f"request {self.rid}: its deadline passed")
+        return left
+
+
+class _Held:
+    """Workers that may still hold something of the request (a lease, blocks, a
+    running stream), each with the worker-level id to abort there."""
+
+    def __init__(self) -> None:
+        self._ids: dict[Worker, str] = {}
+
+    def add(self, worker: Worker, wid: str) -> None:
+        self._ids[worker] = wid
+
+    def forget(self, worker: Worker) -> None:
+        self._ids.pop(worker, None)
+
+    def forget_role(self, role: str) -> None:
+        for w in [w for w in self._ids if w.role == role]:
+            del self._ids[w]
+
+    async def abort_all(self) -> None:
+        held, self._ids = self._ids, {}
+        for w, wid in held.items():
+            try:
+                await w.stub.Abort(common.AbortRequest(request_id=wid), timeout=2.0)
+            except grpc.aio.AioRpcError as e:
+                log.warning("abort of %s on %s failed: %s", wid, w.name, e.details())
+
+
+def _failure(worker: Worker, e: grpc.aio.AioRpcError, req: _Request) -> Exception:
+    """What a failed worker call becomes: a retry elsewhere, the deadline, or an error."""
+    if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return DeadlineExceeded(f"request {req.rid}: {worker.role} worker {worker.name}: "
+                                f"{e.details()}")
+    if e.code() in RETRYABLE:
+        return _Retry(worker, e.code().name)
+    return WorkerError(e.code(), f"{worker.role} worker {worker.name}: {e.details()}")
 
 
 class _Retry(Exception):
@@ -247,14 +303,6 @@ def _absorb(trace: Trace, t: decode_pb2.KVTrace) -> None:
     trace.transfer_seconds += t.transfer_seconds
     if t.fallback:
         trace.fallback = t.fallback
-
-
-async def _abort_all(rid: str, workers: list[Worker]) -> None:
-    for w in workers:
-        try:
-            await w.stub.Abort(common.AbortRequest(request_id=rid), timeout=2.0)
-        except grpc.aio.AioRpcError as e:
-            log.warning("abort of %s on %s failed: %s", rid, w.name, e.details())
 
 
 class _TextStream:

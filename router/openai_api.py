@@ -6,11 +6,14 @@ repetition_penalty, ignore_eos.
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from engine.limits import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, PRIORITY_MAX, PRIORITY_MIN
 from engine.sampling import SamplingParams
+
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
 
 
 class StreamOptions(BaseModel):
@@ -30,12 +33,13 @@ class _Common(BaseModel):
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     repetition_penalty: float = Field(default=1.0, gt=0, le=2)
     n: Literal[1] = 1
-    stop: str | list[str] | None = None
+    stop: StopString | list[StopString] | None = Field(default=None,
+                                                        max_length=MAX_STOP_STRINGS)
     seed: int | None = Field(default=None, ge=0)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    priority: int = 0
+    priority: int = Field(default=0, ge=PRIORITY_MIN, le=PRIORITY_MAX)
     """Lower = more important (Tandem extension; also the x-priority header)."""
     ignore_eos: bool = False
 

@@ -1,6 +1,15 @@
 """The router's view of its workers: channels, health, load and the prefix index
-(fed by each worker's KV event stream). A worker whose stream or health check
-fails leaves the pool until it answers again."""
+(fed by each worker's KV event stream).
+
+- A worker whose health check fails, or whose requests fail, is unhealthy (gets no
+  new work) until it answers again; its part of the prefix index is kept, since a
+  blip does not empty a cache. Each new event stream starts with a snapshot that
+  replaces what the worker reported before (``reset``), so the index is rebuilt
+  after any reconnect, a restart included.
+- A worker that discovery no longer lists (a rollout, a readiness blip) drains: it
+  gets no new work but keeps its channel until the requests this router sent it
+  end, or DRAIN_TIMEOUT_S passes; only then is it dropped (and its index with it).
+  Listed again meanwhile, it simply comes back."""
 from __future__ import annotations
 
 import asyncio
@@ -18,6 +27,7 @@ from router.prefix_index import PrefixIndex
 
 log = logging.getLogger(__name__)
 HEALTH_PERIOD_S = 1.0
+DRAIN_TIMEOUT_S = 600.0
 
 
 @dataclass(eq=False)
@@ -31,6 +41,8 @@ class Worker:
     load: common.WorkerLoad = field(default_factory=common.WorkerLoad)
     inflight: int = 0
     """Requests this router has sent and not yet seen finish (fresher than load)."""
+    draining: bool = False
+    """Discovery dropped it: no new work; dropped once inflight reaches 0."""
 
     @property
     def name(self) -> str:
@@ -44,13 +56,24 @@ class WorkerPool:
     """Workers come and go as discovery says (``apply``); each has a health loop and
     a KV event stream while it is in the pool."""
 
-    def __init__(self) -> None:
+    def __init__(self, drain_timeout_s: float = DRAIN_TIMEOUT_S) -> None:
         self.index = PrefixIndex()
         self.workers: list[Worker] = []
+        self.drain_timeout_s = drain_timeout_s
         self._tasks: dict[Worker, list[asyncio.Task]] = {}
+        self._drains: dict[Worker, asyncio.Task] = {}
 
     def healthy(self, role: str) -> list[Worker]:
-        return [w for w in self.workers if w.role == role and w.healthy]
+        """Workers that may take new work."""
+        return [w for w in self.workers if w.role == role and w.healthy and not w.draining]
+
+    def has_decode_room(self, blocks: int) -> bool:
+        """Some healthy decode worker reported at least this many free KV blocks (or has
+        not reported yet). With no healthy decode worker at all, True: the request
+        goes on and gets its 503 now instead of waiting in the queue."""
+        decoders = self.healthy("decode")
+        return not decoders or any(not w.load.total_blocks or w.load.free_blocks >= blocks
+                                   for w in decoders)
 
     def all(self, role: str) -> list[Worker]:
         return [w for w in self.workers if w.role == role]
@@ -58,6 +81,12 @@ class WorkerPool:
     async def apply(self, endpoints: frozenset[WorkerEndpoint]) -> None:
         """Make the pool exactly these endpoints."""
         have = {WorkerEndpoint(w.role, w.address): w for w in self.workers}  # type: ignore[arg-type]
+        for ep in endpoints & have.keys():
+            w = have[ep]
+            if w.draining:  # listed again before its drain ended
+                w.draining = False
+                self._drains.pop(w).cancel()
+                log.info("%s worker %s is listed again", w.role, w.address)
         for ep in endpoints - have.keys():
             ch = grpc.aio.insecure_channel(ep.address)
             w = Worker(ep.address, ep.role, ch, _STUBS[ep.role](ch))
@@ -66,9 +95,23 @@ class WorkerPool:
                               asyncio.create_task(self._watch_health(w))]
             log.info("%s worker %s joined the pool", ep.role, ep.address)
         for ep in have.keys() - endpoints:
-            await self._drop(have[ep])
+            w = have[ep]
+            if not w.draining:
+                w.draining = True
+                self._drains[w] = asyncio.create_task(self._drain(w))
+                log.info("%s worker %s left discovery; draining %d requests", w.role,
+                         w.address, w.inflight)
+
+    async def _drain(self, w: Worker) -> None:
+        deadline = asyncio.get_running_loop().time() + self.drain_timeout_s
+        while w.inflight > 0 and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.1)
+        self._drains.pop(w, None)
+        await self._drop(w)
 
     async def _drop(self, w: Worker) -> None:
+        if w not in self.workers:
+            return
         self.workers.remove(w)
         tasks = self._tasks.pop(w, [])
         for t in tasks:
@@ -86,6 +129,9 @@ class WorkerPool:
             await asyncio.sleep(0.05)
 
     async def stop(self) -> None:
+        for t in self._drains.values():
+            t.cancel()
+        self._drains.clear()
         for w in list(self.workers):
             await self._drop(w)
 
@@ -109,8 +155,6 @@ class WorkerPool:
             log.log(logging.INFO if ok else logging.WARNING, "%s worker %s is %s", w.role,
                     w.name, "up" if ok else "DOWN")
         w.healthy = ok
-        if not ok:
-            self.index.drop_worker(w.address)
 
     async def _watch_events(self, w: Worker) -> None:
         delay = 0.1
@@ -118,6 +162,8 @@ class WorkerPool:
             try:
                 async for batch in w.stub.StreamKVEvents(common.KVEventsRequest(subscriber="router")):
                     delay = 0.1
+                    if batch.reset:  # a fresh snapshot: what it said before is void
+                        self.index.drop_worker(w.address)
                     w.worker_id = batch.worker_id
                     if batch.HasField("load"):
                         w.load = batch.load
@@ -128,6 +174,5 @@ class WorkerPool:
                             self.index.removed(w.address, BlockHash(e.block_hash))
             except grpc.aio.AioRpcError:
                 pass
-            self.index.drop_worker(w.address)  # reconnect gets a fresh snapshot
-            await asyncio.sleep(delay)
+            await asyncio.sleep(delay)  # the next stream's snapshot resets the index
             delay = min(delay * 2, 2.0)

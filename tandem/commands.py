@@ -60,14 +60,16 @@ def _generate_setup(p: argparse.ArgumentParser) -> None:
 
 def _generate_run(args: argparse.Namespace) -> int:
     from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from engine.llm_engine import DEFAULT_MAX_MODEL_LEN, LLMEngine
     from engine.sampling import SamplingParams
     from tandem.config_cli import config_from_args
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    # One request runs: the pool holds exactly one context window of it.
+    window = args.max_model_len or DEFAULT_MAX_MODEL_LEN
     config = config_from_args(EngineConfig, args, model=resolve_model(args),
-                              kv_cache_memory_gib=0.25)
+                              num_kv_blocks=-(-window // args.block_size))
     engine = LLMEngine(config)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if args.chat:

@@ -37,6 +37,14 @@ def _base_type(tp: Any) -> tuple[type, bool]:
     return tp, False
 
 
+def _optional(tp: type) -> Any:
+    """Parse a value of an ``X | None`` field: the word ``none`` is None."""
+    def parse(text: str) -> Any:
+        return None if text.strip().lower() == "none" else tp(text)
+    parse.__name__ = tp.__name__  # argparse names the type in its error messages
+    return parse
+
+
 def add_config_args(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = (),
                     flag_names: dict[str, str] | None = None) -> None:
     hints = typing.get_type_hints(cls)
@@ -53,8 +61,8 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type, skip: tuple[str,
             parser.add_argument(flag, dest=f.name, default=default, help=help_,
                                 action=argparse.BooleanOptionalAction)
         elif tp in (int, float, str):
-            parser.add_argument(flag, dest=f.name, type=tp, default=default, help=help_,
-                                metavar=f.name.upper() if not optional else None)
+            parser.add_argument(flag, dest=f.name, type=_optional(tp) if optional else tp,
+                                default=default, help=help_, metavar=f.name.upper())
 
 
 def config_from_args(cls: type[T], args: argparse.Namespace, **overrides: Any) -> T:

@@ -2,21 +2,16 @@
 the router on 127.0.0.1:8000 — each worker pinned to its own core where the
 machine has enough; the router then runs on the prefill workers' cores, so decode
 workers have theirs to themselves. Ctrl-C (or SIGTERM) stops every process it
-started."""
+started.
+
+Every service is a child process under supervision (tandem/supervisor.py): one
+that dies (a kill -9, an engine that died and exited 1) is restarted on the same
+port, and the router finds it again through its health checks. A service that
+keeps crashing stops the whole cluster with exit status 1."""
 from __future__ import annotations
 
 import argparse
-import os
 import signal
-import subprocess
-import sys
-import tempfile
-import time
-from pathlib import Path
-
-from router.config import RouterConfig
-
-READY_TIMEOUT_S = 600
 
 
 def add_up_args(p: argparse.ArgumentParser) -> None:
@@ -55,110 +50,26 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for decode workers only (repeat; in colocated mode, "
                         "for the one engine), after --worker-arg")
-
-
-def _plan_cores(n_workers: int) -> list[set[int] | None]:
-    """One core per worker when there are enough; otherwise no pinning."""
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < n_workers or n_workers < 2:
-        return [None] * n_workers
-    return [{cores[i]} for i in range(n_workers)]
-
-
-def _spawn_worker(role: str, args: argparse.Namespace, model: str, ready: Path,
-                  cores: set[int] | None, threads: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "tandem.cli", "--log-level", args.log_level, role,
-           "--model", model, "--host", "127.0.0.1", "--port", "0", "--ready-file", str(ready),
-           "--kv-transfer", args.kv_transfer, "--dtype", args.dtype,
-           "--num-threads", str(threads), "--metrics-port", "0"]
-    if args.kv_blocks:
-        cmd += ["--kv-blocks", str(args.kv_blocks)]
-    if args.swap_space is not None:
-        cmd += ["--swap-space", str(args.swap_space)]
-    if args.preemption_mode:
-        cmd += ["--preemption-mode", args.preemption_mode]
-    if args.max_model_len:
-        cmd += ["--max-model-len", str(args.max_model_len)]
-    cmd += args.worker_arg + (args.prefill_arg if role == "prefill" else args.decode_arg)
-    proc = subprocess.Popen(cmd, start_new_session=True)
-    if cores:
-        os.sched_setaffinity(proc.pid, cores)
-    return proc
-
-
-def _wait_ready(procs: list[tuple[str, subprocess.Popen, Path]]) -> list[str]:
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    addrs: list[str | None] = [None] * len(procs)
-    while None in addrs:
-        for i, (role, proc, ready) in enumerate(procs):
-            if addrs[i] is None and ready.exists():
-                addrs[i] = ready.read_text().split()[0]
-            if proc.poll() is not None:
-                raise RuntimeError(f"{role} worker exited with code {proc.returncode} "
-                                   "before it was ready (see its messages above)")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"workers not ready after {READY_TIMEOUT_S}s")
-        time.sleep(0.1)
-    return addrs  # type: ignore[return-value]
-
-
-def _stop(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGTERM)
-    deadline = time.monotonic() + 10
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
+    p.add_argument("--router-arg", action="append", default=[], metavar="ARG",
+                   help="extra argument for the router (repeat), e.g. --router-arg=--max-queue=64")
+    p.add_argument("--restart", action=argparse.BooleanOptionalAction, default=True,
+                   help="restart a service that exits (default: on)")
 
 
 def run_up(args: argparse.Namespace) -> int:
-    from router.main import run_router
     from tandem.commands import resolve_model
+    from tandem.supervisor import Cluster
 
-    model = resolve_model(args)
-    roles = (["decode"] if args.mode == "colocated"
-             else ["prefill"] * args.prefill + ["decode"] * args.decode)
     if args.mode == "disagg" and (args.prefill < 0 or args.decode < 1):
         raise ValueError("--decode must be >= 1 and --prefill >= 0")
-    plan = _plan_cores(len(roles))
-    ncores = len(os.sched_getaffinity(0))
-    procs: list[subprocess.Popen] = []
+    model = resolve_model(args)
+    cluster = Cluster(args, model)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt))
-    with tempfile.TemporaryDirectory(prefix="tandem-up-") as tmp:
-        try:
-            started = []
-            for i, (role, cores) in enumerate(zip(roles, plan)):
-                threads = len(cores) if cores else max(1, ncores // len(roles))
-                ready = Path(tmp) / f"{role}{i}.ready"
-                p = _spawn_worker(role, args, model, ready, cores, threads)
-                procs.append(p)
-                started.append((role, p, ready))
-            addrs = _wait_ready(started)
-            config = RouterConfig(
-                model=model, host=args.host, port=args.port,
-                prefill=tuple(a for r, a in zip(roles, addrs) if r == "prefill"),
-                decode=tuple(a for r, a in zip(roles, addrs) if r == "decode"),
-                local_prefill_threshold=-1 if args.mode == "colocated" else args.local_prefill_threshold,
-                routing=args.routing, max_model_len=args.max_model_len or 8192,
-                log_requests=args.log_requests)
-            print(f"tandem up: http://{args.host}:{args.port}/v1 ({args.mode}: "
-                  f"{roles.count('prefill')} prefill, {roles.count('decode')} decode, "
-                  f"kv-transfer {args.kv_transfer}); Ctrl-C stops", file=sys.stderr, flush=True)
-            for (role, _, ready) in started:
-                grpc_addr, mport = ready.read_text().split()
-                print(f"  {role:7} gRPC {grpc_addr}  metrics http://127.0.0.1:{mport}/metrics",
-                      file=sys.stderr, flush=True)
-            prefill_cores = set().union(*(c for r, c in zip(roles, plan) if r == "prefill" and c))
-            if prefill_cores:
-                # The router shares the prefill workers' cores: decode workers keep theirs
-                # to themselves (TPOT is the latency-critical path; prefill is bursty).
-                os.sched_setaffinity(0, prefill_cores)
-            run_router(config, args.log_level)
-        except KeyboardInterrupt:
-            pass
-        finally:
-            _stop(procs)
-    return 0
+    try:
+        return cluster.run()
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        cluster.stop()
+
+

@@ -1,10 +1,14 @@
 """Proto <-> engine conversions (the only place both kinds of types meet)."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from engine.kv_cache import KVEvent, KVEventKind
 from engine.sampling import SamplingParams
-from engine.worker_api import EngineLoad
 from proto import common_pb2 as common
+
+if TYPE_CHECKING:
+    from engine.worker_api import EngineLoad
 
 
 def sampling_from_proto(m: common.SamplingParams) -> SamplingParams:

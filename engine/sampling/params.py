@@ -9,6 +9,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from engine.limits import (GREEDY_TEMPERATURE, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
+                           MAX_STOP_TOKEN_IDS)
+
 MAX_LOGPROBS = 20
 """Most top alternatives a request may ask for (OpenAI's limit)."""
 
@@ -38,7 +41,7 @@ class SamplingParams:
     max_tokens: int = 16
     """Most tokens to generate (>= 1)."""
     temperature: float = 1.0
-    """Softmax temperature in [0, 2]; 0 means greedy (argmax)."""
+    """Softmax temperature in [0, 2]; 0 (and anything below 1e-5) means greedy (argmax)."""
     top_k: int = 0
     """Keep only the k most likely tokens; 0 disables."""
     top_p: float = 1.0
@@ -54,9 +57,10 @@ class SamplingParams:
     seed: int | None = None
     """Per-request seed making the draws independent of batch mates; None uses the shared RNG."""
     stop: tuple[str, ...] = ()
-    """Stop strings; the output is cut right before (or after, see below) the first one hit."""
+    """Stop strings (at most 32, each at most 256 characters); the output is cut right
+    before (or after, see below) the first one hit."""
     stop_token_ids: tuple[int, ...] = ()
-    """Extra token ids that end generation (in addition to EOS)."""
+    """Extra token ids that end generation (in addition to EOS); at most 256."""
     ignore_eos: bool = False
     """Keep generating past EOS (benchmarks)."""
     logprobs: int | None = None
@@ -82,10 +86,17 @@ class SamplingParams:
     def _normalise_stops(self) -> None:
         """Accept lists (JSON) and a bare string, store tuples so the object stays hashable."""
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if len(stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
         for s in stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop must contain non-empty strings, got {s!r}")
+            if len(s) > MAX_STOP_STRING_CHARS:
+                raise ValueError(f"stop: each stop string may have at most "
+                                 f"{MAX_STOP_STRING_CHARS} characters, got one of {len(s)}")
         ids = tuple(self.stop_token_ids)
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS}, got {len(ids)}")
         for t in ids:
             _check_int("stop_token_ids", t, 0)
         object.__setattr__(self, "stop", stop)
@@ -93,8 +104,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """True when the token is the argmax (temperature 0): no RNG is consumed."""
-        return self.temperature == 0.0
+        """True when the token is the argmax (temperature below 1e-5): no RNG is consumed."""
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def needs_penalties(self) -> bool:

@@ -35,7 +35,7 @@ def test_completion_non_streaming(c) -> None:
              headers={"x-request-id": "my-id-1"})
     assert r.status_code == 200 and r.headers["x-request-id"] == "my-id-1"
     body = r.json()
-    assert body["object"] == "text_completion" and body["id"] == "my-id-1"
+    assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
     assert body["choices"][0]["finish_reason"] == "length"
     assert body["usage"]["completion_tokens"] == 5
     assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + 5
@@ -139,7 +139,7 @@ def test_request_log_lines(c) -> None:
          headers={"x-request-id": "logged-1"})
     for _ in range(50):
         lines = [json.loads(x) for x in c.request_log.read_text().splitlines()]
-        hit = [x for x in lines if x["request_id"] == "logged-1"]
+        hit = [x for x in lines if x["client_request_id"] == "logged-1"]
         if hit:
             break
         time.sleep(0.05)

@@ -1,0 +1,1 @@
+"""The router's HTTP edge: middleware, error and response shapes, endpoint handlers."""

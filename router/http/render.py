@@ -1,0 +1,94 @@
+"""OpenAI response shapes: a whole completion, SSE chunks, usage, logprobs."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from engine.tokenizer import Tokenizer
+from router.flow import Delta, Logprob, Trace
+
+
+class LogprobFormat:
+    """OpenAI logprobs objects: chat (content list, top_logprobs entries) or
+    completions (tokens, token_logprobs, top_logprobs dicts, text_offset)."""
+
+    def __init__(self, tokenizer: Tokenizer, chat: bool) -> None:
+        self.tokenizer, self.chat = tokenizer, chat
+
+    def _tok(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def render(self, ids: list[int], lps: list[Logprob]) -> dict:
+        pairs = list(zip(ids, lps))
+        tokens = [self._tok(t) for t, _ in pairs]
+        if self.chat:
+            return {"content": [
+                {"token": tok, "logprob": lp, "bytes": list(tok.encode()),
+                 "top_logprobs": [{"token": (alt := self._tok(t)), "logprob": alp,
+                                   "bytes": list(alt.encode())} for t, alp in top]}
+                for tok, (_, (lp, top)) in zip(tokens, pairs)]}
+        offsets, pos = [], 0
+        for tok in tokens:
+            offsets.append(pos)
+            pos += len(tok)
+        return {"tokens": tokens, "token_logprobs": [lp for _, (lp, _) in pairs],
+                "top_logprobs": [{self._tok(t): alp for t, alp in top} if top else None
+                                 for _, (_, top) in pairs],
+                "text_offset": offsets}
+
+
+def usage(trace: Trace) -> dict:
+    return {"prompt_tokens": trace.prompt_tokens, "completion_tokens": trace.output_tokens,
+            "total_tokens": trace.prompt_tokens + trace.output_tokens,
+            "prompt_tokens_details": {"cached_tokens": trace.realized_cached_tokens}}
+
+
+@dataclass(frozen=True)
+class ResponseShape:
+    """What every response object of one request shares."""
+
+    id: str
+    created: int
+    model: str
+    chat: bool
+    logprobs: LogprobFormat | None = None
+    include_usage: bool = False
+
+    def full(self, text: str, reason: str | None, ids: list[int], lps: list[Logprob],
+             trace: Trace) -> dict:
+        lp = self.logprobs.render(ids, lps) if self.logprobs is not None else None
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": lp, "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": reason}
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": [choice],
+                "usage": usage(trace)}
+
+    def _event(self, **fields) -> str:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        body = {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                **fields}
+        return f"data: {json.dumps(body)}\n\n"
+
+    def chunk(self, text: str | None, reason: str | None, role: bool = False,
+              d: Delta | None = None) -> str:
+        lps = (self.logprobs.render(d.token_ids, d.logprobs)
+               if self.logprobs is not None and d is not None else None)
+        if self.chat:
+            delta = {"role": "assistant", "content": ""} if role else (
+                {} if text is None else {"content": text})
+            choice = {"index": 0, "delta": delta, "logprobs": lps, "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": lps, "finish_reason": reason}
+        return self._event(choices=[choice])
+
+    def usage_chunk(self, trace: Trace) -> str:
+        return self._event(choices=[], usage=usage(trace))
+
+    @staticmethod
+    def error_event(message: str) -> str:
+        err = {"error": {"message": message, "type": "server_error", "param": None,
+                         "code": None}}
+        return f"data: {json.dumps(err)}\n\n"

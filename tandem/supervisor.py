@@ -1,0 +1,217 @@
+"""The processes of `tandem up` and their supervision.
+
+Each service (prefill and decode workers, the router) is a child in its own process
+group, with a port fixed at start-up, so a restarted child comes back where its
+peers look for it. The supervisor polls the children; one that exits is restarted
+(unless --no-restart) and one that exits MAX_RESTARTS times within RESTART_WINDOW_S
+stops the cluster with status 1. Stopping sends SIGTERM to every child (workers then
+drain) and SIGKILL to what is left after STOP_GRACE_S.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+READY_TIMEOUT_S = 600.0
+MAX_RESTARTS = 5
+RESTART_WINDOW_S = 60.0
+STOP_GRACE_S = 10.0
+POLL_S = 0.2
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Child:
+    name: str
+    cmd: list[str]
+    cores: set[int] | None = None
+    ready_file: Path | None = None
+    proc: subprocess.Popen | None = None
+    exits: list[float] = field(default_factory=list)
+
+    def start(self) -> None:
+        if self.ready_file is not None:
+            self.ready_file.unlink(missing_ok=True)
+        self.proc = subprocess.Popen(self.cmd, start_new_session=True)
+        if self.cores:
+            os.sched_setaffinity(self.proc.pid, self.cores)
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.running:
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+
+def plan_cores(n_workers: int) -> list[set[int] | None]:
+    """One core per worker when there are enough; otherwise no pinning."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < n_workers or n_workers < 2:
+        return [None] * n_workers
+    return [{cores[i]} for i in range(n_workers)]
+
+
+class Cluster:
+    def __init__(self, args: argparse.Namespace, model: str) -> None:
+        self.args = args
+        self.model = model
+        self._tmp = tempfile.TemporaryDirectory(prefix="tandem-up-")
+        self.workers: list[Child] = []
+        self.router: Child | None = None
+        self._plan()
+
+    # -- the plan -----------------------------------------------------------------------
+    def _plan(self) -> None:
+        a = self.args
+        roles = (["decode"] if a.mode == "colocated"
+                 else ["prefill"] * a.prefill + ["decode"] * a.decode)
+        plan = plan_cores(len(roles))
+        ncores = len(os.sched_getaffinity(0))
+        addrs: dict[str, list[str]] = {"prefill": [], "decode": []}
+        for i, (role, cores) in enumerate(zip(roles, plan)):
+            port, mport = free_port(), free_port()
+            threads = len(cores) if cores else max(1, ncores // len(roles))
+            ready = Path(self._tmp.name) / f"{role}{i}.ready"
+            self.workers.append(Child(f"{role}{i}", self._worker_cmd(role, port, mport, ready,
+                                                                      threads), cores, ready))
+            addrs[role].append(f"127.0.0.1:{port}")
+        prefill_cores = set().union(*(c for r, c in zip(roles, plan) if r == "prefill" and c))
+        # The router shares the prefill workers' cores: decode workers keep theirs to
+        # themselves (TPOT is the latency-critical path; prefill is bursty).
+        self.router = Child("router", self._router_cmd(addrs), prefill_cores or None)
+        self.roles = roles
+
+    def _worker_cmd(self, role: str, port: int, mport: int, ready: Path, threads: int) -> list[str]:
+        a = self.args
+        cmd = [sys.executable, "-m", "tandem.cli", "--log-level", a.log_level, role,
+               "--model", self.model, "--host", "127.0.0.1", "--port", str(port),
+               "--ready-file", str(ready), "--kv-transfer", a.kv_transfer, "--dtype", a.dtype,
+               "--num-threads", str(threads), "--metrics-port", str(mport)]
+        for flag, value in (("--kv-blocks", a.kv_blocks), ("--swap-space", a.swap_space),
+                            ("--preemption-mode", a.preemption_mode),
+                            ("--max-model-len", a.max_model_len)):
+            if value is not None:
+                cmd += [flag, str(value)]
+        return cmd + a.worker_arg + (a.prefill_arg if role == "prefill" else a.decode_arg)
+
+    def _router_cmd(self, addrs: dict[str, list[str]]) -> list[str]:
+        a = self.args
+        threshold = "none" if a.mode == "colocated" else str(a.local_prefill_threshold)
+        cmd = [sys.executable, "-m", "tandem.cli", "--log-level", a.log_level, "router",
+               "--model", self.model, "--host", a.host, "--port", str(a.port),
+               "--local-prefill-threshold", threshold, "--routing", a.routing,
+               "--max-model-len", str(a.max_model_len or 8192)]
+        for role in ("prefill", "decode"):
+            for addr in addrs[role]:
+                cmd += [f"--{role}", addr]
+        if a.log_requests:
+            cmd += ["--log-requests", a.log_requests]
+        return cmd + a.router_arg
+
+    # -- running ----------------------------------------------------------------------------
+    def run(self) -> int:
+        for w in self.workers:
+            w.start()
+        self._wait_workers()
+        self.router.start()
+        self._wait_router()
+        self._banner()
+        return self._supervise()
+
+    def _wait_workers(self) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        for w in self.workers:
+            while not w.ready_file.exists():
+                if not w.running:
+                    raise RuntimeError(f"{w.name} worker exited with code {w.proc.returncode} "
+                                       "before it was ready (see its messages above)")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"workers not ready after {READY_TIMEOUT_S:.0f}s")
+                time.sleep(0.1)
+
+    def _wait_router(self) -> None:
+        url = f"http://{_connect_host(self.args.host)}:{self.args.port}/health"
+        deadline = time.monotonic() + 60
+        while True:
+            if not self.router.running:
+                raise RuntimeError(f"the router exited with code {self.router.proc.returncode} "
+                                   "at start-up (see its messages above)")
+            try:
+                if httpx.get(url, timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the router did not answer {url} within 60 s")
+            time.sleep(0.1)
+
+    def _banner(self) -> None:
+        a = self.args
+        print(f"tandem up: http://{a.host}:{a.port}/v1 ({a.mode}: {self.roles.count('prefill')} "
+              f"prefill, {self.roles.count('decode')} decode, kv-transfer {a.kv_transfer}); "
+              "Ctrl-C stops", file=sys.stderr, flush=True)
+        for w in self.workers:
+            grpc_addr, mport = w.ready_file.read_text().split()
+            print(f"  {w.name:8} gRPC {grpc_addr}  metrics http://127.0.0.1:{mport}/metrics",
+                  file=sys.stderr, flush=True)
+
+    def _supervise(self) -> int:
+        while True:
+            time.sleep(POLL_S)
+            for child in self.workers + [self.router]:
+                if child.running:
+                    continue
+                code = child.proc.returncode
+                now = time.monotonic()
+                child.exits = [t for t in child.exits if now - t < RESTART_WINDOW_S] + [now]
+                if not self.args.restart:
+                    print(f"tandem up: {child.name} exited with code {code}; stopping",
+                          file=sys.stderr, flush=True)
+                    return 1
+                if len(child.exits) > MAX_RESTARTS:
+                    print(f"tandem up: {child.name} exited {len(child.exits)} times in "
+                          f"{RESTART_WINDOW_S:.0f} s (last code {code}); stopping the cluster",
+                          file=sys.stderr, flush=True)
+                    return 1
+                print(f"tandem up: {child.name} exited with code {code}; restarting it",
+                      file=sys.stderr, flush=True)
+                child.start()
+
+    def stop(self) -> None:
+        children = [c for c in [self.router, *self.workers] if c is not None]
+        for c in children:
+            c.signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for c in children:
+            if c.proc is None:
+                continue
+            try:
+                c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                c.signal(signal.SIGKILL)
+                c.proc.wait()
+        self._tmp.cleanup()
+
+
+def _connect_host(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
