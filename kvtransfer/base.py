@@ -340,8 +340,11 @@ class KVReader(ABC):
 
     @abstractmethod
     def abort(self, handle: ReadHandle) -> None:
-        """Stop a PENDING read (it ends FAILED) and free its resources; no-op
-        for a finished one. Local blocks may be partly written."""
+        """Stop a PENDING read and free its resources; no-op for a finished one.
+        Returns at once, without waiting on the transport: the read ends FAILED now
+        or shortly after, and bytes may land in its local blocks until it does, so
+        poll until it is terminal before those blocks are reused. Local blocks may
+        be partly written."""
 
     @abstractmethod
     def in_flight(self) -> int:

@@ -196,11 +196,14 @@ class KVLinkClient:
 
 async def _poll_until_done(reader: KVReader, handle: ReadHandle, deadline: float) -> None:
     """Poll without blocking the event loop: back to back for a few rounds (small
-    reads end in microseconds), then with growing sleeps up to 1 ms."""
+    reads end in microseconds), then with growing sleeps up to 1 ms. Past the
+    deadline the read is aborted and polled until it is terminal (an aborted read
+    may still be letting go of its local blocks)."""
     pause = 0.0
+    aborted = False
     while reader.poll(handle) is TransferState.PENDING:
-        if time.monotonic() >= deadline:
+        if not aborted and time.monotonic() >= deadline:
             reader.abort(handle)
-            return
+            aborted = True
         await asyncio.sleep(pause)
-        pause = min(max(pause * 2, 5e-5), 1e-3)
+        pause = min(max(pause * 2, 5e-5), 1e-3 if not aborted else 1e-2)

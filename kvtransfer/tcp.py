@@ -89,14 +89,21 @@ def _flat(blocks: torch.Tensor) -> memoryview:
 
 
 class TcpSource(KVSource):
-    """Threads: one accept thread plus one daemon thread per open connection."""
+    """Threads: one accept thread plus one daemon thread per open connection, at most
+    ``max_connections`` of them; a connection beyond that is refused at once
+    (READ_INTERNAL, "busy"), so the reader recomputes instead of the source running
+    out of threads. A thread that cannot start costs that one connection, never the
+    accept loop."""
 
     name = "tcp"
 
-    def __init__(self, io_timeout_s: float = 30.0, advertise_host: str | None = None) -> None:
+    def __init__(self, io_timeout_s: float = 30.0, advertise_host: str | None = None,
+                 max_connections: int = 64) -> None:
         """``advertise_host``: the address readers should dial when ``serve``
         binds a wildcard (0.0.0.0 in a pod: pass the pod IP); default: the
         bound host."""
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self._max_connections = max_connections
         self._io_timeout_s = io_timeout_s
         self._advertise_host = advertise_host
         self._lock = threading.Lock()
@@ -160,9 +167,25 @@ class TcpSource(KVSource):
                 if self._closed:
                     conn.close()
                     return
+            if not self._slots.acquire(blocking=False):
+                self._refuse(conn, pb.READ_INTERNAL, f"source busy: {self._max_connections} "
+                                                     "reads in progress")
+                conn.close()
+                continue
+            with self._lock:
                 self._conns.add(conn)
-            threading.Thread(target=self._serve_conn, args=(conn,), name="kv-tcp-conn",
-                             daemon=True).start()
+            try:
+                threading.Thread(target=self._serve_conn, args=(conn,), name="kv-tcp-conn",
+                                 daemon=True).start()
+            except Exception:  # noqa: BLE001 - e.g. no thread left: lose one read, not the loop
+                log.exception("kv tcp source could not start a connection thread")
+                self._forget(conn)
+
+    def _forget(self, conn: socket.socket) -> None:
+        with self._lock:
+            self._conns.discard(conn)
+        conn.close()
+        self._slots.release()
 
     def _serve_conn(self, conn: socket.socket) -> None:
         try:
@@ -177,9 +200,7 @@ class TcpSource(KVSource):
         except Exception:  # a bug mid-stream: close, the reader sees a short read
             log.exception("kv tcp source failed serving a read")
         finally:
-            with self._lock:
-                self._conns.discard(conn)
-            conn.close()
+            self._forget(conn)
 
     def _refuse(self, conn: socket.socket, status: int, error: str) -> None:
         try:
@@ -292,6 +313,9 @@ class TcpReader(KVReader):
         return handle.state
 
     def abort(self, handle: ReadHandle) -> None:
+        """Returns at once (it runs on the event loop): a read not started yet ends
+        FAILED now; a running one is cut off (its socket shut down) and its thread
+        ends it FAILED as soon as the socket lets go."""
         read: _TcpRead = handle.impl
         with self._lock:
             if handle.state.terminal:
@@ -303,9 +327,8 @@ class TcpReader(KVReader):
                 sock.shutdown(socket.SHUT_RDWR)  # unblocks the worker's recv
             except OSError:
                 pass
-        if read.future is not None and not read.future.cancel():
-            cf.wait([read.future], timeout=5)
-        self._end(handle, TransferState.FAILED, KVTransferError("read aborted"))
+        if read.future is not None and read.future.cancel():
+            self._end(handle, TransferState.FAILED, KVTransferError("read aborted"))
 
     def in_flight(self) -> int:
         with self._lock:
@@ -316,7 +339,7 @@ class TcpReader(KVReader):
             pending = list(self._pending)
         for handle in pending:
             self.abort(handle)
-        self._pool.shutdown(wait=True)
+        self._pool.shutdown(wait=True)  # the aborted reads' threads end them
 
     def _end(self, handle: ReadHandle, state: TransferState, error: Exception | None = None) -> None:
         with self._lock:

@@ -103,3 +103,23 @@ def test_deadline_while_waiting_for_kv() -> None:
         assert adm.inflight == 0
 
     run(main())
+
+
+def test_cancelled_waiters_leave_the_queue() -> None:
+    """Finding 11: a waiter whose client left stayed in the heap (only skipped later), so
+    the queue grew with every abandoned request."""
+    async def main():
+        adm, go = Admission(1, 1000), asyncio.Event()
+        holder = asyncio.create_task(hold(adm, 0, 0, [], "holder", go))
+        await asyncio.sleep(0)
+        waiters = [asyncio.create_task(hold(adm, 1, 0, [], f"w{i}", go)) for i in range(100)]
+        await asyncio.sleep(0.01)
+        assert adm.waiting == 100
+        for t in waiters:
+            t.cancel()
+        await asyncio.gather(*waiters, return_exceptions=True)
+        assert adm.waiting == 0 and len(adm._heap) == 0
+        go.set()
+        await holder
+        assert adm.inflight == 0
+    run(main())

@@ -1,0 +1,182 @@
+"""What the engine does when something goes wrong: a step that raises fails its
+requests and the engine serves on; a duplicate id is refused where requests are
+admitted; an engine thread that dies fails everything waiting on it; the remote
+admission path yields to priorities, holds an abort until the pull ends, and counts
+evictable prefix hits when it preempts."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.request import DuplicateRequestError, FinishReason, RequestStatus
+from engine.sampling import SamplingParams
+from engine.worker_api import EngineDead, EngineWorker
+
+GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
+
+
+def _engine(model_dir, **kw) -> LLMEngine:
+    kw.setdefault("num_kv_blocks", 64)
+    kw.setdefault("max_model_len", 128)
+    return LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", **kw))
+
+
+def _prompt(n: int, seed: int = 0) -> list[int]:
+    return [(seed * 13 + j * 7) % 300 + 3 for j in range(n)]
+
+
+def _drain(eng: LLMEngine) -> list:
+    outs = []
+    while eng.has_unfinished():
+        outs += eng.step()
+    return outs
+
+
+def test_a_scheduling_failure_fails_requests_not_the_engine(tiny_model_dir, monkeypatch) -> None:
+    eng = _engine(tiny_model_dir)
+    want = eng.generate([_prompt(20)], GREEDY)[0].token_ids
+    eng.add_request(_prompt(20, 1), GREEDY, request_id="victim")
+    real = eng.scheduler.schedule
+    calls = iter([RuntimeError("injected")])
+
+    def schedule():
+        err = next(calls, None)
+        if err is not None:
+            raise err
+        return real()
+    monkeypatch.setattr(eng.scheduler, "schedule", schedule)
+    outs = eng.step()
+    assert [(o.request_id, o.finish_reason, o.finished) for o in outs] == [
+        ("victim", FinishReason.ERROR, True)]
+    assert "injected" in outs[0].error
+    eng.leak_check()
+    assert eng.generate([_prompt(20)], GREEDY)[0].token_ids == want  # serves on
+    eng.leak_check()
+
+
+def test_a_forward_failure_fails_only_that_batch(tiny_model_dir, monkeypatch) -> None:
+    eng = _engine(tiny_model_dir)
+    eng.add_request(_prompt(20, 2), GREEDY, request_id="a")
+    monkeypatch.setattr(eng.runner, "execute", lambda *a, **k: (_ for _ in ()).throw(
+        RuntimeError("boom")))
+    outs = eng.step()
+    assert outs[0].finish_reason is FinishReason.ERROR and "boom" in outs[0].error
+    monkeypatch.undo()
+    assert eng.generate([_prompt(20, 2)], GREEDY)[0].finish_reason is FinishReason.LENGTH
+    eng.leak_check()
+
+
+def test_duplicate_ids_are_refused_at_admission(tiny_model_dir) -> None:
+    eng = _engine(tiny_model_dir)
+    eng.add_request(_prompt(20), GREEDY, request_id="same")
+    with pytest.raises(DuplicateRequestError, match="same"):
+        eng.add_request(_prompt(24), GREEDY, request_id="same")
+    _drain(eng)
+    # a finished prefill holding its blocks for a handoff still owns the id
+    eng.add_request(_prompt(20), GREEDY, request_id="held", prefill_only=True)
+    _drain(eng)
+    assert "held" in eng.held
+    with pytest.raises(DuplicateRequestError):
+        eng.add_request(_prompt(20), GREEDY, request_id="held")
+    assert eng.abort("held", owner=True) is None and not eng.held
+    eng.leak_check()
+
+
+def test_bad_resumed_output_ids_are_refused(tiny_model_dir) -> None:
+    eng = _engine(tiny_model_dir)
+    with pytest.raises(ValueError, match="output_token_ids"):
+        eng.make_request(_prompt(20), GREEDY, "r", output_token_ids=[10**9])
+    with pytest.raises(ValueError, match="priority"):
+        eng.make_request(_prompt(20), GREEDY, "r", priority=2**40)
+
+
+def test_an_abort_mid_pull_waits_for_the_pull(tiny_model_dir) -> None:
+    """Finding 11: an Abort that arrives while bytes are being pulled into a request's
+    blocks must not free them; the request finishes when the pull ends."""
+    eng = _engine(tiny_model_dir)
+    prompt = _prompt(40, 3)
+    req = eng.make_request(prompt + [7], GREEDY, "remote")
+    eng.add_remote(req, len(prompt))
+    eng.step()
+    (grant,) = eng.take_grants()
+    free_before = eng.kv.pool.num_free
+    assert eng.abort("remote") is None  # deferred: a pull may be writing
+    assert req.status is RequestStatus.WAITING_FOR_KV
+    assert eng.kv.pool.num_free == free_before  # nothing freed under the pull
+    out = eng.end_pull("remote", kv_arrived=True)
+    assert out.finish_reason is FinishReason.ABORT
+    eng.leak_check()
+
+
+def test_remote_admission_preempts_past_evictable_prefix_hits(tiny_model_dir) -> None:
+    """Finding 11: the reservation used to stop preempting as soon as num_free reached
+    the blocks it needed, counting free-but-cached prefix blocks it then adopted; the
+    allocation failed and the reservation never happened."""
+    eng = _engine(tiny_model_dir, num_kv_blocks=12, max_model_len=64, preemption_mode="recompute",
+                  swap_space=0.0)
+    shared = _prompt(32, 4)  # 2 full blocks, cached once this runs
+    eng.generate([shared + [9]], SamplingParams(max_tokens=1))
+    long = SamplingParams(max_tokens=40, ignore_eos=True)
+    for i in range(3):
+        eng.add_request(_prompt(16, 10 + i), long, request_id=f"low{i}", priority=5)
+    for _ in range(20):  # the three low ones now hold all the non-cached blocks
+        eng.step()
+    # free: 2 cached (evictable) prefix blocks + 1; urgent adopts the 2 and needs 2 more
+    assert eng.kv.pool.num_free == 3
+    req = eng.make_request(shared + _prompt(30, 5), GREEDY, "urgent", priority=0)
+    eng.add_remote(req, len(shared) + 29, preempt_lower=True)
+    eng.step()
+    grants = eng.take_grants()
+    assert [g.request_id for g in grants] == ["urgent"]
+    assert grants[0].local_cached_tokens == 32
+    assert sum(eng.stats.preemptions.values()) >= 1
+    eng.end_pull("urgent", kv_arrived=False)  # recompute the rest here
+    _drain(eng)
+    eng.leak_check()
+
+
+def test_priority_cap_advances_every_lower_row_in_turn(tiny_model_dir) -> None:
+    """Finding 11: with --priority-batch-cap, the same two oldest lower rows advanced
+    while the others froze until the best class finished."""
+    eng = _engine(tiny_model_dir, priority_batch_cap=1)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    eng.add_request(_prompt(8, 20), params, request_id="high", priority=0)
+    for i in range(3):
+        eng.add_request(_prompt(8, 21 + i), params, request_id=f"low{i}", priority=5)
+    eng.step()  # all prefill
+    reqs = dict(eng.requests)
+    for _ in range(9):
+        eng.step()
+    advanced = {rid: reqs[rid].num_output_tokens for rid in ("low0", "low1", "low2")}
+    assert min(advanced.values()) >= 3, advanced  # each lower row got its turns
+    for rid in list(eng.requests):
+        eng.abort(rid)
+    eng.leak_check()
+
+
+def test_a_dead_engine_thread_fails_every_waiter(tiny_model_dir, monkeypatch) -> None:
+    deaths = []
+
+    async def body():
+        worker = EngineWorker(lambda: _engine(tiny_model_dir), on_death=deaths.append)
+        await worker.start()
+        req = worker.make_request(_prompt(20), GREEDY, "r")
+
+        def die(self):
+            raise SystemError("injected: the step loop itself broke")
+        monkeypatch.setattr(LLMEngine, "step", die)
+        q = await worker.add(req)
+        out = await asyncio.wait_for(q.get(), 10)
+        assert out.finished and out.finish_reason is FinishReason.ERROR
+        assert "engine thread died" in out.error
+        assert not worker.alive
+        with pytest.raises(EngineDead):
+            await worker.add(worker.make_request(_prompt(20), GREEDY, "late"))
+        with pytest.raises(EngineDead):
+            await worker.cached_hashes()
+        worker.stop()
+    asyncio.run(asyncio.wait_for(body(), 60))
+    assert len(deaths) == 1 and isinstance(deaths[0], SystemError)
