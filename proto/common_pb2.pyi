@@ -84,7 +84,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("worker_id", "num_waiting", "num_running", "kv_usage", "free_blocks", "total_blocks", "queued_prompt_tokens", "active_leases", "block_size")
+    __slots__ = ("worker_id", "num_waiting", "num_running", "kv_usage", "free_blocks", "total_blocks", "queued_prompt_tokens", "active_leases", "block_size", "swap_used_blocks")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +94,7 @@ class WorkerLoad(_message.Message):
     QUEUED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_LEASES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SWAP_USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     num_waiting: int
     num_running: int
@@ -103,7 +104,8 @@ class WorkerLoad(_message.Message):
     queued_prompt_tokens: int
     active_leases: int
     block_size: int
-    def __init__(self, worker_id: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., kv_usage: _Optional[float] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., active_leases: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+    swap_used_blocks: int
+    def __init__(self, worker_id: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., kv_usage: _Optional[float] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., active_leases: _Optional[int] = ..., block_size: _Optional[int] = ..., swap_used_blocks: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

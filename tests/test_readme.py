@@ -46,7 +46,10 @@ SERVICES = ("prefill", "decode", "router")
 START_DEADLINE_S = 240.0
 STOP_GRACE_S = 15.0
 CTRL_C_EXIT_S = 30.0
-CURL_TIMEOUT_S = 120.0
+# The chat curl sets neither max_tokens nor temperature: up to the router's default
+# 256 tokens sampled at 1.0, so its length varies; on a loaded 2-core machine one
+# such answer took over 120 s.
+CURL_TIMEOUT_S = 300.0
 GENERATE_TIMEOUT_S = 240.0
 GENERATE_MAX_TOKENS = "4"
 
@@ -228,6 +231,10 @@ class Server:
             return False
 
 
+def tails(servers: list[Server]) -> str:
+    return "\n".join(s.tail() for s in servers)
+
+
 def descendants(pid: int) -> list[int]:
     """Every process below pid (tandem up's services run in their own sessions, so
     killing its process group does not reach them)."""
@@ -296,8 +303,7 @@ def started(cmds: list[Command], ports: Ports, tmp: Path):
                 assert s.popen.poll() is None, \
                     f"exited with code {s.popen.returncode} at start-up\n{s.tail()}"
                 assert time.monotonic() < deadline, \
-                    f"not ready after {START_DEADLINE_S:.0f} s\n" + \
-                    "\n".join(x.tail() for x in servers)
+                    f"not ready after {START_DEADLINE_S:.0f} s\n{tails(servers)}"
                 time.sleep(0.2)
         yield servers
     finally:
@@ -327,13 +333,17 @@ def completion_text(stdout: str, streaming: bool) -> str:
 
 
 def run_curls(ports: Ports, servers: list[Server]) -> None:
-    curls = [c for c in COMMANDS if c.kind == "curl"]
-    for c in curls:
+    for c in (c for c in COMMANDS if c.kind == "curl"):
         argv = rewrite_ports(c.argv, ports)
-        r = subprocess.run(argv, capture_output=True, text=True, timeout=CURL_TIMEOUT_S)
         where = f"{c.line}\n(ran {shlex.join(argv)})"
-        assert r.returncode == 0, f"curl exit {r.returncode}: {r.stderr}\n{where}\n" + \
-            "\n".join(s.tail() for s in servers)
+        try:
+            r = subprocess.run(argv, capture_output=True, text=True, timeout=CURL_TIMEOUT_S)
+        except subprocess.TimeoutExpired as e:
+            got = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else e.stdout
+            pytest.fail(f"no full answer in {CURL_TIMEOUT_S:.0f} s ({(got or '').count('data:')} "
+                        f"SSE events so far): {where}\n{(got or '')[-1000:]}\n{tails(servers)}")
+        assert r.returncode == 0, \
+            f"curl exit {r.returncode}: {r.stderr}\n{where}\n{tails(servers)}"
         assert completion_text(r.stdout, "-N" in argv).strip(), \
             f"empty completion for {where}:\n{r.stdout[:1000]}"
 

@@ -49,7 +49,7 @@ def load_to_proto(load: EngineLoad, worker_id: str, block_size: int,
         num_running=load.num_running + load.num_reserved, kv_usage=load.kv_usage,
         free_blocks=load.free_blocks, total_blocks=load.total_blocks,
         queued_prompt_tokens=load.queued_prompt_tokens, active_leases=active_leases,
-        block_size=block_size)
+        block_size=block_size, swap_used_blocks=load.swap_used_blocks)
 
 
 def top_to_proto(top: list[tuple[int, float]]) -> common.TopLogprobs:

@@ -62,13 +62,15 @@ class Cluster:
                 continue
             for _ in range(50):
                 load = self.load(proc)
-                if (load.active_leases, load.num_running, load.num_waiting) == (0, 0, 0) and \
+                if (load.active_leases, load.num_running, load.num_waiting,
+                        load.swap_used_blocks) == (0, 0, 0, 0) and \
                         load.free_blocks == load.total_blocks:
                     break
                 time.sleep(0.1)
             assert load.active_leases == 0, f"{proc.role} holds {load.active_leases} leases"
             assert load.num_running == load.num_waiting == 0, f"{proc.role} still busy: {load}"
             assert load.free_blocks == load.total_blocks, f"{proc.role} leaked blocks: {load}"
+            assert load.swap_used_blocks == 0, f"{proc.role} leaked swap blocks: {load}"
 
 
 def _spawn(args: list[str]) -> subprocess.Popen:

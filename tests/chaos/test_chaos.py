@@ -1,0 +1,36 @@
+"""The chaos suite, bounded (about 2 minutes): `tandem up --prefill 2 --decode 2` on the
+tiny model under mixed load while a prefill worker, a decode worker and the router
+are killed with SIGKILL and clients misbehave (tandem/bench/chaos.py says what is
+sent and what is audited). `python bench/chaos.py --minutes N` is the soak."""
+from __future__ import annotations
+
+import pytest
+
+from tandem.bench.chaos import Fault, UpCluster, make_cases, references, run_load
+from tandem.supervisor import free_port
+
+LOAD_S = 45.0
+FAULTS = [Fault(8, "prefill"), Fault(18, "decode"), Fault(28, "router")]
+
+
+@pytest.mark.slow
+def test_no_fault_or_client_strands_a_block_or_a_request(tiny_model_dir) -> None:
+    cases = make_cases(vocab=320)
+    refs = references(str(tiny_model_dir), cases)
+    cluster = UpCluster(str(tiny_model_dir), free_port(), [
+        "--prefill", "2", "--decode", "2", "--dtype", "float32", "--kv-blocks", "128",
+        "--max-model-len", "256", "--local-prefill-threshold", "8", "--swap-space", "0.01",
+        "--kv-transfer", "tcp", "--decode-arg=--max-num-seqs=8"])
+    try:
+        cluster.wait_ready()
+        report = run_load(cluster, cases, refs, LOAD_S, FAULTS, clients=6)
+    finally:
+        cluster.stop()
+    print(report.summary())
+    counts = report.counts()
+    assert report.faults_done == ["prefill@8s", "decode@18s", "router@28s"]
+    assert counts.get("ok", 0) >= 30, report.summary()
+    assert not report.wrong, report.wrong[:5]
+    assert not report.late, report.late[:5]
+    assert not report.unclear, report.unclear[:5]
+    assert not report.leaks, report.leaks
