@@ -25,6 +25,7 @@ import grpc
 
 from decode_svc.peers import Peer, PeerCache
 from decode_svc.priority_gate import PriorityGate
+from engine.kv_cache import blocks_for
 from engine.request import RemoteReservation, Request
 from kvtransfer.base import KVCompatError, ReadPlan, SourceBlocks, TransferState, get_backend
 from kvtransfer.link import blocks_from_proto
@@ -33,7 +34,7 @@ from proto import decode_pb2 as pb
 from proto import decode_pb2_grpc as pb_grpc
 from worker.base import WorkerBase, invalid_argument
 from worker.config import WorkerConfig
-from worker.convert import sampling_from_proto, top_to_proto
+from engine.wire import sampling_from_proto, top_to_proto
 
 log = logging.getLogger(__name__)
 _FALLBACK = {TransferState.EXPIRED: "lease_expired", TransferState.FAILED: "transfer_failed"}
@@ -74,7 +75,7 @@ class DecodeService(WorkerBase, pb_grpc.DecodeServicer):
         except ValueError as e:
             return await invalid_argument(context, e)
         info = self.engine.info
-        need = -(-(len(req.token_ids) + 1) // info.block_size)
+        need = blocks_for(len(req.token_ids) + 1, info.block_size)
         if need > info.num_blocks:
             return await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -109,7 +110,7 @@ class DecodeService(WorkerBase, pb_grpc.DecodeServicer):
                 log.warning("prefill worker %s unreachable (%s); recomputing %s",
                             handle.endpoint, e, req.request_id)
                 self._fallback(trace, "peer_unreachable")
-            want = -(-handle.num_tokens // self.engine.info.block_size)
+            want = blocks_for(handle.num_tokens, self.engine.info.block_size)
             if not 0 < handle.num_tokens < len(req.token_ids) or len(handle.block_ids) != want:
                 await context.abort(
                     grpc.StatusCode.INVALID_ARGUMENT,

@@ -16,7 +16,7 @@ from typing import Sequence
 
 from engine.config import EngineConfig
 from engine.limits import check_priority, check_prompt
-from engine.kv_cache import KVCacheManager
+from engine.kv_cache import KVCacheManager, blocks_for
 from engine.loader import load_checkpoint
 from engine.model_runner import ModelRunner
 from engine.models.llama import StepInterrupted
@@ -78,7 +78,7 @@ class LLMEngine:
             raise ValueError(
                 f"--kv-blocks {self.runner.num_blocks} holds {capacity} tokens, less than one "
                 f"request of the context window (--max-model-len {self.max_model_len}); "
-                f"raise --kv-blocks to at least {-(-self.max_model_len // config.block_size)} "
+                f"raise --kv-blocks to at least {blocks_for(self.max_model_len, config.block_size)} "
                 "or lower --max-model-len")
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size,
                                  config.enable_prefix_caching, config.hash_seed)
@@ -210,7 +210,7 @@ class LLMEngine:
             if req.prefill_only and not result.finished:
                 result.finished = True  # handed off: finish_reason stays None
                 req.status = RequestStatus.FINISHED
-                self.outputs.detok.pop(req.request_id, None)
+                self.outputs.forget(req.request_id)
             if result.finished:
                 result.held_blocks = self._release(req)
             results.append(result)

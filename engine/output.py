@@ -10,7 +10,8 @@ import time
 
 from engine.request import FinishReason, Request, RequestOutput, RequestStatus
 from engine.sampling import TokenLogprobs
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from engine.text import TextAssembler
+from engine.tokenizer import Tokenizer
 
 
 class OutputProcessor:
@@ -18,11 +19,17 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.eos = eos_token_ids
         self.max_model_len = max_model_len
-        self.detok: dict[str, IncrementalDetokenizer] = {}
+        self.text: dict[str, TextAssembler] = {}
 
     def register(self, req: Request) -> None:
         # everything known at admission (prompt, plus outputs made elsewhere) is context
-        self.detok[req.request_id] = IncrementalDetokenizer(self.tokenizer, req.token_ids)
+        p = req.params
+        self.text[req.request_id] = TextAssembler(self.tokenizer, req.token_ids, p.stop,
+                                                  p.include_stop_str_in_output)
+
+    def forget(self, request_id: str) -> None:
+        """No text is owed for this request any more (handed off to another worker)."""
+        self.text.pop(request_id, None)
 
     def append(self, req: Request, token: int, logprobs: TokenLogprobs | None) -> RequestOutput:
         req.token_ids.append(token)
@@ -30,16 +37,12 @@ class OutputProcessor:
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
         p = req.params
-        delta = self.detok[req.request_id].add(token) if req.request_id in self.detok else ""
+        text = self.text.get(req.request_id)
+        delta, hit = text.add([token]) if text is not None else ("", False)
         reason = None
-        if token in self.eos and not p.ignore_eos or token in p.stop_token_ids:
+        if token in self.eos and not p.ignore_eos or token in p.stop_token_ids or hit:
             reason = FinishReason.STOP
-        elif req.stop_matcher is not None:
-            delta, hit = req.stop_matcher.feed(delta)
-            if hit:
-                reason = FinishReason.STOP
-        if reason is None and (req.num_output_tokens >= p.max_tokens
-                               or len(req.token_ids) >= self.max_model_len):
+        elif req.num_output_tokens >= p.max_tokens or len(req.token_ids) >= self.max_model_len:
             reason = FinishReason.LENGTH
         out = RequestOutput(req.request_id, [token], delta, reason is not None, reason,
                             [logprobs] if logprobs is not None else [], req.num_prompt_tokens,
@@ -56,17 +59,12 @@ class OutputProcessor:
                              num_cached_tokens=req.num_cached_tokens, error=error)
 
     def _close(self, req: Request, reason: FinishReason) -> str:
-        """Finish req; returns the text still owed: what the detokenizer held back for a
-        split character, then what the stop matcher held back (neither after an abort
-        or once a stop string matched)."""
+        """Finish req; returns the text still owed (none after an abort or once a stop
+        string matched)."""
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
-        detok = self.detok.pop(req.request_id, None)
-        m = req.stop_matcher
-        if reason is FinishReason.ABORT or (m is not None and m.stopped):
+        text = self.text.pop(req.request_id, None)
+        if text is None:
             return ""
-        tail = detok.flush() if detok is not None else ""
-        if m is None:
-            return tail
-        text, hit = m.feed(tail)
-        return text if hit else text + m.flush()
+        tail, _ = text.close(aborted=reason is FinishReason.ABORT)
+        return tail

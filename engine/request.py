@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.kv_cache.block_hash import BlockHash
-from engine.sampling import SamplingParams, SamplingState, StopStringMatcher, TokenLogprobs
+from engine.sampling import SamplingParams, SamplingState, TokenLogprobs
 
 
 class RequestStatus(enum.Enum):
@@ -69,7 +69,6 @@ class Request:
     block_hashes: list[BlockHash] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     sampling: SamplingState | None = None
-    stop_matcher: StopStringMatcher | None = None
     num_preemptions: int = 0
     preempted_at: float | None = None
     preempted_seconds: float = 0.0
@@ -91,9 +90,6 @@ class Request:
             self.token_ids = list(self.prompt_token_ids)
         if self.sampling is None:
             self.sampling = SamplingState(self.params, self.prompt_token_ids)
-        if self.stop_matcher is None and self.params.stop:
-            self.stop_matcher = StopStringMatcher(self.params.stop,
-                                                  self.params.include_stop_str_in_output)
 
     @property
     def num_prompt_tokens(self) -> int:

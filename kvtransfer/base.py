@@ -1,6 +1,6 @@
 """The KV transfer contract: what a source exports, what a reader asks, who moves bytes.
 
-Two halves, kept apart (STYLE rule 4):
+Two halves, kept apart (scheduler-side bookkeeping, worker-side bytes):
 
 * Scheduler side, bookkeeping only, no bytes move: ``LeaseTable`` (lease.py) on
   the source; ``SourceBlocks`` (what a source exports for one request, the
@@ -37,13 +37,15 @@ head_dim]``, contiguous, so block ``b`` is one region of ``block_bytes`` at
 from __future__ import annotations
 
 import enum
-import importlib
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, ClassVar, Literal, NewType, Sequence
+from typing import Any, Callable, ClassVar, Iterator, Literal, NewType, Sequence
 
 import torch
+
+from engine.kv_cache.layout import kv_block_bytes
+from engine.registry import Registry, RegistryError
 
 KV_LAYOUT = "block_major:[L,2,B,Hkv,D]"
 """Layout string of the block-major KV tensor every backend assumes."""
@@ -121,7 +123,8 @@ class CompatRecord:
     @property
     def block_bytes(self) -> int:
         itemsize = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
-        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+        return kv_block_bytes(self.num_layers, self.block_size, self.num_kv_heads,
+                              self.head_dim, itemsize)
 
     def check(self, remote: CompatRecord) -> None:
         """Raise KVCompatError naming every field that differs, with both values
@@ -358,12 +361,11 @@ class KVReader(ABC):
         """Poll until terminal or ``timeout_s`` passed; PENDING means timeout
         (the read continues: ``abort`` it or keep polling). Blocks the caller."""
         deadline = time.monotonic() + timeout_s
-        pause = 0.0
+        pauses = poll_pauses()
         while (state := self.poll(handle)) is TransferState.PENDING:
             if time.monotonic() >= deadline:
                 return state
-            time.sleep(pause)
-            pause = min(max(pause * 2, 5e-5), 1e-3)
+            time.sleep(next(pauses))
         return state
 
     def __enter__(self) -> KVReader:
@@ -371,6 +373,15 @@ class KVReader(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def poll_pauses(longest_s: float = 1e-3) -> Iterator[float]:
+    """Pauses between polls of a transfer: none at first (small reads end in
+    microseconds), then growing from 50 us to ``longest_s``."""
+    pause = 0.0
+    while True:
+        yield pause
+        pause = min(max(pause * 2, 5e-5), longest_s)
 
 
 def block_view(kv: torch.Tensor) -> torch.Tensor:
@@ -397,11 +408,12 @@ class Backend:
     reader: type[KVReader]
 
 
-_BACKENDS: dict[str, tuple[str, str, str]] = {
-    "nixl": ("kvtransfer.nixl", "NixlSource", "NixlReader"),
-    "tcp": ("kvtransfer.tcp", "TcpSource", "TcpReader"),
-    "local": ("kvtransfer.local", "LocalSource", "LocalReader"),
-}
+KV_BACKENDS: Registry[Backend] = Registry(
+    "KV transfer backend", "--kv-transfer",
+    {"nixl": "kvtransfer.nixl:BACKEND", "tcp": "kvtransfer.tcp:BACKEND",
+     "local": "kvtransfer.local:BACKEND"},
+    hints={"nixl": "pip install nixl-cu12, or pass --kv-transfer tcp to use the TCP fallback"})
+"""Every KV transfer backend; each module exports its ``BACKEND``."""
 
 
 def get_backend(name: BackendName) -> Backend:
@@ -411,14 +423,7 @@ def get_backend(name: BackendName) -> Backend:
     load here (nixl without ``nixl_cu12``). Never falls back silently: the
     caller decides whether to try another backend and logs that it did.
     """
-    if name not in _BACKENDS:
-        raise KVBackendUnavailable(f"--kv-transfer {name!r} is not a KV transfer backend; "
-                                   f"choose one of: {', '.join(_BACKENDS)}")
-    module_name, source, reader = _BACKENDS[name]
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        hint = " (pip install nixl-cu12)" if name == "nixl" else ""
-        raise KVBackendUnavailable(f"--kv-transfer {name} cannot load here: {e}{hint}; "
-                                   f"pass --kv-transfer tcp to use the TCP fallback") from e
-    return Backend(name, getattr(module, source), getattr(module, reader))
+        return KV_BACKENDS.load(name)
+    except RegistryError as e:
+        raise KVBackendUnavailable(str(e)) from e

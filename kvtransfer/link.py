@@ -22,7 +22,7 @@ import grpc
 
 from kvtransfer.base import (CompatRecord, KVCompatError, KVReader, KVSource, KVTransferError,
                              LeaseError, PeerId, ReadHandle, ReadPlan, SourceBlocks, SourceInfo,
-                             TransferState)
+                             TransferState, poll_pauses)
 from kvtransfer.lease import Lease, LeaseTable
 from proto import kv_link_pb2 as pb
 from proto import kv_link_pb2_grpc as pb_grpc
@@ -199,11 +199,9 @@ async def _poll_until_done(reader: KVReader, handle: ReadHandle, deadline: float
     reads end in microseconds), then with growing sleeps up to 1 ms. Past the
     deadline the read is aborted and polled until it is terminal (an aborted read
     may still be letting go of its local blocks)."""
-    pause = 0.0
-    aborted = False
+    pauses = poll_pauses()
     while reader.poll(handle) is TransferState.PENDING:
-        if not aborted and time.monotonic() >= deadline:
+        if time.monotonic() >= deadline:
             reader.abort(handle)
-            aborted = True
-        await asyncio.sleep(pause)
-        pause = min(max(pause * 2, 5e-5), 1e-3 if not aborted else 1e-2)
+            deadline, pauses = float("inf"), poll_pauses(longest_s=1e-2)
+        await asyncio.sleep(next(pauses))

@@ -12,7 +12,7 @@ import weakref
 
 import torch
 
-from kvtransfer.base import (CompatRecord, KVReader, KVSource, KVTransferError, LeaseCheck,
+from kvtransfer.base import (Backend, CompatRecord, KVReader, KVSource, KVTransferError, LeaseCheck,
                              LeaseError, PeerId, ReadHandle, ReadPlan, SourceInfo,
                              TransferState, block_view)
 
@@ -122,3 +122,6 @@ class LocalReader(KVReader):
         with self._lock:
             self._peers.clear()
         self._blocks = None
+
+
+BACKEND = Backend("local", LocalSource, LocalReader)

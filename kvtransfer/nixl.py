@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from nixl_cu12 import nixl_agent, nixl_agent_config
 
-from kvtransfer.base import (CompatRecord, KVCompatError, KVReader, KVSource, KVTransferError,
+from kvtransfer.base import (Backend, CompatRecord, KVCompatError, KVReader, KVSource, KVTransferError,
                              LeaseCheck, PeerId, ReadHandle, ReadPlan, SourceInfo, TransferState)
 
 
@@ -295,3 +295,6 @@ class NixlReader(KVReader):
             remote.remote_dlist.release()
         finally:
             self._agent.remove_remote_agent(remote.agent_name)
+
+
+BACKEND = Backend("nixl", NixlSource, NixlReader)

@@ -27,7 +27,7 @@ from typing import TypeVar
 import torch
 from google.protobuf.message import DecodeError, Message
 
-from kvtransfer.base import (CompatRecord, KVCompatError, KVReader, KVSource, KVTransferError,
+from kvtransfer.base import (Backend, CompatRecord, KVCompatError, KVReader, KVSource, KVTransferError,
                              LeaseCheck, LeaseError, PeerId, ReadHandle, ReadPlan, SourceInfo,
                              TransferState, block_view, contiguous_runs)
 from proto import kv_link_pb2 as pb
@@ -399,3 +399,6 @@ def _refused(status: int, error: str) -> tuple[TransferState, Exception]:
         return TransferState.EXPIRED, LeaseError(error)
     name = pb.ReadStatus.Name(status) if status in pb.ReadStatus.values() else str(status)
     return TransferState.FAILED, KVTransferError(f"source refused the read ({name}): {error}")
+
+
+BACKEND = Backend("tcp", TcpSource, TcpReader)

@@ -26,7 +26,7 @@ from proto import prefill_pb2 as pb
 from proto import prefill_pb2_grpc as pb_grpc
 from worker.base import WorkerBase, invalid_argument
 from worker.config import WorkerConfig
-from worker.convert import sampling_from_proto, top_to_proto
+from engine.wire import sampling_from_proto, top_to_proto
 
 log = logging.getLogger(__name__)
 

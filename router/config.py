@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from router.discovery.base import DISCOVERY
+
 
 @dataclass(frozen=True)
 class RouterConfig:
@@ -63,8 +65,7 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
-        if self.discovery not in ("static", "kubernetes"):
-            raise ValueError(f"--discovery must be static or kubernetes, got {self.discovery!r}")
+        DISCOVERY.check(self.discovery)
         if self.routing not in ("prefix", "round_robin"):
             raise ValueError(f"--routing must be prefix or round_robin, got {self.routing!r}")
         for name in ("max_inflight", "max_queue", "max_body_bytes"):

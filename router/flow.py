@@ -25,16 +25,17 @@ from typing import AsyncIterator
 
 import grpc
 
-from engine.kv_cache import hash_token_blocks
-from engine.sampling import SamplingParams, StopStringMatcher
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from engine.kv_cache import blocks_for, hash_token_blocks
+from engine.sampling import SamplingParams
+from engine.text import TextAssembler
+from engine.tokenizer import Tokenizer
 from proto import common_pb2 as common
 from proto import decode_pb2, prefill_pb2
 from router.config import RouterConfig
 from router.outcomes import DeadlineExceeded, NoWorkerError, WorkerError
 from router.placement import Placer
 from router.workers import Worker, WorkerPool
-from worker.convert import sampling_to_proto, top_from_proto
+from engine.wire import sampling_to_proto, top_from_proto
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +163,7 @@ class RequestFlow:
         decoders = [w for w in self.pool.healthy("decode") if w not in failed]
         if not decoders:
             raise NoWorkerError("no healthy decode worker")
-        need = -(-len(context) // bs) + 1
+        need = blocks_for(len(context), bs) + 1
         decode, overlap = self.placer.choose(decoders, hashes, need)
         trace.decode_worker = decode.name
         cached = overlap * bs
@@ -306,21 +307,17 @@ def _absorb(trace: Trace, t: decode_pb2.KVTrace) -> None:
 
 
 class _TextStream:
-    """Detokenization and stop strings for the client's text (hold-back applied)."""
+    """The client's text (engine/text.py) turned into Deltas."""
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams) -> None:
-        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids)
-        self.stop = (StopStringMatcher(params.stop, params.include_stop_str_in_output)
-                     if params.stop else None)
+        self.text = TextAssembler(tokenizer, prompt_ids, params.stop,
+                                  params.include_stop_str_in_output)
 
     def feed(self, token_ids: list[int], reason: str | None, logprobs: list[Logprob]) -> Delta:
-        text = "".join(self.detok.add(t) for t in token_ids)
-        if reason is not None:  # the end: what was held back for a split character goes out
-            text += self.detok.flush()
-        if self.stop is not None:
-            text, hit = self.stop.feed(text)
-            if hit:
-                return Delta(text, token_ids, True, "stop", logprobs)
-            if reason is not None:
-                text += self.stop.flush()
+        text, hit = self.text.add(token_ids)
+        if not hit and reason is not None:  # the end: what was held back goes out
+            tail, hit = self.text.close()
+            text += tail
+        if hit:
+            return Delta(text, token_ids, True, "stop", logprobs)
         return Delta(text, token_ids, reason is not None, reason, logprobs)

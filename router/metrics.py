@@ -1,4 +1,4 @@
-"""Router metrics (Prometheus, names as in DESIGN.md)."""
+"""Router metrics (Prometheus; vLLM-style names with a "tandem:" prefix)."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram

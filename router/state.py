@@ -1,15 +1,25 @@
-"""Everything the HTTP handlers share, built once at start-up (app.state.router)."""
+"""Everything the HTTP handlers share (app.state.router), and its life: discovery
+feeding the worker pool, built at start-up and torn down at shutdown."""
 from __future__ import annotations
 
+import asyncio
+import logging
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import TextIO
+from pathlib import Path
+from typing import AsyncIterator, TextIO
 
 from engine.tokenizer import Tokenizer
 from router.admission import Admission
 from router.config import RouterConfig
+from router.discovery.base import Discovery
 from router.flow import RequestFlow
 from router.metrics import RouterMetrics
 from router.workers import WorkerPool
+
+log = logging.getLogger(__name__)
+DISCOVERY_WAIT_S = 10.0
+"""How long start-up waits for discovery's first list of workers."""
 
 
 @dataclass
@@ -23,3 +33,38 @@ class RouterState:
     admission: Admission
     request_log: TextIO | None = None
     """Where each finished request's trace goes (--log-requests), one JSON line each."""
+
+
+@asynccontextmanager
+async def running_state(config: RouterConfig, discovery: Discovery,
+                        tokenizer: Tokenizer | None = None) -> AsyncIterator[RouterState]:
+    """The router's state while it serves: the pool follows discovery until exit."""
+    pool = WorkerPool()
+    first = asyncio.Event()
+
+    async def follow() -> None:
+        async for endpoints in discovery.watch():
+            await pool.apply(endpoints)
+            first.set()
+
+    watcher = asyncio.create_task(follow())
+    log_file = open(config.log_requests, "a", buffering=1) if config.log_requests else None
+    try:
+        try:
+            await asyncio.wait_for(first.wait(), timeout=DISCOVERY_WAIT_S)
+        except asyncio.TimeoutError:
+            log.warning("discovery returned no workers within %.0f s; serving anyway",
+                        DISCOVERY_WAIT_S)
+        await pool.wait_healthy(timeout_s=5.0)
+        tok = tokenizer or Tokenizer.load(config.model)
+        yield RouterState(
+            config=config, tokenizer=tok, pool=pool, flow=RequestFlow(config, tok, pool),
+            model_name=config.model_name or Path(config.model).name.removesuffix(".gguf"),
+            metrics=RouterMetrics(), request_log=log_file,
+            admission=Admission(config.max_inflight, config.max_queue, pool.has_decode_room))
+    finally:
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
+        await pool.stop()
+        if log_file is not None:
+            log_file.close()

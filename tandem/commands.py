@@ -3,28 +3,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-from tandem.fetch_model import default_model_path, fetch_model
-
-
-def add_model_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="",
-                   help="a .gguf file or an HF directory (config.json + *.safetensors); "
-                        "default: the embedded SmolLM2-135M-Instruct, fetched on first use")
-    p.add_argument("--cache-dir", default=None,
-                   help="model cache (default: $TANDEM_CACHE or $XDG_CACHE_HOME/tandem)")
-
-
-def resolve_model(args: argparse.Namespace) -> str:
-    if args.model:
-        if not Path(args.model).expanduser().exists():
-            raise FileNotFoundError(f"--model {args.model}: no such file or directory")
-        return str(Path(args.model).expanduser())
-    path = default_model_path(args.cache_dir)
-    if not path.is_file():
-        fetch_model(args.cache_dir)
-    return str(path)
+from tandem.fetch_model import fetch_model
+from tandem.model_arg import add_model_arg, resolve_model
 
 
 # -- fetch-model ---------------------------------------------------------------
@@ -60,6 +41,7 @@ def _generate_setup(p: argparse.ArgumentParser) -> None:
 
 def _generate_run(args: argparse.Namespace) -> int:
     from engine.config import EngineConfig
+    from engine.kv_cache import blocks_for
     from engine.llm_engine import DEFAULT_MAX_MODEL_LEN, LLMEngine
     from engine.sampling import SamplingParams
     from tandem.config_cli import config_from_args
@@ -69,7 +51,7 @@ def _generate_run(args: argparse.Namespace) -> int:
     # One request runs: the pool holds exactly one context window of it.
     window = args.max_model_len or DEFAULT_MAX_MODEL_LEN
     config = config_from_args(EngineConfig, args, model=resolve_model(args),
-                              num_kv_blocks=-(-window // args.block_size))
+                              num_kv_blocks=blocks_for(window, args.block_size))
     engine = LLMEngine(config)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if args.chat:
@@ -89,32 +71,32 @@ def _generate_run(args: argparse.Namespace) -> int:
 
 # -- prefill / decode workers ---------------------------------------------------------
 def _worker_setup(p: argparse.ArgumentParser) -> None:
-    from worker.main import add_worker_args
+    from tandem.worker_cli import add_worker_args
 
     add_worker_args(p)
 
 
 def _prefill_run(args: argparse.Namespace) -> int:
-    from worker.main import run_worker
+    from tandem.worker_cli import run_prefill
 
-    return run_worker("prefill", args)
+    return run_prefill(args)
 
 
 def _decode_run(args: argparse.Namespace) -> int:
-    from worker.main import run_worker
+    from tandem.worker_cli import run_decode
 
-    return run_worker("decode", args)
+    return run_decode(args)
 
 
 # -- router / up --------------------------------------------------------------------------
 def _router_setup(p: argparse.ArgumentParser) -> None:
-    from router.main import add_router_args
+    from tandem.router_cli import add_router_args
 
     add_router_args(p)
 
 
 def _router_run(args: argparse.Namespace) -> int:
-    from router.main import router_config, run_router
+    from tandem.router_cli import router_config, run_router
 
     run_router(router_config(args), args.log_level)
     return 0

@@ -51,7 +51,7 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type, skip: tuple[str,
     docs = field_docs(cls)
     flag_names = flag_names or {}
     for f in dataclasses.fields(cls):
-        if f.name in skip or f.name == "extra":
+        if f.name in skip:
             continue
         tp, optional = _base_type(hints[f.name])
         flag = "--" + flag_names.get(f.name, f.name.replace("_", "-"))

@@ -15,7 +15,7 @@ import signal
 
 
 def add_up_args(p: argparse.ArgumentParser) -> None:
-    from tandem.commands import add_model_arg
+    from tandem.model_arg import add_model_arg
 
     add_model_arg(p)
     p.add_argument("--mode", choices=("disagg", "colocated"), default="disagg",
@@ -57,7 +57,7 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_up(args: argparse.Namespace) -> int:
-    from tandem.commands import resolve_model
+    from tandem.model_arg import resolve_model
     from tandem.supervisor import Cluster
 
     if args.mode == "disagg" and (args.prefill < 0 or args.decode < 1):

@@ -10,11 +10,11 @@ import grpc
 
 from engine.llm_engine import LLMEngine
 from engine.request import RequestOutput
-from engine.worker_api import DuplicateRequestError, EngineDead, EngineWorker
+from engine.worker_api import DuplicateRequestError, EngineDead, EngineLoad, EngineWorker
 from kvtransfer.base import CompatRecord
 from proto import common_pb2 as common
 from worker.config import WorkerConfig
-from worker.convert import events_to_proto, load_to_proto
+from engine.wire import events_to_proto
 from worker.events import KVEventHub
 from worker.metrics import WorkerMetrics
 from worker import server as grpc_server
@@ -152,6 +152,18 @@ class WorkerBase:
         if isinstance(error, EngineDead):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.worker_id}: {error}")
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+
+
+def load_to_proto(load: EngineLoad, worker_id: str, block_size: int,
+                  active_leases: int = 0) -> common.WorkerLoad:
+    """The engine thread's latest load snapshot as the wire message."""
+    return common.WorkerLoad(
+        worker_id=worker_id, num_waiting=load.num_waiting,
+        num_running=load.num_running + load.num_reserved, kv_usage=load.kv_usage,
+        free_blocks=load.free_blocks, total_blocks=load.total_blocks,
+        queued_prompt_tokens=load.queued_prompt_tokens, active_leases=active_leases,
+        block_size=block_size, swap_used_blocks=load.swap_used_blocks)
+
 
 
 async def invalid_argument(context: grpc.aio.ServicerContext, error: Exception) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
+from kvtransfer.base import KV_BACKENDS
 
 
 @dataclass(frozen=True)
@@ -12,7 +13,7 @@ class KVTransferConfig:
 
     backend: str = "nixl"
     """KV transfer backend: nixl (UCX; CMA between processes of one host, RDMA across
-    hosts) or tcp (plain streaming fallback)."""
+    hosts), tcp (plain streaming fallback) or local (one process: tests)."""
     lease_ttl_s: float = 30.0
     """Prefill side: seconds a finished prefill's blocks stay pinned for a decode
     worker to pull before they are freed."""
@@ -20,8 +21,7 @@ class KVTransferConfig:
     """Decode side: seconds to wait for one pull before recomputing the prompt."""
 
     def __post_init__(self) -> None:
-        if self.backend not in ("nixl", "tcp", "local"):
-            raise ValueError(f"--kv-transfer must be nixl or tcp, got {self.backend!r}")
+        KV_BACKENDS.check(self.backend)
         if self.lease_ttl_s <= 0:
             raise ValueError(f"--lease-ttl-s must be > 0, got {self.lease_ttl_s}")
         if self.transfer_timeout_s <= 0:

@@ -1,5 +1,5 @@
 """Prometheus metrics of a worker, in its own registry (several workers can share
-a process in tests). Names follow DESIGN.md ("tandem:" prefix, vLLM-style)."""
+a process in tests). Names are vLLM-style with a "tandem:" prefix (docs/architecture.md, Observability)."""
 from __future__ import annotations
 
 import dataclasses

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from engine.kv_cache.block_hash import BlockHash, hash_token_blocks
 from engine.kv_cache.block_pool import BlockPool
+from engine.kv_cache.layout import blocks_for
 
 if TYPE_CHECKING:
     from engine.request import Request
@@ -27,7 +28,7 @@ class KVCacheManager:
         self._num_cached: dict[str, int] = {}  # leading blocks already registered per request
 
     def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return blocks_for(num_tokens, self.block_size)
 
     def block_hashes(self, req: Request) -> list[BlockHash]:
         """The request's chained hashes over all its full blocks (extended lazily)."""

@@ -9,10 +9,11 @@ only needed for Kubernetes discovery).
 """
 from __future__ import annotations
 
-import importlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import AsyncIterator, Literal
+
+from engine.registry import Registry
 
 Role = Literal["prefill", "decode"]
 
@@ -31,14 +32,11 @@ class Discovery(ABC):
         cancelled; transient errors are retried inside (and logged), never raised."""
 
 
-_REGISTRY = {
+DISCOVERY: Registry[type[Discovery]] = Registry("discovery kind", "--discovery", {
     "static": "router.discovery.static:StaticDiscovery",
     "kubernetes": "router.discovery.kubernetes:KubernetesDiscovery",
-}
+})
 
 
 def get_discovery(name: str, **kwargs) -> Discovery:
-    if name not in _REGISTRY:
-        raise ValueError(f"--discovery must be one of {', '.join(_REGISTRY)}; got {name!r}")
-    module, cls = _REGISTRY[name].split(":")
-    return getattr(importlib.import_module(module), cls)(**kwargs)
+    return DISCOVERY.load(name)(**kwargs)

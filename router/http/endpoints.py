@@ -20,6 +20,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import generate_latest
 
+from engine.kv_cache import blocks_for
 from engine.limits import check_priority, check_prompt
 from router.flow import Delta, Trace
 from router.http.errors import APIError
@@ -119,7 +120,7 @@ class Endpoints:
         stack = AsyncExitStack()
         outcome = _Outcome(Trace(rid, request.headers.get("x-request-id") or ""))
         try:
-            blocks = -(-(len(prompt_ids) + 1) // st.config.block_size)
+            blocks = blocks_for(len(prompt_ids) + 1, st.config.block_size)
             outcome.trace.queue_seconds = await stack.enter_async_context(
                 st.admission.slot(priority, deadline, blocks))
             stack.callback(self._account, outcome)

@@ -36,6 +36,68 @@ def recorded(name: str) -> dict:
     return json.loads((DATA / f"{name}.json").read_text())
 
 
+class _Handler(BaseHTTPRequestHandler):
+    """Serves the FakeApiServer that owns its HTTP server (``self.server.fake``)."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        fake = self.server.fake  # type: ignore[attr-defined]
+        url = urlsplit(self.path)
+        query = parse_qs(url.query)
+        fake.requests.append(query)
+        role = {v: k for k, v in SELECTORS.items()}.get(query.get("labelSelector", [""])[0])
+        if url.path != PATH or role is None:
+            return self._json(404, {"kind": "Status", "code": 404, "reason": "NotFound"})
+        if query.get("watch", [""])[0].lower() in ("true", "1"):
+            return self._stream(fake.events[role], fake.closing)
+        if fake.fail_lists[role] > 0:
+            fake.fail_lists[role] -= 1
+            return self._json(500, {"kind": "Status", "code": 500,
+                                    "reason": "InternalError", "message": "etcd timeout"})
+        self._json(200, fake.lists[role])
+
+    def _json(self, status: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(data)
+        self.close_connection = True
+
+    def _stream(self, events: queue.Queue, closing: threading.Event) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.close_connection = True
+        try:
+            while not closing.is_set():
+                try:
+                    event = events.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+                if event is END:
+                    break
+                line = json.dumps(event).encode() + b"\n"
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
+                if event["type"] == "ERROR":  # the API server ends the watch after one
+                    break
+            self.wfile.write(b"0\r\n\r\n")
+        except OSError:  # the client hung up
+            pass
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = False  # server_close joins every handler
+
+
 class FakeApiServer:
     """Recorded LIST bodies per role; WATCH streams what ``push`` queues."""
 
@@ -45,66 +107,8 @@ class FakeApiServer:
         self.events: dict[str, queue.Queue] = {r: queue.Queue() for r in SELECTORS}
         self.requests: list[dict[str, list[str]]] = []  # query of each request, in order
         self.closing = threading.Event()
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-            def do_GET(self) -> None:
-                url = urlsplit(self.path)
-                query = parse_qs(url.query)
-                server.requests.append(query)
-                role = {v: k for k, v in SELECTORS.items()}.get(query.get("labelSelector", [""])[0])
-                if url.path != PATH or role is None:
-                    return self._json(404, {"kind": "Status", "code": 404, "reason": "NotFound"})
-                if query.get("watch", [""])[0].lower() in ("true", "1"):
-                    return self._stream(server.events[role])
-                if server.fail_lists[role] > 0:
-                    server.fail_lists[role] -= 1
-                    return self._json(500, {"kind": "Status", "code": 500,
-                                            "reason": "InternalError", "message": "etcd timeout"})
-                self._json(200, server.lists[role])
-
-            def _json(self, status: int, body: dict) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.send_header("Connection", "close")
-                self.end_headers()
-                self.wfile.write(data)
-                self.close_connection = True
-
-            def _stream(self, events: queue.Queue) -> None:
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Transfer-Encoding", "chunked")
-                self.send_header("Connection", "close")
-                self.end_headers()
-                self.close_connection = True
-                try:
-                    while not server.closing.is_set():
-                        try:
-                            event = events.get(timeout=0.05)
-                        except queue.Empty:
-                            continue
-                        if event is END:
-                            break
-                        line = json.dumps(event).encode() + b"\n"
-                        self.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
-                        if event["type"] == "ERROR":  # the API server ends the watch after one
-                            break
-                    self.wfile.write(b"0\r\n\r\n")
-                except OSError:  # the client hung up
-                    pass
-
-        class Server(ThreadingHTTPServer):
-            daemon_threads = False  # server_close joins every handler
-
-        self.httpd = Server(("127.0.0.1", 0), Handler)
+        self.httpd = _Server(("127.0.0.1", 0), _Handler)
+        self.httpd.fake = self  # type: ignore[attr-defined]
         self.port = self.httpd.server_address[1]
         self._thread = threading.Thread(target=self.httpd.serve_forever,
                                         args=(0.05,), daemon=True)

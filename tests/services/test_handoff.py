@@ -1,4 +1,4 @@
-"""The KV ownership handoff between prefill_svc and decode_svc (DESIGN.md), in one
+"""The KV ownership handoff between prefill_svc and decode_svc (docs/architecture.md), in one
 process on the tiny model: exact tokens, exact bytes, fallbacks, leak checks."""
 from __future__ import annotations
 

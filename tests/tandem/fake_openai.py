@@ -31,44 +31,47 @@ class FakeStats:
     bodies: list[dict] = field(default_factory=list)
 
 
+def _event(base: dict, chat: bool, text: str | None, reason: str | None = None,
+           role: bool = False) -> str:
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    if chat:
+        delta = {"role": "assistant", "content": ""} if role else \
+            ({} if text is None else {"content": text})
+        choice = {"index": 0, "delta": delta, "finish_reason": reason}
+    else:
+        choice = {"index": 0, "text": text or "", "finish_reason": reason}
+    return f"data: {json.dumps({**base, 'object': obj, 'choices': [choice]})}\n\n"
+
+
+async def _stream(body: dict, chat: bool, ttft_s: float, itl_s: float, stats: FakeStats):
+    n = int(body.get("max_tokens") or 16)
+    base = {"id": "cmpl-fake", "created": 0, "model": body.get("model", "fake")}
+    prompt = body["messages"][-1]["content"] if chat else body["prompt"]
+    stats.in_flight += 1
+    stats.max_in_flight = max(stats.max_in_flight, stats.in_flight)
+    try:
+        if chat:
+            yield _event(base, chat, None, role=True)  # the role-only chunk carries no text
+        await asyncio.sleep(ttft_s)
+        for i in range(n):
+            if i:
+                await asyncio.sleep(itl_s)
+            if prompt == "STREAMERR" and i == 2:
+                yield f"data: {json.dumps({'error': {'message': 'boom'}})}\n\n"
+                return
+            yield _event(base, chat, f" t{i}")
+        yield _event(base, chat, None if chat else "", "length")
+        if not body.get("no_usage") and (body.get("stream_options") or {}).get("include_usage"):
+            obj = "chat.completion.chunk" if chat else "text_completion"
+            usage = {"prompt_tokens": len(prompt.split()), "completion_tokens": n,
+                     "total_tokens": len(prompt.split()) + n}
+            yield f"data: {json.dumps({**base, 'object': obj, 'choices': [], 'usage': usage})}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        stats.in_flight -= 1
+
+
 def make_app(ttft_s: float, itl_s: float, api_key: str | None, stats: FakeStats) -> Starlette:
-    async def stream(body: dict, chat: bool):
-        n = int(body.get("max_tokens") or 16)
-        base = {"id": "cmpl-fake", "created": 0, "model": body.get("model", "fake")}
-        obj = "chat.completion.chunk" if chat else "text_completion"
-        prompt = body["messages"][-1]["content"] if chat else body["prompt"]
-
-        def event(text: str | None, reason: str | None = None, role: bool = False) -> str:
-            if chat:
-                delta = {"role": "assistant", "content": ""} if role else \
-                    ({} if text is None else {"content": text})
-                choice = {"index": 0, "delta": delta, "finish_reason": reason}
-            else:
-                choice = {"index": 0, "text": text or "", "finish_reason": reason}
-            return f"data: {json.dumps({**base, 'object': obj, 'choices': [choice]})}\n\n"
-
-        stats.in_flight += 1
-        stats.max_in_flight = max(stats.max_in_flight, stats.in_flight)
-        try:
-            if chat:
-                yield event(None, role=True)  # the role-only chunk carries no text
-            await asyncio.sleep(ttft_s)
-            for i in range(n):
-                if i:
-                    await asyncio.sleep(itl_s)
-                if prompt == "STREAMERR" and i == 2:
-                    yield f"data: {json.dumps({'error': {'message': 'boom'}})}\n\n"
-                    return
-                yield event(f" t{i}")
-            yield event(None if chat else "", "length")
-            if not body.get("no_usage") and (body.get("stream_options") or {}).get("include_usage"):
-                usage = {"prompt_tokens": len(prompt.split()), "completion_tokens": n,
-                         "total_tokens": len(prompt.split()) + n}
-                yield f"data: {json.dumps({**base, 'object': obj, 'choices': [], 'usage': usage})}\n\n"
-            yield "data: [DONE]\n\n"
-        finally:
-            stats.in_flight -= 1
-
     async def handle(request: Request, chat: bool):
         if api_key and request.headers.get("authorization") != f"Bearer {api_key}":
             return JSONResponse({"error": {"message": "bad key"}}, status_code=401)
@@ -78,7 +81,8 @@ def make_app(ttft_s: float, itl_s: float, api_key: str | None, stats: FakeStats)
         prompt = body["messages"][-1]["content"] if chat else body.get("prompt")
         if prompt == "FAIL":
             return JSONResponse({"error": {"message": "fake failure"}}, status_code=500)
-        return StreamingResponse(stream(body, chat), media_type="text/event-stream")
+        return StreamingResponse(_stream(body, chat, ttft_s, itl_s, stats),
+                                 media_type="text/event-stream")
 
     async def completions(request: Request):
         return await handle(request, chat=False)

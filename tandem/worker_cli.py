@@ -1,22 +1,16 @@
-"""Run one worker process (`tandem prefill` / `tandem decode`) until SIGINT/SIGTERM."""
+"""`tandem prefill` / `tandem decode`: flags (generated from the worker configs),
+the config they make, and the process that serves one worker until SIGINT/SIGTERM."""
 from __future__ import annotations
 
 import argparse
-import asyncio
-import logging
-import signal
-import sys
 
 from engine.config import EngineConfig
 from tandem.config_cli import add_config_args, config_from_args
+from tandem.model_arg import add_model_arg, resolve_model
 from worker.config import KVTransferConfig, WorkerConfig
-
-log = logging.getLogger(__name__)
 
 
 def add_worker_args(p: argparse.ArgumentParser) -> None:
-    from tandem.commands import add_model_arg
-
     add_model_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=0, help="gRPC port; 0 picks one (default: 0)")
@@ -37,8 +31,6 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
 
 
 def worker_config(args: argparse.Namespace) -> WorkerConfig:
-    from tandem.commands import resolve_model
-
     engine = config_from_args(EngineConfig, args, model=resolve_model(args))
     kv = config_from_args(KVTransferConfig, args)
     return WorkerConfig(engine=engine, kv=kv, host=args.host, port=args.port,
@@ -47,44 +39,19 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
                         drain_timeout_s=args.drain_timeout_s)
 
 
-async def serve(service, ready_file: str | None) -> int:
-    """Run until SIGINT/SIGTERM (then drain) or until the engine dies; the exit code
-    (1 when the engine died, so a supervisor or Kubernetes restarts the worker)."""
-    import uvloop  # noqa: F401 - imported to fail early if missing
-
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await service.start()
-    msg = f"{service.config.host}:{service.port} {service.metrics_port or 0}"
-    print(f"{service.worker_id} ready on {msg}", file=sys.stderr, flush=True)
-    if ready_file:
-        with open(ready_file + ".tmp", "w") as f:
-            f.write(msg)
-        import os
-        os.replace(ready_file + ".tmp", ready_file)
-    died = asyncio.ensure_future(service.died.wait())
-    stopped = asyncio.ensure_future(stop.wait())
-    await asyncio.wait({died, stopped}, return_when=asyncio.FIRST_COMPLETED)
-    died.cancel()
-    stopped.cancel()
-    if service.died.is_set():
-        log.critical("%s: engine died; exiting with status 1", service.worker_id)
-        await service.stop(0)
-        return 1
-    log.info("%s draining (up to %.0fs)", service.worker_id, service.config.drain_timeout_s)
-    await service.drain(service.config.drain_timeout_s)
-    await service.stop()
-    return 0
-
-
-def run_worker(role: str, args: argparse.Namespace) -> int:
+def run_prefill(args: argparse.Namespace) -> int:
     import uvloop
 
-    config = worker_config(args)
-    if role == "prefill":
-        from prefill_svc.service import PrefillService as cls
-    else:
-        from decode_svc.service import DecodeService as cls
-    return uvloop.run(serve(cls(config), args.ready_file))
+    from prefill_svc.service import PrefillService
+    from worker.serve import serve
+
+    return uvloop.run(serve(PrefillService(worker_config(args)), args.ready_file))
+
+
+def run_decode(args: argparse.Namespace) -> int:
+    import uvloop
+
+    from decode_svc.service import DecodeService
+    from worker.serve import serve
+
+    return uvloop.run(serve(DecodeService(worker_config(args)), args.ready_file))

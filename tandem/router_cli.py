@@ -1,15 +1,17 @@
-"""`tandem router`: serve the HTTP edge with uvicorn on uvloop."""
+"""`tandem router`: flags (generated from RouterConfig), the config they make, and
+the HTTP edge served with uvicorn on uvloop."""
 from __future__ import annotations
 
 import argparse
 
+import os
+
 from router.config import RouterConfig
 from tandem.config_cli import add_config_args, config_from_args
+from tandem.model_arg import add_model_arg, resolve_model
 
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
-    from tandem.commands import add_model_arg
-
     add_model_arg(p)
     p.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT",
                    help="a prefill worker (repeat for several)")
@@ -19,10 +21,6 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
 
 
 def router_config(args: argparse.Namespace) -> RouterConfig:
-    from tandem.commands import resolve_model
-
-    import os
-
     return config_from_args(RouterConfig, args, model=resolve_model(args),
                             prefill=tuple(args.prefill), decode=tuple(args.decode),
                             api_key=args.api_key or os.environ.get("TANDEM_API_KEY") or None)

@@ -1,14 +1,13 @@
-"""Proto <-> engine conversions (the only place both kinds of types meet)."""
-from __future__ import annotations
+"""Proto <-> engine value conversions: sampling parameters, logprobs, KV events.
 
-from typing import TYPE_CHECKING
+Torch-free and model-free, so both sides of a link import them: the router (which
+fills the requests) and the workers (which read them). Load reports are the
+workers' own (worker/base.py)."""
+from __future__ import annotations
 
 from engine.kv_cache import KVEvent, KVEventKind
 from engine.sampling import SamplingParams
 from proto import common_pb2 as common
-
-if TYPE_CHECKING:
-    from engine.worker_api import EngineLoad
 
 
 def sampling_from_proto(m: common.SamplingParams) -> SamplingParams:
@@ -39,17 +38,6 @@ def sampling_to_proto(p: SamplingParams) -> common.SamplingParams:
 def events_to_proto(events: list[KVEvent]) -> list[common.KVEvent]:
     kinds = {KVEventKind.STORED: common.KVEvent.STORED, KVEventKind.REMOVED: common.KVEvent.REMOVED}
     return [common.KVEvent(kind=kinds[e.kind], block_hash=e.block_hash) for e in events]
-
-
-def load_to_proto(load: EngineLoad, worker_id: str, block_size: int,
-                  active_leases: int = 0) -> common.WorkerLoad:
-    """The engine thread's latest load snapshot as the wire message."""
-    return common.WorkerLoad(
-        worker_id=worker_id, num_waiting=load.num_waiting,
-        num_running=load.num_running + load.num_reserved, kv_usage=load.kv_usage,
-        free_blocks=load.free_blocks, total_blocks=load.total_blocks,
-        queued_prompt_tokens=load.queued_prompt_tokens, active_leases=active_leases,
-        block_size=block_size, swap_used_blocks=load.swap_used_blocks)
 
 
 def top_to_proto(top: list[tuple[int, float]]) -> common.TopLogprobs:

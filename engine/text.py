@@ -1,0 +1,45 @@
+"""The text a client sees for one request: incremental detokenization (holding back
+a split character), then stop strings (holding back what may still become one).
+
+One class serves both places that produce a request's text: the engine's output
+processor and the router, which owns the client's text on the disaggregated path.
+Torch-free.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from engine.sampling.stop import StopStringMatcher
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class TextAssembler:
+    def __init__(self, tokenizer: Tokenizer, context_ids: Sequence[int],
+                 stop: Sequence[str] = (), include_stop_str_in_output: bool = False) -> None:
+        """context_ids: what precedes the output (the prompt, plus outputs made
+        elsewhere), so the first output token decodes in context."""
+        self._detok = IncrementalDetokenizer(tokenizer, context_ids)
+        self._stop = StopStringMatcher(stop, include_stop_str_in_output) if stop else None
+
+    @property
+    def stopped(self) -> bool:
+        """A stop string has matched: no more text comes."""
+        return self._stop is not None and self._stop.stopped
+
+    def add(self, token_ids: Sequence[int]) -> tuple[str, bool]:
+        """(text safe to emit now, a stop string matched)."""
+        text = "".join(self._detok.add(t) for t in token_ids)
+        if self._stop is None:
+            return text, False
+        return self._stop.feed(text)
+
+    def close(self, aborted: bool = False) -> tuple[str, bool]:
+        """The end of the stream: (the text still owed, a stop string matched in it).
+        Nothing after an abort or once a stop string matched."""
+        if aborted or self.stopped:
+            return "", False
+        tail = self._detok.flush()
+        if self._stop is None:
+            return tail, False
+        text, hit = self._stop.feed(tail)
+        return (text, True) if hit else (text + self._stop.flush(), False)

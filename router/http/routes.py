@@ -1,0 +1,53 @@
+"""The routes: each hands its request to the Endpoints of the running router."""
+from __future__ import annotations
+
+import uuid
+
+from fastapi import APIRouter, Request
+from fastapi.exceptions import RequestValidationError
+
+from router.http.endpoints import Endpoints
+from router.http.errors import APIError
+from router.openai_api import ChatCompletionRequest, CompletionRequest
+
+routes = APIRouter()
+
+
+def _ep(request: Request) -> Endpoints:
+    return Endpoints(request.app.state.router)
+
+
+@routes.get("/health")
+async def health(request: Request):
+    return await _ep(request).health()
+
+
+@routes.get("/ready")
+async def ready(request: Request):
+    return await _ep(request).ready()
+
+
+@routes.get("/metrics")
+async def metrics(request: Request):
+    return await _ep(request).metrics()
+
+
+@routes.get("/v1/models")
+async def models(request: Request):
+    return await _ep(request).models()
+
+
+@routes.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request):
+    return await _ep(request).completions(body, request)
+
+
+@routes.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request):
+    return await _ep(request).chat(body, request)
+
+
+async def invalid_request(request: Request, exc: RequestValidationError):
+    """A body that does not parse: 400 naming the field, as an OpenAI error object."""
+    rid = request.headers.get("x-request-id") or f"req-{uuid.uuid4().hex}"
+    return APIError.from_validation(exc).response({"x-request-id": rid})

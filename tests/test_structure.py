@@ -1,0 +1,45 @@
+"""The tree keeps its shape: imports run one way (tools/import_graph.py finds no
+back-edge and no cycle), the router loads no torch and no model code, and no
+function outside bench/ is longer than 60 lines."""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_FUNCTION_LINES = 60
+
+
+def test_imports_run_one_way() -> None:
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "import_graph.py"), str(ROOT)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_the_router_loads_no_torch_and_no_model_code() -> None:
+    probe = ("import sys, router.app, router.state, router.http.routes, tandem.router_cli\n"
+             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'worker', "
+             "'kvtransfer', 'prefill_svc', 'decode_svc') or m.startswith(("
+             "'engine.models', 'engine.attention', 'engine.model_runner', 'engine.scheduler', "
+             "'engine.llm_engine', 'engine.loader', 'engine.sampling.sampler')))\n"
+             "print(bad)")
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]", f"the router imported: {r.stdout.strip()}"
+
+
+def test_no_function_outside_bench_is_longer_than_60_lines() -> None:
+    long = []
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT)
+        if rel.parts[0] in ("bench", ".venv") or path.name.endswith(("_pb2.py", "_pb2_grpc.py")):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    long.append(f"{rel}:{node.lineno} {node.name} ({n} lines)")
+    assert not long, long
