@@ -44,7 +44,7 @@ def test_twelve_mixed_priority_requests_over_http(tiny_model_dir, mode) -> None:
     # once whatever the machine's load; through a prefill worker they may trickle in and
     # never fill the pool (the disaggregated path is checked for exact tokens elsewhere).
     with cluster(tiny_model_dir, "tcp", worker_args=args,
-                 router_args=["--local-prefill-threshold", "-1"]) as c:
+                 router_args=["--local-prefill-threshold", "none"]) as c:
         def send(body):
             r = httpx.post(c.url + "/v1/completions", json=body, timeout=120)
             assert r.status_code == 200, r.text
