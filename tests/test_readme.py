@@ -12,6 +12,10 @@ What differs from a terminal, and why:
     against it, so tests never collide with each other or a running cluster;
   * workers get --ready-file so we know when they serve;
   * `tandem generate` runs with --max-tokens 4 (a newcomer's output, sooner);
+  * a curl whose JSON body sets no max_tokens gets "max_tokens": 8, as the
+    completions curl asks for: otherwise the router's default of 256 tokens,
+    sampled at temperature 1 so often all of them, took over 4 minutes for one
+    request on a loaded 2-core machine;
   * `make up` is not run: we check the Makefile's `up` recipe is `tandem up` and run
     that (make would also build the venv); `make test` is this suite, never run here;
   * --model is added only when the embedded model is not where the README's
@@ -46,10 +50,8 @@ SERVICES = ("prefill", "decode", "router")
 START_DEADLINE_S = 240.0
 STOP_GRACE_S = 15.0
 CTRL_C_EXIT_S = 30.0
-# The chat curl sets neither max_tokens nor temperature: up to the router's default
-# 256 tokens sampled at 1.0, so its length varies; on a loaded 2-core machine one
-# such answer took over 120 s.
-CURL_TIMEOUT_S = 300.0
+CURL_TIMEOUT_S = 120.0
+CURL_MAX_TOKENS = 8
 GENERATE_TIMEOUT_S = 240.0
 GENERATE_MAX_TOKENS = "4"
 
@@ -196,6 +198,19 @@ def server_argv(cmd: Command, ports: Ports, ready_file: Path | None) -> tuple[li
     return tandem_exe() + argv[1:] + model_args(), port
 
 
+def capped_body(argv: list[str]) -> list[str]:
+    """argv with max_tokens added to a JSON body (-d) that sets none."""
+    out = list(argv)
+    for i, tok in enumerate(out[:-1]):
+        if tok in ("-d", "--data", "--data-raw"):
+            with contextlib.suppress(ValueError):
+                body = json.loads(out[i + 1])
+                if isinstance(body, dict) and not ({"max_tokens", "max_completion_tokens"}
+                                                   & body.keys()):
+                    out[i + 1] = json.dumps({**body, "max_tokens": CURL_MAX_TOKENS})
+    return out
+
+
 def generate_argv(cmd: Command) -> list[str]:
     argv = list(cmd.argv)
     for i, tok in enumerate(argv):
@@ -334,14 +349,15 @@ def completion_text(stdout: str, streaming: bool) -> str:
 
 def run_curls(ports: Ports, servers: list[Server]) -> None:
     for c in (c for c in COMMANDS if c.kind == "curl"):
-        argv = rewrite_ports(c.argv, ports)
+        argv = capped_body(rewrite_ports(c.argv, ports))
         where = f"{c.line}\n(ran {shlex.join(argv)})"
         try:
             r = subprocess.run(argv, capture_output=True, text=True, timeout=CURL_TIMEOUT_S)
         except subprocess.TimeoutExpired as e:
             got = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else e.stdout
-            pytest.fail(f"no full answer in {CURL_TIMEOUT_S:.0f} s ({(got or '').count('data:')} "
-                        f"SSE events so far): {where}\n{(got or '')[-1000:]}\n{tails(servers)}")
+            got = got or ""
+            pytest.fail(f"no full answer in {CURL_TIMEOUT_S:.0f} s ({got.count('data:')} SSE "
+                        f"events so far): {where}\n{got[-1000:]}\n{tails(servers)}")
         assert r.returncode == 0, \
             f"curl exit {r.returncode}: {r.stderr}\n{where}\n{tails(servers)}"
         assert completion_text(r.stdout, "-N" in argv).strip(), \
