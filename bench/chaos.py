@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tandem.bench.chaos import (ChaosReport, Fault, UpCluster, make_cases,  # noqa: E402
                                 references, run_load)
 from tandem.fetch_model import default_model_path  # noqa: E402
-from tandem.supervisor import free_port  # noqa: E402
+from tandem.process import free_port  # noqa: E402
 
 CYCLE_S = 120.0
 """One fault cycle: prefill at +20 s, decode at +50 s, router at +80 s."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,19 +19,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
+from tandem.process import free_port, wait_http
 
 READY_TIMEOUT_S = 600.0
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 60.0
 STOP_GRACE_S = 10.0
 POLL_S = 0.2
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -151,19 +144,7 @@ class Cluster:
 
     def _wait_router(self) -> None:
         url = f"http://{_connect_host(self.args.host)}:{self.args.port}/health"
-        deadline = time.monotonic() + 60
-        while True:
-            if not self.router.running:
-                raise RuntimeError(f"the router exited with code {self.router.proc.returncode} "
-                                   "at start-up (see its messages above)")
-            try:
-                if httpx.get(url, timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the router did not answer {url} within 60 s")
-            time.sleep(0.1)
+        wait_http(url, 60, "the router", self.router.proc)
 
     def _banner(self) -> None:
         a = self.args

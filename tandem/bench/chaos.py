@@ -37,6 +37,7 @@ import grpc
 import httpx
 
 from proto import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from tandem.process import wait_http
 
 DEADLINE_S = 30.0
 """x-request-timeout of every request; the audit checks none took longer (+ grace)."""
@@ -386,14 +387,10 @@ def run_faults(cluster: UpCluster, faults: list[Fault], t0: float, report: Chaos
 
 
 def _wait_router_back(cluster: UpCluster, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(cluster.url + "/ready", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
+    try:
+        wait_http(cluster.url + "/ready", timeout_s, "the restarted router")
+    except RuntimeError:
+        pass  # the audit then finds what went wrong
 
 
 def run_load(cluster: UpCluster, cases: list[Case], refs: dict[int, str], seconds: float,

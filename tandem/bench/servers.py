@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,28 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
-import httpx
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tandem.process import free_port, wait_http  # noqa: F401 - free_port: for the scenarios
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with code {proc.returncode} before it was ready")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{what} not ready at {url} after {timeout_s:.0f}s")
-        time.sleep(0.2)
+    wait_http(url, timeout_s, what, proc, interval_s=0.2)
 
 
 def stop(proc: subprocess.Popen, timeout_s: float = 20) -> None:

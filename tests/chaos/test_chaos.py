@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tandem.bench.chaos import Fault, UpCluster, make_cases, references, run_load
-from tandem.supervisor import free_port
+from tandem.process import free_port
 
 LOAD_S = 45.0
 FAULTS = [Fault(8, "prefill"), Fault(18, "decode"), Fault(28, "router")]

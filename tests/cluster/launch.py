@@ -4,7 +4,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -16,14 +15,9 @@ import grpc
 import httpx
 
 from proto import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from tandem.process import free_port  # noqa: F401 - tests import it from here
 
 CLI = [sys.executable, "-m", "tandem.cli", "--log-level", "WARNING"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
