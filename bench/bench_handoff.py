@@ -13,7 +13,6 @@ import statistics
 import sys
 from pathlib import Path
 
-import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from proto import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc  # noqa: E402
@@ -25,8 +24,7 @@ def run(backend: str, model: Path, n: int, tokens: int, dtype: str) -> dict:
     sp = common_pb2.SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
     prefill_s, transfer_s, nbytes = [], [], []
     with cluster(model, backend, worker_args=["--dtype", dtype, "--no-enable-prefix-caching"]) as c:
-        with grpc.insecure_channel(c.prefill[0].addr) as pch, \
-                grpc.insecure_channel(c.decode[0].addr) as dch:
+        with c.channel(c.prefill[0]) as pch, c.channel(c.decode[0]) as dch:
             ps, ds = prefill_pb2_grpc.PrefillStub(pch), decode_pb2_grpc.DecodeStub(dch)
             for i in range(n + 1):  # the first request warms up both workers
                 ids = [(i * 7919 + j * 31) % 40000 + 100 for j in range(tokens)]

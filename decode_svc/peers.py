@@ -10,6 +10,7 @@ requests to one new endpoint share one handshake.
 from __future__ import annotations
 
 import asyncio
+import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
@@ -35,7 +36,8 @@ class _Slot:
 
 class PeerCache:
     def __init__(self, reader: KVReader, compat: Callable[[], CompatRecord], reader_id: str,
-                 backend: str) -> None:
+                 backend: str, secret: bytes) -> None:
+        self._secret = secret
         self._reader = reader
         self._compat = compat
         self._reader_id = reader_id
@@ -67,7 +69,7 @@ class PeerCache:
         slot = self._slots.setdefault(endpoint, _Slot())
         async with slot.lock:
             if slot.peer is None:
-                client = KVLinkClient(endpoint, self._reader_id)
+                client = KVLinkClient(endpoint, self._reader_id, self._secret)
                 try:
                     info = await client.handshake(self._compat(), self._backend)
                     self._compat().check(info.compat)
@@ -83,3 +85,28 @@ class PeerCache:
             if slot.peer is not None:
                 await slot.peer.client.close()
         self._slots.clear()
+
+
+class KVPeerList:
+    """Which sources this decode worker pulls KV from: the explicit --kv-peer list, plus
+    each router's last pushed prefill pool (SetKVPeers) while it is fresh."""
+
+    TTL_S = 120.0
+
+    def __init__(self, explicit: tuple[str, ...] = (), clock: Callable[[], float] = time.monotonic
+                 ) -> None:
+        self._explicit = frozenset(explicit)
+        self._by_router: dict[str, tuple[float, frozenset[str]]] = {}
+        self._clock = clock
+
+    def update(self, router_id: str, endpoints: list[str]) -> int:
+        self._by_router[router_id] = (self._clock(), frozenset(endpoints))
+        return len(self.current())
+
+    def current(self) -> frozenset[str]:
+        now = self._clock()
+        live = [eps for t, eps in self._by_router.values() if now - t < self.TTL_S]
+        return self._explicit.union(*live)
+
+    def allows(self, endpoint: str) -> bool:
+        return endpoint in self.current()

@@ -23,11 +23,12 @@ import logging
 
 import grpc
 
-from decode_svc.peers import Peer, PeerCache
+from decode_svc.peers import KVPeerList, Peer, PeerCache
 from decode_svc.priority_gate import PriorityGate
 from engine.kv_cache import blocks_for
 from engine.request import RemoteReservation, Request
-from kvtransfer.base import KVCompatError, ReadPlan, SourceBlocks, TransferState, get_backend
+from kvtransfer.base import (KVAuthError, KVCompatError, ReadPlan, SourceBlocks, TransferState,
+                             get_backend)
 from kvtransfer.link import blocks_from_proto
 from proto import common_pb2 as common
 from proto import decode_pb2 as pb
@@ -46,13 +47,15 @@ class DecodeService(WorkerBase, pb_grpc.DecodeServicer):
     def __init__(self, config: WorkerConfig) -> None:
         super().__init__(config)
         self._pull_gate = PriorityGate(2)  # transfers served in priority order
+        self.kv_peers = KVPeerList(config.kv_peers)
 
     async def start(self) -> None:
         await self.start_engine()
         backend = get_backend(self.config.kv.backend)
         self.reader = backend.reader()
         self.reader.register(self.engine.kv_tensor, self.compat())
-        self.peers = PeerCache(self.reader, self.compat, self.worker_id, backend.name)
+        self.peers = PeerCache(self.reader, self.compat, self.worker_id, backend.name,
+                               self.secret)
         self.backend_name = backend.name
         pb_grpc.add_DecodeServicer_to_server(self, self.server)
         await self.start_server([pb.DESCRIPTOR.services_by_name["Decode"].full_name])
@@ -102,14 +105,13 @@ class DecodeService(WorkerBase, pb_grpc.DecodeServicer):
         handle = blocks_from_proto(request.kv_handle)
         async with contextlib.AsyncExitStack() as stack:
             peer: Peer | None = None
-            try:
-                peer = await stack.enter_async_context(self.peers.use(handle.endpoint))
-            except KVCompatError as e:
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-            except Exception as e:  # noqa: BLE001 - unreachable peer: recompute here
-                log.warning("prefill worker %s unreachable (%s); recomputing %s",
-                            handle.endpoint, e, req.request_id)
-                self._fallback(trace, "peer_unreachable")
+            if not self.kv_peers.allows(handle.endpoint):
+                log.warning("kv handle of %s names %s, which no router's discovery lists (nor "
+                            "--kv-peer); not dialing it, recomputing", req.request_id,
+                            handle.endpoint)
+                self._fallback(trace, "unknown_peer")
+            else:
+                peer = await self._connect(stack, handle, req, trace, context)
             want = blocks_for(handle.num_tokens, self.engine.info.block_size)
             if not 0 < handle.num_tokens < len(req.token_ids) or len(handle.block_ids) != want:
                 await context.abort(
@@ -118,6 +120,23 @@ class DecodeService(WorkerBase, pb_grpc.DecodeServicer):
                     f"{handle.num_tokens} (expected {want}, and num_tokens below the "
                     f"request's {len(req.token_ids)} tokens)")
             return await self._reserve_and_pull(req, request, handle, peer, trace, context)
+
+    async def _connect(self, stack: contextlib.AsyncExitStack, handle: SourceBlocks,
+                       req: Request, trace: pb.KVTrace, context) -> Peer | None:
+        """The link to the handle's source; None (fallback recorded) when it cannot be
+        used; FAILED_PRECONDITION naming the field when the caches are incompatible."""
+        try:
+            return await stack.enter_async_context(self.peers.use(handle.endpoint))
+        except KVCompatError as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except KVAuthError as e:
+            log.warning("%s; recomputing %s", e, req.request_id)
+            self._fallback(trace, "unauthenticated_peer")
+        except Exception as e:  # noqa: BLE001 - unreachable peer: recompute here
+            log.warning("prefill worker %s unreachable (%s); recomputing %s",
+                        handle.endpoint, e, req.request_id)
+            self._fallback(trace, "peer_unreachable")
+        return None
 
     async def _reserve_and_pull(self, req: Request, request: pb.GenerateRequest,
                                 handle: SourceBlocks, peer: Peer | None, trace: pb.KVTrace,
@@ -155,7 +174,8 @@ class DecodeService(WorkerBase, pb_grpc.DecodeServicer):
             await _quiet_release(peer, handle)
             return True
         plan = ReadPlan(handle.request_id, handle.epoch,
-                        [handle.block_ids[i] for i, _ in res.fill], [b for _, b in res.fill])
+                        [handle.block_ids[i] for i, _ in res.fill], [b for _, b in res.fill],
+                        handle.lease_token)
         task = asyncio.ensure_future(peer.client.pull(self.reader, peer.peer_id, plan,
                                                       self.config.kv.transfer_timeout_s))
         try:
@@ -213,6 +233,10 @@ class DecodeService(WorkerBase, pb_grpc.DecodeServicer):
             if out.finished:
                 return
 
+    async def SetKVPeers(self, request: pb.KVPeers, context) -> pb.KVPeersReply:
+        return pb.KVPeersReply(num_peers=self.kv_peers.update(request.router_id,
+                                                              list(request.prefill_endpoints)))
+
     async def Abort(self, request: common.AbortRequest, context) -> common.AbortReply:
         """Cancel a request; its Generate stream ends with finish_reason "abort" (at once,
         or when its pull ends)."""
@@ -221,6 +245,6 @@ class DecodeService(WorkerBase, pb_grpc.DecodeServicer):
 
 async def _quiet_release(peer: Peer, handle: SourceBlocks) -> None:
     try:
-        await peer.client.release(handle.request_id, handle.epoch)
+        await peer.client.release(handle.request_id, handle.epoch, handle.lease_token)
     except Exception as e:  # noqa: BLE001 - the lease will expire on its own
         log.warning("release of %s failed: %s", handle.request_id, e)

@@ -54,9 +54,9 @@ BackendName = Literal["nixl", "tcp", "local"]
 PeerId = NewType("PeerId", str)
 """A reader's name for a connected source (the source's worker id)."""
 
-LeaseCheck = Callable[[str, int, Sequence[int]], None]
-"""``(request_id, epoch, block_ids) -> None``; raises LeaseError when the blocks
-may not be read. ``LeaseTable.check_readable`` is the usual one."""
+LeaseCheck = Callable[[str, int, str, Sequence[int]], None]
+"""``(request_id, epoch, lease_token, block_ids) -> None``; raises LeaseError when
+the blocks may not be read. ``LeaseTable.check_readable`` is the usual one."""
 
 
 class KVTransferError(RuntimeError):
@@ -65,6 +65,10 @@ class KVTransferError(RuntimeError):
 
 class KVCompatError(KVTransferError):
     """Two workers' KV caches are not interchangeable (raised at connect time)."""
+
+
+class KVAuthError(KVTransferError):
+    """A peer that could not authenticate as a member of the cluster."""
 
 
 class LeaseError(KVTransferError):
@@ -182,6 +186,8 @@ class SourceBlocks:
     """Source block ids in token order."""
     deadline_unix_ms: int
     num_tokens: int
+    lease_token: str = field(default="", repr=False)
+    """The lease's secret; reads and the release must present it."""
 
 
 @dataclass(frozen=True)
@@ -193,6 +199,8 @@ class ReadPlan:
     epoch: int
     remote_block_ids: tuple[int, ...]
     local_block_ids: tuple[int, ...]
+    lease_token: str = field(default="", repr=False)
+    """From the source's handle; without it the source refuses the read."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "remote_block_ids", tuple(int(b) for b in self.remote_block_ids))
@@ -212,7 +220,8 @@ class ReadPlan:
                     skip: int = 0) -> ReadPlan:
         """Read ``blocks.block_ids[skip:]`` (the first ``skip`` blocks are a
         prefix the destination already holds) into ``local_block_ids``."""
-        return cls(blocks.request_id, blocks.epoch, blocks.block_ids[skip:], tuple(local_block_ids))
+        return cls(blocks.request_id, blocks.epoch, blocks.block_ids[skip:], tuple(local_block_ids),
+                   blocks.lease_token)
 
     @property
     def num_blocks(self) -> int:

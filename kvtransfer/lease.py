@@ -8,10 +8,12 @@ scheduler's reaper may call it concurrently.
 """
 from __future__ import annotations
 
+import hmac
+import secrets
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from kvtransfer.base import LeaseError
@@ -30,6 +32,12 @@ class Lease:
     deadline_unix_ms: int
     """The same instant on the wall clock, for the KVHandle."""
     block_ids: tuple[int, ...]
+    token: str = field(default_factory=lambda: secrets.token_hex(16), repr=False)
+    """The lease's own secret: reads and releases must present it (compared in
+    constant time), so a guessed request id and epoch get nothing."""
+
+    def admits(self, token: str) -> bool:
+        return hmac.compare_digest(self.token.encode(), (token or "").encode())
 
 
 class LeaseTable:
@@ -46,7 +54,7 @@ class LeaseTable:
         self._wall_clock = wall_clock
         self._lock = threading.Lock()
         self._leases: dict[str, Lease] = {}
-        self._ended: OrderedDict[tuple[str, int], str] = OrderedDict()
+        self._ended: OrderedDict[tuple[str, int], tuple[str, Lease]] = OrderedDict()
         self._next_epoch = time.time_ns()
 
     def grant(self, request_id: str, block_ids: Sequence[int], ttl_s: float) -> Lease:
@@ -68,16 +76,18 @@ class LeaseTable:
             self._leases[request_id] = lease
             return lease
 
-    def release(self, request_id: str, epoch: int) -> list[int] | None:
+    def release(self, request_id: str, epoch: int, token: str) -> list[int] | None:
         """End a live lease: the block ids to free, the first time only. None
-        for a duplicate, late (expired), unknown or wrong-epoch release, which
-        change nothing (an expired lease stays for ``expire`` to hand back)."""
-        return self.release_with_reason(request_id, epoch)[0]
+        for a duplicate, late (expired), unknown, wrong-epoch or wrong-token
+        release, which change nothing (an expired lease stays for ``expire`` to
+        hand back)."""
+        return self.release_with_reason(request_id, epoch, token)[0]
 
-    def release_with_reason(self, request_id: str, epoch: int) -> tuple[list[int] | None, str]:
+    def release_with_reason(self, request_id: str, epoch: int, token: str
+                            ) -> tuple[list[int] | None, str]:
         """``release`` plus why: "released", "duplicate", "expired",
-        "epoch_mismatch" or "unknown" (the ReleaseReply reasons)."""
-        lease, reason = self.end(request_id, epoch)
+        "epoch_mismatch", "unknown" or "unauthorized" (the ReleaseReply reasons)."""
+        lease, reason = self.end(request_id, epoch, token)
         return (None if lease is None else list(lease.block_ids)), reason
 
     def drop(self, request_id: str) -> Lease | None:
@@ -89,15 +99,19 @@ class LeaseTable:
                 self._remember(lease, "released")
             return lease
 
-    def end(self, request_id: str, epoch: int) -> tuple[Lease | None, str]:
+    def end(self, request_id: str, epoch: int, token: str) -> tuple[Lease | None, str]:
         """Like ``release_with_reason``, returning the ended lease itself."""
         with self._lock:
             lease = self._leases.get(request_id)
             if lease is None or lease.epoch != epoch:
-                ended = self._ended.get((request_id, epoch))
+                how, ended = self._ended.get((request_id, epoch), (None, None))
                 if ended is not None:
-                    return None, "duplicate" if ended == "released" else ended
+                    if not ended.admits(token):
+                        return None, "unauthorized"
+                    return None, "duplicate" if how == "released" else how
                 return None, "unknown" if lease is None else "epoch_mismatch"
+            if not lease.admits(token):
+                return None, "unauthorized"
             if self._clock() >= lease.deadline:
                 return None, "expired"
             del self._leases[request_id]
@@ -115,18 +129,22 @@ class LeaseTable:
                 self._remember(lease, "expired")
             return gone
 
-    def check_readable(self, request_id: str, epoch: int, block_ids: Sequence[int]) -> None:
-        """Raise LeaseError unless a live lease ``(request_id, epoch)`` covers
-        every id in ``block_ids``; a read after expiry fails here, loudly."""
+    def check_readable(self, request_id: str, epoch: int, token: str,
+                       block_ids: Sequence[int]) -> None:
+        """Raise LeaseError unless a live lease ``(request_id, epoch)`` with this token
+        covers every id in ``block_ids``; a read after expiry or release fails here,
+        loudly."""
         with self._lock:
             lease = self._leases.get(request_id)
             if lease is None or lease.epoch != epoch:
-                ended = self._ended.get((request_id, epoch))
-                if ended is not None:
-                    raise LeaseError(f"lease {request_id!r} epoch {epoch} was {ended}")
+                how, ended = self._ended.get((request_id, epoch), (None, None))
+                if ended is not None and ended.admits(token):
+                    raise LeaseError(f"lease {request_id!r} epoch {epoch} was {how}")
                 if lease is None:
                     raise LeaseError(f"no lease for request {request_id!r}")
                 raise LeaseError(f"lease {request_id!r}: epoch {epoch} != live epoch {lease.epoch}")
+            if not lease.admits(token):
+                raise LeaseError(f"lease {request_id!r} epoch {epoch}: wrong lease token")
             if self._clock() >= lease.deadline:
                 raise LeaseError(f"lease {request_id!r} epoch {epoch} expired")
             outside = sorted(set(int(b) for b in block_ids) - set(lease.block_ids))
@@ -143,6 +161,6 @@ class LeaseTable:
             return len(self._leases)
 
     def _remember(self, lease: Lease, how: str) -> None:
-        self._ended[(lease.request_id, lease.epoch)] = how
+        self._ended[(lease.request_id, lease.epoch)] = (how, lease)
         while len(self._ended) > _ENDED_MEMORY:
             self._ended.popitem(last=False)

@@ -14,15 +14,19 @@ too, so no other module needs to know the wire format of this link.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
+import secrets
 import time
 from typing import Callable
 
 import grpc
 
-from kvtransfer.base import (CompatRecord, KVCompatError, KVReader, KVSource, KVTransferError,
+from kvtransfer.base import (CompatRecord, KVAuthError, KVCompatError, KVReader, KVSource, KVTransferError,
                              LeaseError, PeerId, ReadHandle, ReadPlan, SourceBlocks, SourceInfo,
                              TransferState, poll_pauses)
+from auth.grpc_auth import channel as auth_channel
+from auth.tokens import proof
 from kvtransfer.lease import Lease, LeaseTable
 from proto import kv_link_pb2 as pb
 from proto import kv_link_pb2_grpc as pb_grpc
@@ -65,12 +69,14 @@ def info_from_proto(m: pb.HandshakeReply) -> SourceInfo:
 def blocks_to_proto(b: SourceBlocks) -> pb.KVHandle:
     return pb.KVHandle(worker_id=b.worker_id, transfer_endpoint=b.endpoint,
                        request_id=b.request_id, block_ids=b.block_ids, lease_epoch=b.epoch,
-                       lease_deadline_unix_ms=b.deadline_unix_ms, num_tokens=b.num_tokens)
+                       lease_deadline_unix_ms=b.deadline_unix_ms, num_tokens=b.num_tokens,
+                       lease_token=b.lease_token)
 
 
 def blocks_from_proto(m: pb.KVHandle) -> SourceBlocks:
     return SourceBlocks(m.worker_id, m.transfer_endpoint, m.request_id, m.lease_epoch,
-                        tuple(m.block_ids), m.lease_deadline_unix_ms, m.num_tokens)
+                        tuple(m.block_ids), m.lease_deadline_unix_ms, m.num_tokens,
+                        m.lease_token)
 
 
 class KVLinkServicer(pb_grpc.KVLinkServicer):
@@ -79,11 +85,12 @@ class KVLinkServicer(pb_grpc.KVLinkServicer):
     the request id to the engine's thread)."""
 
     def __init__(self, source: KVSource, leases: LeaseTable, lease_ended: LeaseEnded,
-                 worker_id: str) -> None:
+                 worker_id: str, secret: bytes) -> None:
         self.source = source
         self.leases = leases
         self.lease_ended = lease_ended
         self.worker_id = worker_id
+        self._secret = secret
 
     async def Handshake(self, request: pb.HandshakeRequest,
                         context: grpc.aio.ServicerContext) -> pb.HandshakeReply:
@@ -98,12 +105,14 @@ class KVLinkServicer(pb_grpc.KVLinkServicer):
                                 f"backend: local {request.backend!r} != remote {info.backend!r} "
                                 f"(both workers need the same --kv-transfer)")
         log.info("kv link handshake from %s (%s)", request.reader_id, info.backend)
-        return info_to_proto(info)
+        reply = info_to_proto(info)
+        reply.proof_of_secret = proof(self._secret, request.challenge, info.worker_id)
+        return reply
 
     async def Release(self, request: pb.ReleaseRequest,
                       context: grpc.aio.ServicerContext) -> pb.ReleaseReply:
         self.reap_expired()
-        lease, reason = self.leases.end(request.request_id, request.epoch)
+        lease, reason = self.leases.end(request.request_id, request.epoch, request.lease_token)
         if lease is not None:
             self.lease_ended(lease)
         return pb.ReleaseReply(released=lease is not None, reason=reason)
@@ -126,29 +135,40 @@ def add_kv_link(server: grpc.aio.Server, servicer: KVLinkServicer) -> None:
 class KVLinkClient:
     """Destination side, one per source endpoint; methods are coroutines."""
 
-    def __init__(self, endpoint: str, reader_id: str, rpc_timeout_s: float = 5.0) -> None:
+    def __init__(self, endpoint: str, reader_id: str, secret: bytes,
+                 rpc_timeout_s: float = 5.0) -> None:
         self.endpoint = endpoint
         self.reader_id = reader_id
+        self._secret = secret
         self._rpc_timeout_s = rpc_timeout_s
-        self._channel = grpc.aio.insecure_channel(endpoint)
+        self._channel = auth_channel(endpoint, secret)
         self._stub = pb_grpc.KVLinkStub(self._channel)
 
     async def handshake(self, compat: CompatRecord, backend: str) -> SourceInfo:
         """The source's SourceInfo; KVCompatError when the source refuses us."""
+        challenge = secrets.token_bytes(16)
         request = pb.HandshakeRequest(compat=compat_to_proto(compat), reader_id=self.reader_id,
-                                      backend=backend)
+                                      backend=backend, challenge=challenge)
         try:
             reply = await self._stub.Handshake(request, timeout=self._rpc_timeout_s)
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
                 raise KVCompatError(f"{self.endpoint} refused the handshake: {e.details()}") from e
+            if e.code() == grpc.StatusCode.UNAUTHENTICATED:
+                raise KVAuthError(f"{self.endpoint} refused our cluster credentials: "
+                                  f"{e.details()}") from e
             raise
+        want = proof(self._secret, challenge, reply.worker_id)
+        if not hmac.compare_digest(want.encode(), reply.proof_of_secret.encode()):
+            raise KVAuthError(f"{self.endpoint} ({reply.worker_id or 'no id'}) could not prove it "
+                              "holds the cluster secret; not reading KV from it")
         return info_from_proto(reply)
 
-    async def release(self, request_id: str, epoch: int) -> tuple[bool, str]:
+    async def release(self, request_id: str, epoch: int, token: str) -> tuple[bool, str]:
         """(released, reason) as the source's ReleaseReply says."""
-        reply = await self._stub.Release(pb.ReleaseRequest(request_id=request_id, epoch=epoch),
-                                         timeout=self._rpc_timeout_s)
+        reply = await self._stub.Release(
+            pb.ReleaseRequest(request_id=request_id, epoch=epoch, lease_token=token),
+            timeout=self._rpc_timeout_s)
         return reply.released, reply.reason
 
     async def pull(self, reader: KVReader, peer: PeerId, plan: ReadPlan,
@@ -184,7 +204,7 @@ class KVLinkClient:
         """Release; a failed RPC is logged and reads as (False, "") (the
         source will expire the lease itself)."""
         try:
-            return await self.release(plan.request_id, plan.epoch)
+            return await self.release(plan.request_id, plan.epoch, plan.lease_token)
         except grpc.aio.AioRpcError as e:
             log.warning("kv release of %s epoch %d at %s failed: %s %s", plan.request_id,
                         plan.epoch, self.endpoint, e.code().name, e.details())

@@ -60,9 +60,9 @@ class LocalSource(KVSource):
             if self._blocks is None or self._lease_check is None:
                 raise KVTransferError("local source is closed")
             src, check = self._blocks, self._lease_check
-        check(plan.request_id, plan.epoch, plan.remote_block_ids)
+        check(plan.request_id, plan.epoch, plan.lease_token, plan.remote_block_ids)
         dst[list(plan.local_block_ids)] = src[list(plan.remote_block_ids)]
-        check(plan.request_id, plan.epoch, plan.remote_block_ids)
+        check(plan.request_id, plan.epoch, plan.lease_token, plan.remote_block_ids)
 
 
 class LocalReader(KVReader):

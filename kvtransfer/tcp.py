@@ -225,7 +225,7 @@ class TcpSource(KVSource):
     def _check_lease(self, req: pb.ReadRequest) -> tuple[int, str] | None:
         assert self._lease_check is not None
         try:
-            self._lease_check(req.request_id, req.epoch, list(req.block_ids))
+            self._lease_check(req.request_id, req.epoch, req.lease_token, list(req.block_ids))
         except LeaseError as e:
             return pb.READ_LEASE, str(e)
         except Exception as e:  # a broken callback must not look like a live lease
@@ -372,7 +372,8 @@ class TcpReader(KVReader):
         assert self._blocks is not None
         block_bytes = self._blocks.shape[1]
         send_frame(sock, pb.ReadRequest(request_id=plan.request_id, epoch=plan.epoch,
-                                        block_ids=plan.remote_block_ids, block_bytes=block_bytes))
+                                        block_ids=plan.remote_block_ids, block_bytes=block_bytes,
+                                        lease_token=plan.lease_token))
         header = recv_frame(sock, pb.ReadHeader)
         if header.status != pb.READ_OK:
             return _refused(header.status, header.error)

@@ -48,7 +48,8 @@ class PrefillService(WorkerBase, pb_grpc.PrefillServicer):
         self.source = backend.source(advertise_host=self.config.public_host)
         self.source.register(self.engine.kv_tensor, self.compat(), self.leases.check_readable)
         self.source.serve(self.config.host)
-        self.link = KVLinkServicer(self.source, self.leases, self._lease_ended, self.worker_id)
+        self.link = KVLinkServicer(self.source, self.leases, self._lease_ended, self.worker_id,
+                                   self.secret)
         pb_grpc.add_PrefillServicer_to_server(self, self.server)
         add_kv_link(self.server, self.link)
         await self.start_server([pb.DESCRIPTOR.services_by_name["Prefill"].full_name,
@@ -129,7 +130,7 @@ class PrefillService(WorkerBase, pb_grpc.PrefillServicer):
         lease = self.leases.grant(rid, blocks, self.config.kv.lease_ttl_s)
         return blocks_to_proto(SourceBlocks(
             self.worker_id, f"{self.config.public_host}:{self.port}", rid, lease.epoch,
-            tuple(blocks), lease.deadline_unix_ms, num_tokens))
+            tuple(blocks), lease.deadline_unix_ms, num_tokens, lease.token))
 
     def _drop(self, rid: str) -> bool:
         """End rid's lease (if any) and free its held blocks."""

@@ -8,6 +8,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class KVPeers(_message.Message):
+    __slots__ = ("router_id", "prefill_endpoints")
+    ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
+    router_id: str
+    prefill_endpoints: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, router_id: _Optional[str] = ..., prefill_endpoints: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class KVPeersReply(_message.Message):
+    __slots__ = ("num_peers",)
+    NUM_PEERS_FIELD_NUMBER: _ClassVar[int]
+    num_peers: int
+    def __init__(self, num_peers: _Optional[int] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling", "priority", "kv_handle", "preempt_lower_priority")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

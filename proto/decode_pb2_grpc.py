@@ -55,6 +55,11 @@ class DecodeStub:
                 request_serializer=proto_dot_common__pb2.LoadRequest.SerializeToString,
                 response_deserializer=proto_dot_common__pb2.WorkerLoad.FromString,
                 _registered_method=True)
+        self.SetKVPeers = channel.unary_unary(
+                '/tandem.decode.Decode/SetKVPeers',
+                request_serializer=proto_dot_decode__pb2.KVPeers.SerializeToString,
+                response_deserializer=proto_dot_decode__pb2.KVPeersReply.FromString,
+                _registered_method=True)
 
 
 class DecodeServicer:
@@ -85,6 +90,14 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetKVPeers(self, request, context):
+        """The prefill workers a router's discovery lists: the only sources (with
+        --kv-peer) this worker pulls KV from.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -107,6 +120,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=proto_dot_common__pb2.LoadRequest.FromString,
                     response_serializer=proto_dot_common__pb2.WorkerLoad.SerializeToString,
+            ),
+            'SetKVPeers': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetKVPeers,
+                    request_deserializer=proto_dot_decode__pb2.KVPeers.FromString,
+                    response_serializer=proto_dot_decode__pb2.KVPeersReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -217,6 +235,33 @@ class Decode:
             '/tandem.decode.Decode/GetLoad',
             proto_dot_common__pb2.LoadRequest.SerializeToString,
             proto_dot_common__pb2.WorkerLoad.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetKVPeers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.decode.Decode/SetKVPeers',
+            proto_dot_decode__pb2.KVPeers.SerializeToString,
+            proto_dot_decode__pb2.KVPeersReply.FromString,
             options,
             channel_credentials,
             insecure,

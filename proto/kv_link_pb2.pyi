@@ -39,7 +39,7 @@ class CompatRecord(_message.Message):
     def __init__(self, model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., kv_layout: _Optional[str] = ...) -> None: ...
 
 class KVHandle(_message.Message):
-    __slots__ = ("worker_id", "transfer_endpoint", "request_id", "block_ids", "lease_epoch", "lease_deadline_unix_ms", "num_tokens")
+    __slots__ = ("worker_id", "transfer_endpoint", "request_id", "block_ids", "lease_epoch", "lease_deadline_unix_ms", "num_tokens", "lease_token")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,7 @@ class KVHandle(_message.Message):
     LEASE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     LEASE_DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     transfer_endpoint: str
     request_id: str
@@ -54,20 +55,23 @@ class KVHandle(_message.Message):
     lease_epoch: int
     lease_deadline_unix_ms: int
     num_tokens: int
-    def __init__(self, worker_id: _Optional[str] = ..., transfer_endpoint: _Optional[str] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., lease_epoch: _Optional[int] = ..., lease_deadline_unix_ms: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+    lease_token: str
+    def __init__(self, worker_id: _Optional[str] = ..., transfer_endpoint: _Optional[str] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., lease_epoch: _Optional[int] = ..., lease_deadline_unix_ms: _Optional[int] = ..., num_tokens: _Optional[int] = ..., lease_token: _Optional[str] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
-    __slots__ = ("compat", "reader_id", "backend")
+    __slots__ = ("compat", "reader_id", "backend", "challenge")
     COMPAT_FIELD_NUMBER: _ClassVar[int]
     READER_ID_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
+    CHALLENGE_FIELD_NUMBER: _ClassVar[int]
     compat: CompatRecord
     reader_id: str
     backend: str
-    def __init__(self, compat: _Optional[_Union[CompatRecord, _Mapping]] = ..., reader_id: _Optional[str] = ..., backend: _Optional[str] = ...) -> None: ...
+    challenge: bytes
+    def __init__(self, compat: _Optional[_Union[CompatRecord, _Mapping]] = ..., reader_id: _Optional[str] = ..., backend: _Optional[str] = ..., challenge: _Optional[bytes] = ...) -> None: ...
 
 class HandshakeReply(_message.Message):
-    __slots__ = ("compat", "backend", "worker_id", "agent_name", "agent_metadata", "base_addr", "block_bytes", "num_blocks", "data_host", "data_port", "mem_type", "device_id")
+    __slots__ = ("compat", "backend", "worker_id", "agent_name", "agent_metadata", "base_addr", "block_bytes", "num_blocks", "data_host", "data_port", "mem_type", "device_id", "proof_of_secret")
     COMPAT_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +84,7 @@ class HandshakeReply(_message.Message):
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     MEM_TYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    PROOF_OF_SECRET_FIELD_NUMBER: _ClassVar[int]
     compat: CompatRecord
     backend: str
     worker_id: str
@@ -92,15 +97,18 @@ class HandshakeReply(_message.Message):
     data_port: int
     mem_type: str
     device_id: int
-    def __init__(self, compat: _Optional[_Union[CompatRecord, _Mapping]] = ..., backend: _Optional[str] = ..., worker_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., base_addr: _Optional[int] = ..., block_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., data_host: _Optional[str] = ..., data_port: _Optional[int] = ..., mem_type: _Optional[str] = ..., device_id: _Optional[int] = ...) -> None: ...
+    proof_of_secret: str
+    def __init__(self, compat: _Optional[_Union[CompatRecord, _Mapping]] = ..., backend: _Optional[str] = ..., worker_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., base_addr: _Optional[int] = ..., block_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., data_host: _Optional[str] = ..., data_port: _Optional[int] = ..., mem_type: _Optional[str] = ..., device_id: _Optional[int] = ..., proof_of_secret: _Optional[str] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("request_id", "epoch")
+    __slots__ = ("request_id", "epoch", "lease_token")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     epoch: int
-    def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+    lease_token: str
+    def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[int] = ..., lease_token: _Optional[str] = ...) -> None: ...
 
 class ReleaseReply(_message.Message):
     __slots__ = ("released", "reason")
@@ -111,16 +119,18 @@ class ReleaseReply(_message.Message):
     def __init__(self, released: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ReadRequest(_message.Message):
-    __slots__ = ("request_id", "epoch", "block_ids", "block_bytes")
+    __slots__ = ("request_id", "epoch", "block_ids", "block_bytes", "lease_token")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     epoch: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     block_bytes: int
-    def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_bytes: _Optional[int] = ...) -> None: ...
+    lease_token: str
+    def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_bytes: _Optional[int] = ..., lease_token: _Optional[str] = ...) -> None: ...
 
 class ReadHeader(_message.Message):
     __slots__ = ("status", "error", "num_blocks", "block_bytes")

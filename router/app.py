@@ -7,6 +7,8 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 
+from auth.keys import KeyRing, load_metrics_key
+from auth.secret import load_cluster_secret
 from engine.tokenizer import Tokenizer
 from router.config import RouterConfig
 from router.http.middleware import EdgeGuard
@@ -15,17 +17,23 @@ from router.state import running_state
 
 
 def create_app(config: RouterConfig, tokenizer: Tokenizer | None = None) -> FastAPI:
-    discovery = config.make_discovery()  # config errors surface before serving
+    # every configuration error surfaces here, before serving
+    discovery = config.make_discovery()
+    secret = load_cluster_secret(config.cluster_secret_file)
+    keys = KeyRing.from_config(config.api_keys_file, config.api_key)
+    metrics_key = load_metrics_key(config.metrics_key_file)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        async with running_state(config, discovery, tokenizer) as state:
+        async with running_state(config, discovery, secret, tokenizer) as state:
             app.state.router = state
             yield
 
-    app = FastAPI(title="Tandem router", version="0.1.0", lifespan=lifespan,
+    docs = {} if config.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="Tandem router", version="0.1.0", lifespan=lifespan, **docs,
                   description="OpenAI-compatible API over Tandem's prefill and decode pools.")
-    app.add_middleware(EdgeGuard, api_key=config.api_key, max_body_bytes=config.max_body_bytes)
+    app.add_middleware(EdgeGuard, keys=keys, metrics_key=metrics_key,
+                       max_body_bytes=config.max_body_bytes)
     app.add_exception_handler(RequestValidationError, invalid_request)
     app.include_router(routes)
     return app

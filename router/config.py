@@ -56,11 +56,23 @@ class RouterConfig:
     max_queue: int = 1024
     """Requests allowed to wait; beyond that the router answers 429 with Retry-After."""
     api_key: str | None = None
-    """Require 'Authorization: Bearer KEY' on /v1 (default: $TANDEM_API_KEY, else none)."""
+    """Require 'Authorization: Bearer KEY' on /v1 (visible in ps: prefer --api-keys-file
+    or $TANDEM_API_KEY, which may list several keys separated by commas)."""
+    api_keys_file: str | None = None
+    """YAML file of API keys, each with an optional priority_ceiling and rate_limit_rps
+    (README, "API keys"); re-read when it changes."""
+    metrics_key_file: str | None = None
+    """File holding the key /metrics requires (Bearer); default: $TANDEM_METRICS_KEY, else
+    /metrics is open (keep it off the public address with a NetworkPolicy)."""
+    docs: bool = True
+    """Serve /docs, /redoc and /openapi.json (behind the API key when keys are set)."""
     max_body_bytes: int = 8 * 1024 * 1024
     """Largest request body accepted (413 beyond)."""
     log_requests: str | None = None
     """Append one JSON line per finished request (its trace) to this file."""
+    cluster_secret_file: str | None = None
+    """File holding the secret every router and worker of the cluster shares; default:
+    $TANDEM_CLUSTER_SECRET, else a per-user file in the cache directory."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

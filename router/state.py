@@ -36,10 +36,10 @@ class RouterState:
 
 
 @asynccontextmanager
-async def running_state(config: RouterConfig, discovery: Discovery,
+async def running_state(config: RouterConfig, discovery: Discovery, secret: bytes,
                         tokenizer: Tokenizer | None = None) -> AsyncIterator[RouterState]:
     """The router's state while it serves: the pool follows discovery until exit."""
-    pool = WorkerPool()
+    pool = WorkerPool(secret)
     first = asyncio.Event()
 
     async def follow() -> None:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+import uuid
 from dataclasses import dataclass, field
 
 import grpc
@@ -21,12 +23,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.kv_cache import BlockHash
 from proto import common_pb2 as common
-from proto import decode_pb2_grpc, prefill_pb2_grpc
+from auth.grpc_auth import channel as auth_channel
+from proto import decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from router.discovery.base import WorkerEndpoint
 from router.prefix_index import PrefixIndex
 
 log = logging.getLogger(__name__)
 HEALTH_PERIOD_S = 1.0
+KV_PEERS_REFRESH_S = 30.0
 DRAIN_TIMEOUT_S = 600.0
 
 
@@ -43,6 +47,8 @@ class Worker:
     """Requests this router has sent and not yet seen finish (fresher than load)."""
     draining: bool = False
     """Discovery dropped it: no new work; dropped once inflight reaches 0."""
+    kv_peers_sent: tuple[float, frozenset[str]] | None = None
+    """Decode workers: when this router last told it the prefill pool, and what."""
 
     @property
     def name(self) -> str:
@@ -56,7 +62,9 @@ class WorkerPool:
     """Workers come and go as discovery says (``apply``); each has a health loop and
     a KV event stream while it is in the pool."""
 
-    def __init__(self, drain_timeout_s: float = DRAIN_TIMEOUT_S) -> None:
+    def __init__(self, secret: bytes, drain_timeout_s: float = DRAIN_TIMEOUT_S) -> None:
+        self.secret = secret
+        self.router_id = f"router-{uuid.uuid4().hex[:12]}"
         self.index = PrefixIndex()
         self.workers: list[Worker] = []
         self.drain_timeout_s = drain_timeout_s
@@ -88,7 +96,7 @@ class WorkerPool:
                 self._drains.pop(w).cancel()
                 log.info("%s worker %s is listed again", w.role, w.address)
         for ep in endpoints - have.keys():
-            ch = grpc.aio.insecure_channel(ep.address)
+            ch = auth_channel(ep.address, self.secret)
             w = Worker(ep.address, ep.role, ch, _STUBS[ep.role](ch))
             self.workers.append(w)
             self._tasks[w] = [asyncio.create_task(self._watch_events(w)),
@@ -143,8 +151,29 @@ class WorkerPool:
                 ok = r.status == health_pb2.HealthCheckResponse.SERVING
             except grpc.aio.AioRpcError:
                 ok = False
+            if ok and w.role == "decode":
+                ok = await self._announce_prefill_pool(w)  # before it gets any handle
             self._set_health(w, ok)
             await asyncio.sleep(HEALTH_PERIOD_S)
+
+    async def _announce_prefill_pool(self, w: Worker) -> bool:
+        """Tell a decode worker which prefill workers it may pull KV from (on a change,
+        and every KV_PEERS_REFRESH_S); False when it refuses (wrong cluster secret)."""
+        pool = frozenset(p.address for p in self.workers if p.role == "prefill")
+        now = time.monotonic()
+        sent = w.kv_peers_sent
+        if sent is not None and sent[1] == pool and now - sent[0] < KV_PEERS_REFRESH_S:
+            return True
+        try:
+            await w.stub.SetKVPeers(decode_pb2.KVPeers(router_id=self.router_id,
+                                                       prefill_endpoints=sorted(pool)),
+                                    timeout=2.0)
+        except grpc.aio.AioRpcError as e:
+            log.warning("decode worker %s refused the prefill pool: %s %s", w.name,
+                        e.code().name, e.details())
+            return False
+        w.kv_peers_sent = (now, pool)
+        return True
 
     def mark_down(self, w: Worker) -> None:
         """A request saw this worker fail: out of the pool until its health check passes."""

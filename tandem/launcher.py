@@ -52,6 +52,8 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
                         "for the one engine), after --worker-arg")
     p.add_argument("--router-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for the router (repeat), e.g. --router-arg=--max-queue=64")
+    p.add_argument("--cluster-secret-file", default=None, metavar="PATH",
+                   help="the secret its processes share (default: a new random one per run)")
     p.add_argument("--restart", action=argparse.BooleanOptionalAction, default=True,
                    help="restart a service that exits (default: on)")
 

@@ -3,8 +3,7 @@ the HTTP edge served with uvicorn on uvloop."""
 from __future__ import annotations
 
 import argparse
-
-import os
+import logging
 
 from router.config import RouterConfig
 from tandem.config_cli import add_config_args, config_from_args
@@ -21,9 +20,12 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
 
 
 def router_config(args: argparse.Namespace) -> RouterConfig:
+    if args.api_key:
+        logging.getLogger("tandem").warning(
+            "--api-key is visible to every user of this machine (ps); prefer "
+            "--api-keys-file or $TANDEM_API_KEY")
     return config_from_args(RouterConfig, args, model=resolve_model(args),
-                            prefill=tuple(args.prefill), decode=tuple(args.decode),
-                            api_key=args.api_key or os.environ.get("TANDEM_API_KEY") or None)
+                            prefill=tuple(args.prefill), decode=tuple(args.decode))
 
 
 def run_router(config: RouterConfig, log_level: str = "warning") -> None:

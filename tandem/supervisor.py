@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from auth.secret import load_cluster_secret, write_secret
 from tandem.process import free_port, wait_http
 
 READY_TIMEOUT_S = 600.0
@@ -81,8 +82,16 @@ class Cluster:
         plan = plan_cores(len(roles))
         ncores = len(os.sched_getaffinity(0))
         addrs: dict[str, list[str]] = {"prefill": [], "decode": []}
-        for i, (role, cores) in enumerate(zip(roles, plan)):
-            port, mport = free_port(), free_port()
+        if self.args.cluster_secret_file:
+            self.secret_file = Path(self.args.cluster_secret_file)
+            load_cluster_secret(str(self.secret_file))  # unusable: say so now, naming it
+        else:  # one per run, 0600; children get its path, not its value
+            self.secret_file = Path(self._tmp.name) / "cluster-secret"
+            write_secret(self.secret_file)
+        ports = [free_port() for _ in roles]
+        self.prefill_addrs = [f"127.0.0.1:{p}" for r, p in zip(roles, ports) if r == "prefill"]
+        for i, (role, cores, port) in enumerate(zip(roles, plan, ports)):
+            mport = free_port()
             threads = len(cores) if cores else max(1, ncores // len(roles))
             ready = Path(self._tmp.name) / f"{role}{i}.ready"
             self.workers.append(Child(f"{role}{i}", self._worker_cmd(role, port, mport, ready,
@@ -99,7 +108,10 @@ class Cluster:
         cmd = [sys.executable, "-m", "tandem.cli", "--log-level", a.log_level, role,
                "--model", self.model, "--host", "127.0.0.1", "--port", str(port),
                "--ready-file", str(ready), "--kv-transfer", a.kv_transfer, "--dtype", a.dtype,
-               "--num-threads", str(threads), "--metrics-port", str(mport)]
+               "--num-threads", str(threads), "--metrics-port", str(mport),
+               "--cluster-secret-file", str(self.secret_file)]
+        if role == "decode":
+            cmd += [f"--kv-peer={addr}" for addr in self.prefill_addrs]
         for flag, value in (("--kv-blocks", a.kv_blocks), ("--swap-space", a.swap_space),
                             ("--preemption-mode", a.preemption_mode),
                             ("--max-model-len", a.max_model_len)):
@@ -113,7 +125,8 @@ class Cluster:
         cmd = [sys.executable, "-m", "tandem.cli", "--log-level", a.log_level, "router",
                "--model", self.model, "--host", a.host, "--port", str(a.port),
                "--local-prefill-threshold", threshold, "--routing", a.routing,
-               "--max-model-len", str(a.max_model_len or 8192)]
+               "--max-model-len", str(a.max_model_len or 8192),
+               "--cluster-secret-file", str(self.secret_file)]
         for role in ("prefill", "decode"):
             for addr in addrs[role]:
                 cmd += [f"--{role}", addr]

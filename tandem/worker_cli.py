@@ -12,16 +12,10 @@ from worker.config import KVTransferConfig, WorkerConfig
 
 def add_worker_args(p: argparse.ArgumentParser) -> None:
     add_model_arg(p)
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
-    p.add_argument("--port", type=int, default=0, help="gRPC port; 0 picks one (default: 0)")
-    p.add_argument("--metrics-port", type=int, default=None,
-                   help="HTTP port for Prometheus /metrics (default: none)")
-    p.add_argument("--worker-id", default="", help="name in traces (default: role@host:port)")
-    p.add_argument("--advertise-host", default="",
-                   help="address peers dial (default: --host, or this machine's address when "
-                        "--host is 0.0.0.0)")
-    p.add_argument("--drain-timeout-s", type=float, default=30.0,
-                   help="on SIGTERM, seconds to finish running requests (default: 30)")
+    add_config_args(p, WorkerConfig, skip=("engine", "kv", "kv_peers"))
+    p.add_argument("--kv-peer", action="append", default=[], metavar="HOST:PORT",
+                   help="decode workers: a prefill worker to accept KV from, besides those "
+                        "the routers' discovery lists (repeat)")
     p.add_argument("--kv-blocks", dest="num_kv_blocks", type=int, default=None,
                    help="cap the KV pool at N blocks (default: size from --kv-cache-memory-gib)")
     p.add_argument("--ready-file", default=None,
@@ -33,10 +27,8 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
 def worker_config(args: argparse.Namespace) -> WorkerConfig:
     engine = config_from_args(EngineConfig, args, model=resolve_model(args))
     kv = config_from_args(KVTransferConfig, args)
-    return WorkerConfig(engine=engine, kv=kv, host=args.host, port=args.port,
-                        metrics_port=args.metrics_port, worker_id=args.worker_id,
-                        advertise_host=args.advertise_host,
-                        drain_timeout_s=args.drain_timeout_s)
+    return config_from_args(WorkerConfig, args, engine=engine, kv=kv,
+                            kv_peers=tuple(args.kv_peer))
 
 
 def run_prefill(args: argparse.Namespace) -> int:

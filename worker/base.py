@@ -8,6 +8,8 @@ import logging
 
 import grpc
 
+from auth.grpc_auth import ServerAuth
+from auth.secret import load_cluster_secret
 from engine.llm_engine import LLMEngine
 from engine.request import RequestOutput
 from engine.worker_api import DuplicateRequestError, EngineDead, EngineLoad, EngineWorker
@@ -41,12 +43,14 @@ class WorkerBase:
         self.draining = False
         self.died = asyncio.Event()
         """Set when the engine thread died (the process should exit non-zero)."""
+        self.secret = load_cluster_secret(config.cluster_secret_file)
+        self.auth = ServerAuth(self.secret)
 
     def active_leases(self) -> int:
         return 0
 
     async def start_engine(self) -> None:
-        self.server = grpc_server.new_server()
+        self.server = grpc_server.new_server(self.auth)
         self.hub = KVEventHub(asyncio.get_running_loop())
         self.engine = EngineWorker(
             lambda: LLMEngine(self.config.engine), on_events=self.hub.publish,
@@ -62,6 +66,7 @@ class WorkerBase:
         self.port = grpc_server.bind(self.server, self.config.host, self.config.port)
         if not self.config.worker_id:
             self.worker_id = f"{self.role}@{self.config.public_host}:{self.port}"
+        self.auth.worker_id = self.worker_id
         await self.server.start()
         if self.config.metrics_port is not None:
             self.metrics_port = self.metrics.serve(self.config.host, self.config.metrics_port)

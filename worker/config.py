@@ -48,6 +48,13 @@ class WorkerConfig:
     drain_timeout_s: float = 30.0
     """On SIGTERM: seconds to finish running requests (new ones are refused and health
     says NOT_SERVING) before the process exits."""
+    cluster_secret_file: str | None = None
+    """File holding the secret every router and worker of the cluster shares (RPCs
+    without it are refused); default: $TANDEM_CLUSTER_SECRET, else a per-user file in
+    the cache directory, created on first use."""
+    kv_peers: tuple[str, ...] = ()
+    """Decode side: prefill workers (host:port of their KVLink) this worker may pull KV
+    from, besides those the routers' discovery lists (pushed with SetKVPeers)."""
 
     @property
     def public_host(self) -> str:

@@ -64,7 +64,8 @@ class WorkerMetrics:
             self.labelled(metric)
         for reason in ("stop", "length", "abort", "error", "handoff"):
             self.labelled(self.requests, finish_reason=reason)
-        for reason in ("lease_expired", "peer_unreachable", "transfer_failed"):
+        for reason in ("lease_expired", "peer_unreachable", "transfer_failed", "unknown_peer",
+                       "unauthenticated_peer"):
             self.labelled(self.kv_fallbacks, reason=reason)
         for mode in ("swap", "recompute"):
             self.labelled(self.preemptions, mode=mode)

@@ -7,12 +7,17 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from auth.grpc_auth import ServerAuth
+
 # KV blocks travel in chunks well under this; prompts of 128k tokens fit too.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
-def new_server() -> grpc.aio.Server:
-    return grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+def new_server(auth: ServerAuth) -> grpc.aio.Server:
+    """The worker's server; every call but health and reflection must carry the
+    cluster secret (auth/grpc_auth.py)."""
+    return grpc.aio.server(interceptors=[auth],
+                           options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                                     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                                     ("grpc.so_reuseport", 0)])
 

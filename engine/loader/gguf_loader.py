@@ -6,7 +6,6 @@ match HF's rotate-half RoPE and an HF checkpoint of the same model.
 """
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import Iterator
 
@@ -18,6 +17,7 @@ from gguf.quants import dequantize
 
 from engine.config import ModelConfig
 from engine.loader.base import LoadedCheckpoint
+from engine.loader.fingerprint import weights_fingerprint
 
 SUPPORTED_TYPES = (QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1)
 
@@ -104,15 +104,8 @@ def _dequantize(tensor, path: Path) -> np.ndarray:
 
 
 def _weight_digest(path: Path, config: ModelConfig) -> str:
-    """Cheap, stable digest: size plus the first and last MiB of the file plus the config."""
-    h = hashlib.sha256(config.fingerprint().encode())
-    size = path.stat().st_size
-    h.update(str(size).encode())
-    with open(path, "rb") as f:
-        h.update(f.read(1 << 20))
-        f.seek(max(0, size - (1 << 20)))
-        h.update(f.read(1 << 20))
-    return h.hexdigest()[:16]
+    """The architecture plus a digest of every byte of the file (fingerprint.py)."""
+    return weights_fingerprint(config.fingerprint(), [path])
 
 
 def load_gguf(path: Path) -> LoadedCheckpoint:

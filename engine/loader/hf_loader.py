@@ -1,7 +1,6 @@
 """HF-style directories: config.json + *.safetensors (Llama family)."""
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Iterator
@@ -11,6 +10,7 @@ from safetensors import safe_open
 
 from engine.config import ModelConfig
 from engine.loader.base import LoadedCheckpoint
+from engine.loader.fingerprint import weights_fingerprint
 
 
 def hf_config(d: dict, path: Path) -> ModelConfig:
@@ -46,9 +46,6 @@ def load_hf_dir(path: Path) -> LoadedCheckpoint:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{path}: no *.safetensors files next to config.json")
-    h = hashlib.sha256(config.fingerprint().encode())
-    for f in files:
-        h.update(f"{f.name}:{f.stat().st_size}".encode())
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for f in files:
@@ -56,4 +53,5 @@ def load_hf_dir(path: Path) -> LoadedCheckpoint:
                 for name in sf.keys():
                     yield name, sf.get_tensor(name)
 
-    return LoadedCheckpoint(config, tensors(), h.hexdigest()[:16], path)
+    fingerprint = weights_fingerprint(config.fingerprint(), [path / "config.json", *files])
+    return LoadedCheckpoint(config, tensors(), fingerprint, path)

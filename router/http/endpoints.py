@@ -162,14 +162,23 @@ class Endpoints:
             raise APIError(400, str(e), param=str(e).split(" ", 1)[0].rstrip(":")) from e
 
     def _priority(self, request: Request, body) -> int:
+        """The request's priority (x-priority wins over the body's), within its API key's
+        ceiling: a key whose ceiling is 5 cannot claim priority 0 (403)."""
         header = request.headers.get("x-priority")
-        if header is None:
-            return body.priority
-        try:
-            return check_priority(int(header), "x-priority")
-        except ValueError as e:
-            raise APIError(400, f"x-priority header must be an integer in the int32 range, "
-                                f"got {header!r}", param="x-priority") from e
+        priority = body.priority
+        if header is not None:
+            try:
+                priority = check_priority(int(header), "x-priority")
+            except ValueError as e:
+                raise APIError(400, f"x-priority header must be an integer in the int32 range, "
+                                    f"got {header!r}", param="x-priority") from e
+        key = getattr(request.state, "api_key", None)
+        if key is not None and key.priority_ceiling is not None and priority < key.priority_ceiling:
+            raise APIError(403, f"priority {priority} is more important than API key "
+                                f"{key.name!r} may claim (its ceiling is {key.priority_ceiling}; "
+                                "lower values are more important)", "permission_error",
+                           param="x-priority" if header is not None else "priority")
+        return priority
 
     def _deadline(self, request: Request) -> float:
         header = request.headers.get("x-request-timeout")

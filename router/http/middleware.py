@@ -1,7 +1,10 @@
 """The edge guard: a plain ASGI middleware in front of every route.
 
-1. API key and body size, before any parsing: 401 without the key on /v1; 413 for
-   a body over --max-body-bytes, chunked or not (counted as it arrives).
+1. Keys and body size, before any parsing: 401 without a valid API key on /v1 and
+   the API docs (when keys are set), 429 with Retry-After past the key's rate limit,
+   401 without the metrics key on /metrics (when one is set); the key found is put in
+   the request's state (its priority ceiling applies in the endpoints). 413 for a body
+   over --max-body-bytes, chunked or not (counted as it arrives).
 2. A client that goes away cancels its request. The guard reads the body itself,
    replays it to the app, and from then on is the only reader of the connection:
    when the client disconnects before the response is complete, the handler's task
@@ -14,7 +17,10 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import math
 from typing import Awaitable, Callable
+
+from auth.keys import KeyRing
 
 Scope = dict
 Message = dict
@@ -30,33 +36,62 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
     return None
 
 
-async def _error(send: Send, status: int, message: str, type_: str) -> None:
+async def _error(send: Send, status: int, message: str, type_: str,
+                 headers: dict[str, str] | None = None) -> None:
     body = json.dumps({"error": {"message": message, "type": type_, "param": None,
                                  "code": None}}).encode()
+    extra = [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(body)).encode())]})
+                            (b"content-length", str(len(body)).encode()), *extra]})
     await send({"type": "http.response.body", "body": body})
 
 
+KEYED_PREFIXES = ("/v1/", "/docs", "/redoc", "/openapi.json")
+
+
 class EdgeGuard:
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, keys: KeyRing, metrics_key: bytes | None,
+                 max_body_bytes: int) -> None:
         self.app = app
-        self._expected = f"Bearer {api_key}".encode() if api_key else None
+        self.keys = keys
+        self._metrics = b"Bearer " + metrics_key if metrics_key else None
         self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        if scope["path"].startswith("/v1/") and self._expected is not None:
-            # bytes on both sides: a non-ASCII header is a mismatch, not a 500
-            if not hmac.compare_digest(_header(scope, b"authorization") or b"", self._expected):
-                return await _error(send, 401, "invalid or missing API key "
-                                    "(Authorization: Bearer ...)", "authentication_error")
+        if not await self._admit(scope, send):
+            return
         body = await self._read_body(scope, receive, send)
         if body is None:
             return
         await self._run(scope, receive, send, body)
+
+    async def _admit(self, scope: Scope, send: Send) -> bool:
+        """Check the keys this path needs; False when the guard answered instead."""
+        path = scope["path"]
+        presented = _header(scope, b"authorization") or b""  # bytes: any header is comparable
+        if path == "/metrics" and self._metrics is not None:
+            if not hmac.compare_digest(presented, self._metrics):
+                await _error(send, 401, "invalid or missing metrics key (Authorization: Bearer "
+                                        "...; --metrics-key-file)", "authentication_error")
+                return False
+        if not path.startswith(KEYED_PREFIXES) or not self.keys.enabled:
+            return True
+        key = self.keys.lookup(presented[7:]) if presented.startswith(b"Bearer ") else None
+        if key is None:
+            await _error(send, 401, "invalid or missing API key (Authorization: Bearer ...)",
+                         "authentication_error")
+            return False
+        wait = key.take()
+        if wait > 0:
+            await _error(send, 429, f"API key {key.name!r} is over its rate limit of "
+                                    f"{key.rate_limit_rps:g} requests/s; retry later",
+                         "rate_limit_error", {"retry-after": str(max(1, math.ceil(wait)))})
+            return False
+        scope.setdefault("state", {})["api_key"] = key
+        return True
 
     async def _read_body(self, scope: Scope, receive: Receive, send: Send) -> bytes | None:
         """The whole body, or None when the guard answered (413) or the client left."""

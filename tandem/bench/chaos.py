@@ -28,6 +28,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -36,6 +37,8 @@ from pathlib import Path
 import grpc
 import httpx
 
+from auth.grpc_auth import sync_channel
+from auth.secret import write_secret
 from proto import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from tandem.process import wait_http
 
@@ -94,8 +97,12 @@ class UpCluster:
     def __init__(self, model: str, port: int, args: list[str]) -> None:
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
+        self._tmp = tempfile.TemporaryDirectory(prefix="tandem-chaos-")
+        secret_file = Path(self._tmp.name) / "cluster-secret"
+        self.secret = write_secret(secret_file)
         cmd = [sys.executable, "-m", "tandem.cli", "--log-level", "WARNING", "up",
-               "--model", model, "--port", str(port), *args]
+               "--model", model, "--port", str(port), "--cluster-secret-file", str(secret_file),
+               *args]
         self.proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL)
 
     def wait_ready(self, timeout_s: float = 240) -> None:
@@ -155,6 +162,7 @@ class UpCluster:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+        self._tmp.cleanup()
 
     def rss_mib(self) -> dict[str, tuple[int, float]]:
         """(pid, resident MiB) of tandem up and each child, named role + index by port."""
@@ -335,7 +343,7 @@ def audit_workers(cluster: UpCluster, report: ChaosReport, timeout_s: float = 20
         load = None
         while time.monotonic() < deadline:
             try:
-                with grpc.insecure_channel(addr) as ch:
+                with sync_channel(addr, cluster.secret) as ch:
                     load = stub_cls(ch).GetLoad(common_pb2.LoadRequest(), timeout=5)
             except grpc.RpcError:
                 load = None

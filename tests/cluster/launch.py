@@ -11,8 +11,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
 import httpx
+
+from auth.grpc_auth import sync_channel
+from auth.secret import load_cluster_secret
 
 from proto import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from tandem.process import free_port  # noqa: F401 - tests import it from here
@@ -43,10 +45,14 @@ class Cluster:
     def metrics(self, proc: Proc) -> str:
         return httpx.get(f"http://127.0.0.1:{proc.metrics_port}/metrics", timeout=5).text
 
+    def channel(self, proc: Proc):
+        """A blocking gRPC channel to a worker, carrying the cluster secret."""
+        return sync_channel(proc.addr, load_cluster_secret(None))
+
     def load(self, proc: Proc) -> common_pb2.WorkerLoad:
         stub_cls = (prefill_pb2_grpc.PrefillStub if proc.role == "prefill"
                     else decode_pb2_grpc.DecodeStub)
-        with grpc.insecure_channel(proc.addr) as ch:
+        with sync_channel(proc.addr, load_cluster_secret(None)) as ch:
             return stub_cls(ch).GetLoad(common_pb2.LoadRequest(), timeout=5)
 
     def leak_check(self) -> None:

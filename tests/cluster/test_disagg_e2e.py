@@ -113,7 +113,6 @@ def test_second_request_moves_only_the_blocks_decode_lacks(model_path, disagg_cl
 
 def test_killed_prefill_after_handle_makes_decode_recompute(model_path, colocated) -> None:
     """Kill the prefill process once it has returned a handle: decode recomputes."""
-    import grpc
 
     from proto import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
     from engine.tokenizer import Tokenizer
@@ -122,11 +121,11 @@ def test_killed_prefill_after_handle_makes_decode_recompute(model_path, colocate
     ids = tok.encode(prompts()[0])
     sp = common_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     with cluster(model_path, "tcp", worker_args=FP32) as c:
-        with grpc.insecure_channel(c.prefill[0].addr) as ch:
+        with c.channel(c.prefill[0]) as ch:
             first = prefill_pb2_grpc.PrefillStub(ch).Prefill(prefill_pb2.PrefillRequest(
                 request_id="k", token_ids=ids, sampling=sp), timeout=60)
         c.prefill[0].kill()
-        with grpc.insecure_channel(c.decode[0].addr) as ch:
+        with c.channel(c.decode[0]) as ch:
             chunks = list(decode_pb2_grpc.DecodeStub(ch).Generate(decode_pb2.GenerateRequest(
                 request_id="k", prompt_token_ids=ids, output_token_ids=[first.first_token],
                 sampling=sp, kv_handle=first.kv_handle), timeout=60))

@@ -12,7 +12,7 @@ from kvtransfer.base import (CompatRecord, KVCompatError, LeaseError, PeerId, Re
                              SourceBlocks, TransferState, get_backend)
 from kvtransfer.lease import LeaseTable
 from kvtransfer.link import KVLinkServicer, add_kv_link, blocks_from_proto, blocks_to_proto
-from tests.kvtransfer.utils import (FINGERPRINT, Dest, assert_blocks_copied, handshake,
+from tests.kvtransfer.utils import (TEST_SECRET, FINGERPRINT, Dest, assert_blocks_copied, handshake,
                                     handshake_and_pull, make_kv, plan_for)
 
 
@@ -48,12 +48,12 @@ def test_read_subset_into_other_local_blocks(worker: Worker) -> None:
     reader = make_reader(dest)
     peer = reader.connect(worker.source.handshake_info("src"))
     lease = worker.leases.grant("r1", [3, 4, 5, 20], ttl_s=10)
-    plan = ReadPlan("r1", lease.epoch, (3, 4, 5, 20), (10, 0, 1, 31))
+    plan = ReadPlan("r1", lease.epoch, (3, 4, 5, 20), (10, 0, 1, 31), lease.token)
     handle = reader.start_read(peer, plan)
     assert reader.wait(handle, 1) is TransferState.DONE and handle.error is None
     assert handle.nbytes == 4 * worker.source.handshake_info("src").block_bytes
     assert_blocks_copied(dest.kv, dest.before, worker.kv, plan)
-    assert worker.leases.release("r1", lease.epoch) == [3, 4, 5, 20]
+    assert worker.leases.release("r1", lease.epoch, lease.token) == [3, 4, 5, 20]
     assert reader.in_flight() == 0
     reader.close()
 
@@ -74,13 +74,13 @@ def test_expired_or_released_lease_read_fails(worker: Worker) -> None:
     peer = reader.connect(worker.source.handshake_info("src"))
     lease = worker.leases.grant("r", [1, 2], ttl_s=0.05)
     time.sleep(0.08)
-    handle = reader.start_read(peer, ReadPlan("r", lease.epoch, (1, 2), (0, 1)))
+    handle = reader.start_read(peer, ReadPlan("r", lease.epoch, (1, 2), (0, 1), lease.token))
     assert handle.state is TransferState.EXPIRED and isinstance(handle.error, LeaseError)
     assert "expired" in str(handle.error)
     assert [x.request_id for x in worker.leases.expire()] == ["r"]
     lease = worker.leases.grant("r", [1, 2], ttl_s=10)
-    worker.leases.release("r", lease.epoch)
-    handle = reader.start_read(peer, ReadPlan("r", lease.epoch, (1,), (0,)))
+    worker.leases.release("r", lease.epoch, lease.token)
+    handle = reader.start_read(peer, ReadPlan("r", lease.epoch, (1,), (0,), lease.token))
     assert handle.state is TransferState.EXPIRED and "released" in str(handle.error)
     blocks_outside = reader.start_read(peer, ReadPlan("x", 1, (1,), (0,)))
     assert blocks_outside.state is TransferState.EXPIRED
@@ -93,19 +93,20 @@ def test_malformed_plans_rejected_before_any_byte_moves(worker: Worker) -> None:
     peer = reader.connect(worker.source.handshake_info("src"))
     lease = worker.leases.grant("r", [1, 2], ttl_s=10)
     with pytest.raises(ValueError, match="remote block id 99"):
-        reader.start_read(peer, ReadPlan("r", lease.epoch, (1, 99), (0, 1)))
+        reader.start_read(peer, ReadPlan("r", lease.epoch, (1, 99), (0, 1), lease.token))
     with pytest.raises(ValueError, match="local block id 32"):
-        reader.start_read(peer, ReadPlan("r", lease.epoch, (1, 2), (0, 32)))
+        reader.start_read(peer, ReadPlan("r", lease.epoch, (1, 2), (0, 32), lease.token))
     with pytest.raises(KeyError):
-        reader.start_read(PeerId("nobody"), ReadPlan("r", lease.epoch, (1,), (0,)))
+        reader.start_read(PeerId("nobody"), ReadPlan("r", lease.epoch, (1,), (0,), lease.token))
     assert torch.equal(dest.kv, dest.before)
-    worker.leases.release("r", lease.epoch)
+    worker.leases.release("r", lease.epoch, lease.token)
 
 
 async def _serve(worker: Worker) -> tuple[grpc.aio.Server, str]:
     server = grpc.aio.server()
     add_kv_link(server, KVLinkServicer(worker.source, worker.leases,
-                                       lambda lease: worker.freed.extend(lease.block_ids), "src"))
+                                       lambda lease: worker.freed.extend(lease.block_ids), "src",
+                                       TEST_SECRET))
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     return server, f"127.0.0.1:{port}"
@@ -121,7 +122,7 @@ def test_link_handshake_pull_and_release(worker: Worker) -> None:
         try:
             lease = worker.leases.grant("r1", [8, 9, 2], ttl_s=10)
             blocks = SourceBlocks("src", endpoint, "r1", lease.epoch, lease.block_ids,
-                                  lease.deadline_unix_ms, 40)
+                                  lease.deadline_unix_ms, 40, lease.token)
             assert blocks_from_proto(blocks_to_proto(blocks)) == blocks
             handle = await handshake_and_pull(reader, dest.compat, endpoint, "local",
                                               plan_for(blocks, [5, 6, 7]))
@@ -131,7 +132,7 @@ def test_link_handshake_pull_and_release(worker: Worker) -> None:
             # An expired lease: the pull reports EXPIRED, Release frees via reaping.
             lease = worker.leases.grant("r2", [11], ttl_s=0.05)
             await asyncio.sleep(0.08)
-            blocks = SourceBlocks("src", endpoint, "r2", lease.epoch, (11,), 0, 16)
+            blocks = SourceBlocks("src", endpoint, "r2", lease.epoch, (11,), 0, 16, lease.token)
             handle = await handshake_and_pull(reader, dest.compat, endpoint, "local",
                                               plan_for(blocks, [20]))
             assert handle.state is TransferState.EXPIRED and isinstance(handle.error, LeaseError)

@@ -89,7 +89,7 @@ def test_malformed_descriptors_and_ids_rejected(source: SourceProcess, reader) -
     assert torch.equal(reader.dest.kv, reader.dest.before)
     handle = reader.start_read(peer, ReadPlan.from_source(blocks, [30, 31]))
     assert reader.wait(handle, 20) is TransferState.DONE, handle.error
-    assert asyncio.run(release(source.endpoint, "m", blocks.epoch)) == (True, "released")
+    assert asyncio.run(release(source.endpoint, "m", blocks.epoch, blocks.lease_token)) == (True, "released")
 
 
 def test_source_killed_fails_the_read() -> None:

@@ -62,9 +62,9 @@ def test_parallel_reads_and_second_read_of_a_lease(source: SourceProcess, reader
     for p in plans:
         for rb, lb in zip(p.remote_block_ids, p.local_block_ids):
             assert torch.equal(reader.dest.kv[lb], source.kv[rb])
-    assert asyncio.run(release(source.endpoint, "ra", a.epoch)) == (True, "released")
-    assert asyncio.run(release(source.endpoint, "ra", a.epoch)) == (False, "duplicate")
-    assert asyncio.run(release(source.endpoint, "rb", b.epoch)) == (True, "released")
+    assert asyncio.run(release(source.endpoint, "ra", a.epoch, a.lease_token)) == (True, "released")
+    assert asyncio.run(release(source.endpoint, "ra", a.epoch, a.lease_token)) == (False, "duplicate")
+    assert asyncio.run(release(source.endpoint, "rb", b.epoch, b.lease_token)) == (True, "released")
 
 
 def test_compat_mismatch_fails_at_connect(source: SourceProcess) -> None:
@@ -124,8 +124,13 @@ def test_malformed_requests_refused_and_server_survives(source: SourceProcess, r
         header = _raw_request(source, info, payload)
         assert header.status == pb.READ_MALFORMED and reason in header.error, header
     header = _raw_request(source, info, _frame(pb.ReadRequest(
-        request_id="m", epoch=epoch, block_ids=[3], block_bytes=bb)))
+        request_id="m", epoch=epoch, block_ids=[3], block_bytes=bb,
+        lease_token=blocks.lease_token)))
     assert header.status == pb.READ_LEASE and "does not cover" in header.error
+    for token in ("", "f" * 32):  # a guessed token reads nothing
+        header = _raw_request(source, info, _frame(pb.ReadRequest(
+            request_id="m", epoch=epoch, block_ids=[1], block_bytes=bb, lease_token=token)))
+        assert header.status == pb.READ_LEASE and "wrong lease token" in header.error
     # Reader-side checks: nothing is sent for a plan outside either cache.
     with pytest.raises(ValueError, match="remote block id 32"):
         reader.start_read(peer, ReadPlan("m", epoch, (1, 32), (0, 1)))
@@ -133,7 +138,7 @@ def test_malformed_requests_refused_and_server_survives(source: SourceProcess, r
         reader.start_read(peer, ReadPlan("m", epoch, (1,), (40,)))
     handle = reader.start_read(peer, ReadPlan.from_source(blocks, [30, 31]))  # still serving
     assert reader.wait(handle, 20) is TransferState.DONE, handle.error
-    assert asyncio.run(release(source.endpoint, "m", epoch)) == (True, "released")
+    assert asyncio.run(release(source.endpoint, "m", epoch, blocks.lease_token)) == (True, "released")
 
 
 def test_reader_vanishing_mid_stream_does_not_hurt_source(source: SourceProcess, reader) -> None:
@@ -141,12 +146,13 @@ def test_reader_vanishing_mid_stream_does_not_hurt_source(source: SourceProcess,
     blocks = source.grant("v", list(range(32)))
     with socket.create_connection((info.data_host, info.data_port), timeout=10) as sock:
         send_frame(sock, pb.ReadRequest(request_id="v", epoch=blocks.epoch,
-                                        block_ids=list(range(32)), block_bytes=info.block_bytes))
+                                        block_ids=list(range(32)), block_bytes=info.block_bytes,
+                                        lease_token=blocks.lease_token))
         assert recv_frame(sock, pb.ReadHeader).status == pb.READ_OK
         sock.recv(1000)  # take a little, then hang up mid-stream
     handle = reader.start_read(peer, ReadPlan.from_source(blocks, list(range(31, -1, -1))))
     assert reader.wait(handle, 20) is TransferState.DONE, handle.error
-    assert asyncio.run(release(source.endpoint, "v", blocks.epoch)) == (True, "released")
+    assert asyncio.run(release(source.endpoint, "v", blocks.epoch, blocks.lease_token)) == (True, "released")
 
 
 def test_source_killed_mid_transfer_fails_the_read(source: SourceProcess, reader) -> None:

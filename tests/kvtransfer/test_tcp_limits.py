@@ -29,7 +29,7 @@ def _compat(kv: torch.Tensor) -> CompatRecord:
 def source():
     kv = _kv(1)
     src = TcpSource(max_connections=2)
-    src.register(kv, _compat(kv), lambda rid, epoch, ids: None)
+    src.register(kv, _compat(kv), lambda rid, epoch, token, ids: None)
     src.serve("127.0.0.1")
     yield src, kv
     src.close()

@@ -18,6 +18,7 @@ from kvtransfer.base import CompatRecord, KVReader, ReadHandle, ReadPlan, Source
 SHAPE = dict(num_blocks=32, num_layers=3, block_size=16, num_kv_heads=2, head_dim=16)
 """12 KiB (fp32) per block: small, but several blocks per socket buffer."""
 FINGERPRINT = "test-model-v1"
+TEST_SECRET = b"test-cluster-secret-0123456789"
 SPAWN_TIMEOUT_S = 60.0
 
 
@@ -57,7 +58,7 @@ def _source_main(conn: Any, backend: str, dtype: torch.dtype, seed: int, fingerp
     source.register(kv, CompatRecord.from_kv(kv, fingerprint), leases.check_readable)
     source.serve("127.0.0.1", 0)
     servicer = KVLinkServicer(source, leases, lambda lease: freed.extend(lease.block_ids),
-                              worker_id=f"src-{backend}-{seed}")
+                              worker_id=f"src-{backend}-{seed}", secret=TEST_SECRET)
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
 
@@ -74,7 +75,7 @@ def _source_main(conn: Any, backend: str, dtype: torch.dtype, seed: int, fingerp
         cmd, *args = conn.recv()
         if cmd == "grant":
             lease = leases.grant(*args)
-            conn.send((lease.epoch, lease.deadline_unix_ms))
+            conn.send((lease.epoch, lease.deadline_unix_ms, lease.token))
         elif cmd == "active":
             conn.send(leases.active())
         elif cmd == "freed":
@@ -114,9 +115,10 @@ class SourceProcess:
         return self._recv(timeout_s)
 
     def grant(self, request_id: str, block_ids: Sequence[int], ttl_s: float = 30.0) -> SourceBlocks:
-        epoch, deadline_ms = self.call("grant", request_id, list(block_ids), ttl_s)
+        epoch, deadline_ms, token = self.call("grant", request_id, list(block_ids), ttl_s)
         return SourceBlocks(f"src-{self.backend}-{self.seed}", self.endpoint, request_id, epoch,
-                            tuple(block_ids), deadline_ms, len(block_ids) * SHAPE["block_size"])
+                            tuple(block_ids), deadline_ms, len(block_ids) * SHAPE["block_size"],
+                            token)
 
     def active(self) -> int:
         return self.call("active")
@@ -151,7 +153,7 @@ async def handshake_and_pull(reader: KVReader, compat: CompatRecord, endpoint: s
     ``plan_of(peer)`` through ``KVLinkClient.pull`` (read, then Release)."""
     from kvtransfer.link import KVLinkClient
 
-    client = KVLinkClient(endpoint, "test-reader")
+    client = KVLinkClient(endpoint, "test-reader", TEST_SECRET)
     try:
         info = await client.handshake(compat, backend)
         peer = reader.connect(info)
@@ -163,19 +165,19 @@ async def handshake_and_pull(reader: KVReader, compat: CompatRecord, endpoint: s
 async def handshake(compat: CompatRecord, endpoint: str, backend: str) -> Any:
     from kvtransfer.link import KVLinkClient
 
-    client = KVLinkClient(endpoint, "test-reader")
+    client = KVLinkClient(endpoint, "test-reader", TEST_SECRET)
     try:
         return await client.handshake(compat, backend)
     finally:
         await client.close()
 
 
-async def release(endpoint: str, request_id: str, epoch: int) -> tuple[bool, str]:
+async def release(endpoint: str, request_id: str, epoch: int, token: str) -> tuple[bool, str]:
     from kvtransfer.link import KVLinkClient
 
-    client = KVLinkClient(endpoint, "test-reader")
+    client = KVLinkClient(endpoint, "test-reader", TEST_SECRET)
     try:
-        return await client.release(request_id, epoch)
+        return await client.release(request_id, epoch, token)
     finally:
         await client.close()
 

@@ -5,8 +5,10 @@ import asyncio
 import contextlib
 from dataclasses import replace
 
-import grpc
 import pytest
+
+from auth.grpc_auth import channel as auth_channel
+from decode_svc.peers import KVPeerList
 
 from engine.config import EngineConfig
 from proto import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
@@ -28,8 +30,9 @@ async def services(model_dir, backend: str = "tcp", prefill_engine: dict | None 
     d = DecodeService(WorkerConfig(engine=replace(base, **(decode_engine or {})), kv=kv))
     await p.start()
     await d.start()
-    pch = grpc.aio.insecure_channel(f"127.0.0.1:{p.port}")
-    dch = grpc.aio.insecure_channel(f"127.0.0.1:{d.port}")
+    d.kv_peers = KVPeerList((f"{p.config.public_host}:{p.port}",))  # as a router would push
+    pch = auth_channel(f"127.0.0.1:{p.port}", p.secret)
+    dch = auth_channel(f"127.0.0.1:{d.port}", d.secret)
     try:
         yield p, d, prefill_pb2_grpc.PrefillStub(pch), decode_pb2_grpc.DecodeStub(dch)
     finally:

@@ -103,8 +103,8 @@ def test_bad_input_gets_clear_status_and_leaks_nothing(tiny_model_dir) -> None:
             assert not (await ps.Abort(common_pb2.AbortRequest(request_id="nope"))).aborted
             assert not (await ds.Abort(common_pb2.AbortRequest(request_id="nope"))).aborted
             # a release for a lease that does not exist
-            client = KVLinkClient(f"127.0.0.1:{p.port}", "test")
-            assert await client.release("ghost", 12345) == (False, "unknown")
+            client = KVLinkClient(f"127.0.0.1:{p.port}", "test", p.secret)
+            assert await client.release("ghost", 12345, "no-token") == (False, "unknown")
             await client.close()
             # bad sampling values name the field
             with pytest.raises(grpc.aio.AioRpcError) as e:

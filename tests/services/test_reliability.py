@@ -10,6 +10,7 @@ import time
 import grpc
 import pytest
 
+from auth.grpc_auth import channel as auth_channel
 from engine.llm_engine import LLMEngine
 from kvtransfer.link import KVLinkClient
 from proto import common_pb2, decode_pb2, prefill_pb2
@@ -217,10 +218,10 @@ def test_a_failed_pull_does_not_break_a_concurrent_one(tiny_model_dir, reference
             raise RuntimeError("malformed reply (injected)")
         return await orig_pull(self, reader, peer, plan, timeout_s)
 
-    async def release(self, request_id, epoch):
-        if request_id == "good":
+    async def release(self, request_id, epoch, token):
+        if request_id.startswith("good"):
             await release_gate.wait()
-        return await orig_release(self, request_id, epoch)
+        return await orig_release(self, request_id, epoch, token)
     monkeypatch.setattr(KVLinkClient, "pull", pull)
     monkeypatch.setattr(KVLinkClient, "release", release)
 
@@ -309,7 +310,7 @@ def test_snapshot_of_a_large_cache_fits_the_default_message_limit(tiny_model_dir
             run = getattr(d.engine, "run", None) or getattr(d.engine, "call")
             await run(lambda e: e.kv.pool.cached.update((h, 0) for h in fakes))
             try:
-                async with grpc.aio.insecure_channel(f"127.0.0.1:{d.port}") as ch:
+                async with auth_channel(f"127.0.0.1:{d.port}", d.secret) as ch:
                     from proto import decode_pb2_grpc
                     stream = decode_pb2_grpc.DecodeStub(ch).StreamKVEvents(
                         common_pb2.KVEventsRequest(subscriber="test"))
