@@ -71,6 +71,15 @@ app.kubernetes.io/component: {{ .component }}
 {{- include "tandem.componentName" (dict "root" . "component" "config") -}}
 {{- end -}}
 
+{{- define "tandem.clusterSecretName" -}}
+{{- default (include "tandem.componentName" (dict "root" . "component" "cluster")) .Values.clusterSecret.existingSecret -}}
+{{- end -}}
+
+{{/* Args every service gets for the cluster secret. */}}
+{{- define "tandem.clusterSecretArgs" -}}
+- --cluster-secret-file=/etc/tandem/cluster/{{ .Values.clusterSecret.secretKey }}
+{{- end -}}
+
 {{- define "tandem.authSecretName" -}}
 {{- default (include "tandem.componentName" (dict "root" . "component" "auth")) .Values.auth.existingSecret -}}
 {{- end -}}
@@ -173,6 +182,10 @@ checksum/auth: {{ include (print .Template.BasePath "/secret.yaml") . | sha256su
 {{- end }}
 - name: tmp
   emptyDir: {}
+- name: cluster-secret
+  secret:
+    secretName: {{ include "tandem.clusterSecretName" . }}
+    defaultMode: 0400
 {{- end -}}
 
 {{/* Deployment strategy: the pool's, else a surge-first rolling update. */}}

@@ -68,6 +68,7 @@ spec:
             - --dtype=$(TANDEM_DTYPE)
             - --block-size=$(TANDEM_BLOCK_SIZE)
             - --hash-seed=$(TANDEM_HASH_SEED)
+            {{- include "tandem.clusterSecretArgs" $root | nindent 12 }}
             {{- if $p.gpu.enabled }}
             - --device=cuda
             {{- end }}
@@ -148,6 +149,9 @@ spec:
               mountPath: /tmp
             - name: dshm
               mountPath: /dev/shm
+            - name: cluster-secret
+              mountPath: /etc/tandem/cluster
+              readOnly: true
             {{- with $p.extraVolumeMounts }}
             {{- toYaml . | nindent 12 }}
             {{- end }}
