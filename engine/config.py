@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -126,6 +127,22 @@ class EngineConfig:
     """Seed of the chained block hashes; every process of one cluster must agree."""
     num_threads: int | None = None
     """torch intra-op threads; None leaves torch's default."""
+    quantization: str = "auto"
+    """Linear weights: auto (a GGUF's Q4_0/Q4_1/Q8_0 tensors stay packed, an HF checkpoint
+    runs as stored), none (dequantize at load), int8 | int4 (quantize every linear at load),
+    gguf (as auto, GGUF only). Packed weights run through fused weight-only kernels at
+    small batch and keep a dense copy for large ones."""
+    quant_group_size: int = 32
+    """Weights per scale/zero group of --quantization int4 (32, 64, 128 or 256)."""
+    quant_packed_max_rows: int | None = None
+    """Steps of at most this many tokens use the packed int kernels, larger ones the dense
+    weights; None = measured at start-up per weight shape (0 = always dense)."""
+    compile: bool = os.environ.get("TANDEM_COMPILE", "1") != "0"
+    """Compile the decode step at start-up (torch.compile per bucketed batch size 1, 2, 4,
+    ... up to --compile-max-batch; CUDA graphs on GPU); --no-compile runs every step eagerly.
+    TANDEM_COMPILE=0 in the environment makes --no-compile the default (the test suite's)."""
+    compile_max_batch: int | None = None
+    """Largest compiled decode batch (bigger decode batches run eagerly); None = max_num_seqs."""
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -154,6 +171,17 @@ class EngineConfig:
             raise ValueError(f"--attention-backend must be auto, sdpa, flash_attn or naive; "
                              f"got {self.attention_backend!r}")
         resolve_dtype(self.dtype, self.device)
+        from engine.quant.base import METHODS  # torch-only module; keeps config import light
+        if self.quantization not in METHODS:
+            raise ValueError(f"--quantization must be one of {', '.join(METHODS)}; "
+                             f"got {self.quantization!r}")
+        if self.compile_max_batch is not None and self.compile_max_batch < 1:
+            raise ValueError(f"--compile-max-batch must be >= 1, got {self.compile_max_batch}")
+        if self.quant_group_size not in (32, 64, 128, 256):
+            raise ValueError(f"--quant-group-size must be 32, 64, 128 or 256, "
+                             f"got {self.quant_group_size}")
+        if self.quant_packed_max_rows is not None and self.quant_packed_max_rows < 0:
+            raise ValueError(f"--quant-packed-max-rows must be >= 0, got {self.quant_packed_max_rows}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

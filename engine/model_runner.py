@@ -13,7 +13,12 @@ from engine.attention import build_metadata, get_backend
 from engine.config import EngineConfig, ModelConfig
 from engine.loader import LoadedCheckpoint
 from engine.layers.rotary import RotaryEmbedding
-from engine.models.llama import ForwardContext, LlamaForCausalLM
+from engine.loader.gguf_loader import raw_rows
+from engine.compile.decode import CompiledDecode
+from engine.models.llama import (ForwardContext, LlamaForCausalLM, StepInterrupted,
+                                 checkpoint_names)
+from engine.quant.apply import QuantReport, quantize_model, select_paths
+from engine.quant.base import resolve_method
 from engine.request import Request
 from engine.sampling import Sampler, SamplerOutput
 
@@ -39,7 +44,10 @@ class ModelRunner:
         model = model.to_empty(device=self.device)  # no random init: every weight is loaded
         model.tie_weights()  # to_empty gives each module its own new Parameter
         model.load_weights(ckpt.tensors)
-        self.model = model.to(dtype=self.dtype).eval()
+        self.quant = self._quantize(model, ckpt)
+        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        if self.quant is not None:
+            select_paths(self.model, self.quant, config.quant_packed_max_rows)
         # built last so the cos/sin tables stay fp32 whatever the model dtype
         self.model.model.rotary = RotaryEmbedding(
             ckpt.config.head_dim, max_model_len, ckpt.config.rope_theta,
@@ -55,9 +63,36 @@ class ModelRunner:
         self.swap_kv = torch.empty((self.num_swap_blocks, *self.kv.shape[1:]), dtype=self.dtype,
                                    pin_memory=pin) if self.num_swap_blocks else None
         self.sampler = Sampler()
+        self.compiled: CompiledDecode | None = None
+        if config.compile:
+            self.compiled = CompiledDecode(self.model, self.device,
+                                           config.compile_max_batch or config.max_num_seqs)
+            self.compiled.warm_up(self._dummy_decode)
         log.info("model loaded in %.1fs (%s, %s); attention=%s; KV pool %d blocks x %d tokens",
                  time.perf_counter() - t0, self.dtype, self.device, self.backend.name,
                  self.num_blocks, config.block_size)
+
+    def _quantize(self, model: LlamaForCausalLM, ckpt: LoadedCheckpoint) -> QuantReport | None:
+        """Pack the linear weights per --quantization (None: dense, as loaded)."""
+        method = resolve_method(self.config.quantization, ckpt.reader is not None)
+        if method == "none":
+            return None
+        lookup = (raw_rows(ckpt.reader, ckpt.config, ckpt.path) if ckpt.reader is not None
+                  else lambda name: None)
+        tie = ckpt.config.tie_word_embeddings
+
+        def sources(path: str):
+            found = [lookup(n) for n in checkpoint_names(path, tie)]
+            return None if any(f is None for f in found) else found
+
+        report = quantize_model(model, method, self.dtype, sources,
+                                self.config.quant_group_size, strict=method != "gguf")
+        kinds = sorted(set(report.packed.values()))
+        log.info("quantization %s: %d linears packed (%s), %d dense fallbacks; packed weights "
+                 "%.1f MB beside %.1f MB of dense weights kept for large batches",
+                 method, len(report.packed), ", ".join(kinds), len(report.fallbacks),
+                 report.packed_bytes / 1e6, report.dense_bytes / 1e6)
+        return report
 
     @property
     def block_bytes(self) -> int:
@@ -111,12 +146,39 @@ class ModelRunner:
         meta = build_metadata(qlens, slens, num_prefills, tables, self.config.block_size,
                               self.device)
         ctx = ForwardContext(self.kv, meta, self.backend, should_stop)
-        hidden = self.model(torch.tensor(ids, device=self.device),
-                            torch.tensor(pos, device=self.device), ctx)
+        hidden = self._forward(ids, pos, ctx, decode_only=num_prefills == 0)
         if not sampled:
             return [], None
         logits = self.model.compute_logits(hidden[sample_rows])  # [N, V] fp32
         return sampled, self.sampler(logits, [r.sampling for r in sampled])
+
+    def _forward(self, ids: list[int], pos: list[int], ctx: ForwardContext,
+                 decode_only: bool) -> torch.Tensor:
+        """Hidden states [T, H]: a compiled bucket for decode-only steps, else eager."""
+        c = self.compiled
+        bucket = c.bucket(len(ids)) if c is not None and decode_only else None
+        if bucket is not None:
+            tids, tpos = c.pad(ids, pos, bucket)
+            try:
+                return self.model(tids, tpos, ctx, c.segments, rows=len(ids))[:len(ids)]
+            except StepInterrupted:
+                raise
+            except Exception as e:  # a recompile that failed: this step and later ones eager
+                c.fail(f"compiled decode step for batch {bucket} failed: {type(e).__name__}: "
+                       f"{str(e).strip().splitlines()[0][:300] if str(e) else ''}")
+        return self.model(torch.tensor(ids, device=self.device),
+                          torch.tensor(pos, device=self.device), ctx)
+
+    @torch.inference_mode()
+    def _dummy_decode(self, rows: int) -> None:
+        """One decode step of ``rows`` one-token sequences in KV block 0 (start-up only:
+        the pool is empty, so nothing cached is overwritten)."""
+        meta = build_metadata([1] * rows, [1] * rows, 0, [[0]] * rows, self.config.block_size,
+                              self.device)
+        ctx = ForwardContext(self.kv, meta, self.backend)
+        tids, tpos = self.compiled.pad([0] * rows, [0] * rows, rows)
+        hidden = self.model(tids, tpos, ctx, self.compiled.segments, rows=rows)
+        self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def prompt_logits(self, token_ids: list[int], table: list[int]) -> torch.Tensor:
