@@ -15,7 +15,7 @@ from engine.loader import LoadedCheckpoint
 from engine.layers.rotary import RotaryEmbedding
 from engine.loader.gguf_loader import raw_rows
 from engine.compile.decode import CompiledDecode
-from engine.models.llama import (ForwardContext, LlamaForCausalLM, StepInterrupted,
+from engine.models.llama import (ForwardContext, LlamaForCausalLM, Segments, StepInterrupted,
                                  checkpoint_names)
 from engine.quant.apply import QuantReport, quantize_model, select_paths
 from engine.quant.base import resolve_method
@@ -170,14 +170,14 @@ class ModelRunner:
                           torch.tensor(pos, device=self.device), ctx)
 
     @torch.inference_mode()
-    def _dummy_decode(self, rows: int) -> None:
+    def _dummy_decode(self, rows: int, segments: Segments) -> None:
         """One decode step of ``rows`` one-token sequences in KV block 0 (start-up only:
         the pool is empty, so nothing cached is overwritten)."""
         meta = build_metadata([1] * rows, [1] * rows, 0, [[0]] * rows, self.config.block_size,
                               self.device)
         ctx = ForwardContext(self.kv, meta, self.backend)
         tids, tpos = self.compiled.pad([0] * rows, [0] * rows, rows)
-        hidden = self.model(tids, tpos, ctx, self.compiled.segments, rows=rows)
+        hidden = self.model(tids, tpos, ctx, segments, rows=rows)
         self.model.compute_logits(hidden)
 
     @torch.inference_mode()

@@ -27,8 +27,8 @@ from typing import Callable
 
 import torch
 
-from engine.models.llama import (LlamaForCausalLM, Segments, first_segment, last_segment,
-                                 middle_segment)
+from engine.models.llama import (EAGER, LlamaForCausalLM, Segments, first_segment,
+                                 last_segment, middle_segment)
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +41,13 @@ def decode_buckets(max_rows: int) -> list[int]:
     return out
 
 
-class CompileFailed(RuntimeError):
-    """torch.compile could not build a segment (the message says which bucket and why)."""
+def _best_ms(fn: Callable[[], None], reps: int = 3) -> float:
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
 
 
 class CompiledDecode:
@@ -65,6 +70,10 @@ class CompiledDecode:
         self.device = device
         self.disabled: str | None = None
         self.compile_seconds = 0.0
+        self.slower: set[int] = set()
+        """Buckets whose compiled step measured slower than the eager one at start-up."""
+        self.timings: dict[int, tuple[float, float]] = {}
+        """bucket -> (compiled ms, eager ms) of a dummy step, measured at start-up."""
         try:
             self.segments = Segments(*(torch.compile(f, **kw)
                                        for f in (first_segment, middle_segment, last_segment)))
@@ -74,7 +83,12 @@ class CompiledDecode:
                       f"{str(e).strip().splitlines()[0][:300]}")
 
     def bucket(self, n: int) -> int | None:
-        return next((b for b in self.buckets if b >= n), None) if self.disabled is None else None
+        """The compiled bucket for n rows, or None (run eagerly): none is big enough, or the
+        smallest big enough measured slower than eager at start-up."""
+        if self.disabled is not None:
+            return None
+        b = next((b for b in self.buckets if b >= n), None)
+        return b if b is not None and b not in self.slower else None
 
     def pad(self, ids: list[int], pos: list[int], bucket: int
             ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,20 +96,28 @@ class CompiledDecode:
         return (torch.tensor(ids + [0] * extra, device=self.device),
                 torch.tensor(pos + [0] * extra, device=self.device))
 
-    def warm_up(self, run_bucket: Callable[[int], None]) -> None:
-        """Compile every bucket now (``run_bucket(b)`` runs one dummy step of b rows),
-        printing a progress line; a failure disables compiled steps, logged."""
+    def warm_up(self, run_bucket: Callable[[int, Segments], None]) -> None:
+        """Compile every bucket now (``run_bucket(b, segments)`` runs one dummy step of b
+        rows), printing a progress line per bucket, then time it against the eager step
+        (best of 3 each) and keep whichever is faster. A failure disables compiled steps,
+        logged."""
         t0 = time.perf_counter()
         for i, b in enumerate(self.buckets if self.disabled is None else ()):
             t = time.perf_counter()
             try:
-                run_bucket(b)
+                run_bucket(b, self.segments)
             except Exception as e:  # inductor/dynamo raise many types; all mean "no compile"
                 self.fail(f"compiling the decode step for batch {b} failed: "
                           f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}")
                 return
-            log.info("compiled decode step %d/%d (batch %d) in %.1fs", i + 1, len(self.buckets),
-                     b, time.perf_counter() - t)
+            compiled = _best_ms(lambda: run_bucket(b, self.segments))
+            eager = _best_ms(lambda: run_bucket(b, EAGER))
+            self.timings[b] = (compiled, eager)
+            if compiled >= eager:
+                self.slower.add(b)
+            log.info("compiled decode step %d/%d (batch %d) in %.1fs: %.1f ms vs %.1f ms eager%s",
+                     i + 1, len(self.buckets), b, time.perf_counter() - t, compiled, eager,
+                     " (slower: this batch runs eagerly)" if compiled >= eager else "")
         self.compile_seconds = time.perf_counter() - t0
         log.info("compiled decode steps for batches %s in %.1fs (--no-compile skips this)",
                  ",".join(map(str, self.buckets)), self.compile_seconds)

@@ -8,6 +8,8 @@
 // returns [N, Hq, D] in q's dtype.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -16,6 +18,55 @@
 
 namespace {
 
+using Vec = at::vec::Vectorized<float>;
+
+template <typename T>
+inline void to_float(const T* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+template <>
+inline void to_float<at::BFloat16>(const at::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* d = reinterpret_cast<uint32_t*>(dst);
+  for (int64_t i = 0; i < n; ++i) d[i] = static_cast<uint32_t>(s[i]) << 16;  // vectorises
+}
+
+inline float dot(const float* a, const float* b, int64_t d) {
+  Vec acc(0.f);
+  int64_t i = 0;
+  for (; i + Vec::size() <= d; i += Vec::size())
+    acc = at::vec::fmadd(Vec::loadu(a + i), Vec::loadu(b + i), acc);
+  float out = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc);
+  for (; i < d; ++i) out += a[i] * b[i];
+  return out;
+}
+
+inline void axpy(float p, const float* x, float* y, int64_t d) {  // y += p * x
+  const Vec pv(p);
+  int64_t i = 0;
+  for (; i + Vec::size() <= d; i += Vec::size())
+    at::vec::fmadd(pv, Vec::loadu(x + i), Vec::loadu(y + i)).store(y + i);
+  for (; i < d; ++i) y[i] += p * x[i];
+}
+
+inline void softmax_inplace(float* sc, int64_t n) {
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sc[t]);
+  const Vec mv(mx);
+  Vec sum_v(0.f);
+  int64_t t = 0;
+  for (; t + Vec::size() <= n; t += Vec::size()) {
+    Vec e = (Vec::loadu(sc + t) - mv).exp_u20();
+    e.store(sc + t);
+    sum_v = sum_v + e;
+  }
+  float sum = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, sum_v);
+  for (; t < n; ++t) { sc[t] = std::exp(sc[t] - mx); sum += sc[t]; }
+  const float inv = 1.f / sum;
+  for (t = 0; t < n; ++t) sc[t] *= inv;
+}
+
 template <typename T>
 void decode_kernel(const T* q, const T* kv, const int64_t* tables, const int64_t* lens, T* out,
                    int64_t n_seq, int64_t hq, int64_t hkv, int64_t d, int64_t block_size,
@@ -23,55 +74,37 @@ void decode_kernel(const T* q, const T* kv, const int64_t* tables, const int64_t
                    int64_t layer, double scale_d) {
   const int64_t group = hq / hkv;
   const float scale = static_cast<float>(scale_d);
-  const int64_t row = hkv * d;             // one token's K (or V) at one layer
+  const int64_t row = hkv * d;               // one token's K (or V) at one layer
   const int64_t kv_half = block_size * row;  // K part of a block at one layer
   at::parallel_for(0, n_seq * hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * d), acc(group * d), kf(d), scores;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / hkv, h = item % hkv, len = lens[s];
       const int64_t* table = tables + s * max_blocks;
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t i = 0; i < d; ++i)
-          qf[g * d + i] = static_cast<float>(q[(s * hq + h * group + g) * d + i]) * scale;
-      scores.assign(group * len, 0.f);
+      to_float(q + (s * hq + h * group) * d, qf.data(), group * d);  // the group's heads
+      for (auto& x : qf) x *= scale;
+      scores.resize(group * len);
       for (int64_t t = 0; t < len; ++t) {  // scores = q . k
         const T* k = kv + table[t / block_size] * block_stride + layer * layer_stride +
                      (t % block_size) * row + h * d;
-        for (int64_t i = 0; i < d; ++i) kf[i] = static_cast<float>(k[i]);
-        for (int64_t g = 0; g < group; ++g) {
-          float dot = 0.f;
-          const float* qg = qf.data() + g * d;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t i = 0; i < d; ++i) dot += qg[i] * kf[i];
-          scores[g * len + t] = dot;
-        }
+        to_float(k, kf.data(), d);
+        for (int64_t g = 0; g < group; ++g) scores[g * len + t] = dot(qf.data() + g * d, kf.data(), d);
       }
-      for (int64_t g = 0; g < group; ++g) {  // softmax over the context
-        float* sc = scores.data() + g * len;
-        float mx = -std::numeric_limits<float>::infinity(), sum = 0.f;
-        for (int64_t t = 0; t < len; ++t) mx = std::max(mx, sc[t]);
-        for (int64_t t = 0; t < len; ++t) { sc[t] = std::exp(sc[t] - mx); sum += sc[t]; }
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < len; ++t) sc[t] *= inv;
-      }
+      for (int64_t g = 0; g < group; ++g) softmax_inplace(scores.data() + g * len, len);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < len; ++t) {  // out = p . v
         const T* v = kv + table[t / block_size] * block_stride + layer * layer_stride +
                      kv_half + (t % block_size) * row + h * d;
-        for (int64_t i = 0; i < d; ++i) kf[i] = static_cast<float>(v[i]);
-        for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * len + t];
-          float* a = acc.data() + g * d;
-#pragma omp simd
-          for (int64_t i = 0; i < d; ++i) a[i] += p * kf[i];
-        }
+        to_float(v, kf.data(), d);
+        for (int64_t g = 0; g < group; ++g) axpy(scores[g * len + t], kf.data(), acc.data() + g * d, d);
       }
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t i = 0; i < d; ++i)
-          out[(s * hq + h * group + g) * d + i] = static_cast<T>(acc[g * d + i]);
+      T* o = out + (s * hq + h * group) * d;
+      for (int64_t i = 0; i < group * d; ++i) o[i] = static_cast<T>(acc[i]);
     }
   });
 }
+
+}  // namespace
 
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv, int64_t layer,
                         const at::Tensor& block_tables, const at::Tensor& seq_lens,
@@ -95,8 +128,6 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv, int64_t layer
   });
   return out;
 }
-
-}  // namespace
 
 TORCH_LIBRARY(tandem, m) {
   m.def("paged_decode(Tensor q, Tensor kv, int layer, Tensor block_tables, Tensor seq_lens, "
