@@ -100,3 +100,28 @@ def test_quantized_engine_is_batch_invariant(tiny_model_dir: Path, method: str) 
     alone = [eng.generate([p], params)[0].token_ids for p in prompts]
     assert together == alone
     eng.leak_check()
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_tiny_matches_hf_with_the_same_weights(tiny_model_dir: Path, method: str) -> None:
+    """On-load quantization against HF transformers holding the same quantized values:
+    logits of every prompt position (dense path) and greedy tokens (packed kernels)."""
+    transformers = pytest.importorskip("transformers")
+    from tests.engine.test_reference_hf import hf_with_weights_of
+
+    eng = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", quantization=method,
+                                 quant_packed_max_rows=4, num_kv_blocks=64))
+    hf = hf_with_weights_of(transformers.AutoModelForCausalLM.from_pretrained(
+        tiny_model_dir, dtype=torch.float32).eval(), eng.runner)
+    ids = [(5 * j) % 300 + 3 for j in range(40)]
+    table = eng.kv.pool.allocate(eng.kv.blocks_needed(len(ids)))
+    ours = eng.runner.prompt_logits(ids, table)
+    eng.kv.pool.free(table)
+    with torch.inference_mode():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+        out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                          do_sample=False, max_new_tokens=16, eos_token_id=None, pad_token_id=0)
+    torch.testing.assert_close(ours, ref, atol=1e-3, rtol=1e-3)
+    got = eng.generate([ids], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    assert got[0].token_ids == out[0, len(ids):].tolist()
+    eng.leak_check()
