@@ -29,6 +29,7 @@ import torch
 
 from engine.models.llama import (EAGER, LlamaForCausalLM, Segments, first_segment,
                                  last_segment, middle_segment)
+from engine.timing import best_seconds
 
 log = logging.getLogger(__name__)
 
@@ -39,15 +40,6 @@ def decode_buckets(max_rows: int) -> list[int]:
     while out[-1] < max_rows:
         out.append(out[-1] * 2)
     return out
-
-
-def _best_ms(fn: Callable[[], None], reps: int = 3) -> float:
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e3
 
 
 class CompiledDecode:
@@ -110,8 +102,8 @@ class CompiledDecode:
                 self.fail(f"compiling the decode step for batch {b} failed: "
                           f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}")
                 return
-            compiled = _best_ms(lambda: run_bucket(b, self.segments))
-            eager = _best_ms(lambda: run_bucket(b, EAGER))
+            compiled = best_seconds(lambda: run_bucket(b, self.segments)) * 1e3
+            eager = best_seconds(lambda: run_bucket(b, EAGER)) * 1e3
             self.timings[b] = (compiled, eager)
             if compiled >= eager:
                 self.slower.add(b)

@@ -9,24 +9,17 @@ quantized values) unless ``quant_packed_max_rows`` forces the packed kernels.
 """
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.nn.functional as F
 
 from engine.quant.linear import QuantLinear
+from engine.timing import best_seconds
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)
 
 
-def _best_us(fn, reps: int = 5) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e6
+def _best_us(fn) -> float:
+    return best_seconds(fn, reps=5, warmup=1) * 1e6
 
 
 @torch.inference_mode()

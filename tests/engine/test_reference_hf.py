@@ -61,7 +61,7 @@ def hf_model(model_path: Path):
 @pytest.fixture(scope="module")
 def eng(model_path: Path) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(model_path), dtype="float32", max_model_len=1024,
-                                  num_kv_blocks=256))
+                                  num_kv_blocks=256, quantization="none"))  # HF's weights
 
 
 @pytest.fixture(scope="module")
