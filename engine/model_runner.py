@@ -94,6 +94,24 @@ class ModelRunner:
                  report.packed_bytes / 1e6, report.dense_bytes / 1e6)
         return report
 
+    def fallbacks(self) -> dict[str, list[str]]:
+        """Every speed path that is not running, and why: for logs and /metrics (a gauge
+        per kind, e.g. tandem:engine_fallbacks{kind="compile"} = len(reasons)).
+
+        quantization: linears left dense; compile: the compiled decode step, disabled at
+        start-up or after a failed step; paged_decode: the in-place decode attention kernel."""
+        from engine.attention.paged_decode import kernel_unavailable
+
+        out: dict[str, list[str]] = {"quantization": list(self.quant.fallbacks) if self.quant else [],
+                                     "compile": [], "paged_decode": []}
+        if self.compiled is not None and self.compiled.disabled:
+            out["compile"].append(self.compiled.disabled)
+        if self.device.type == "cpu" and getattr(self.backend, "name", "") == "sdpa":
+            reason = kernel_unavailable()
+            if reason:
+                out["paged_decode"].append(reason)
+        return out
+
     @property
     def block_bytes(self) -> int:
         return kv_block_bytes(self.model_config, self.config.block_size, self.dtype)

@@ -97,6 +97,7 @@ def test_compile_failure_falls_back_and_says_so(tiny_model_dir: Path, caplog) ->
     assert c.disabled and "compiling the decode step for batch 1 failed" in c.disabled
     assert "--no-compile" in caplog.text
     assert c.bucket(1) is None  # every later step runs eagerly
+    assert eng.runner.fallbacks()["compile"] == [c.disabled]
     done = eng.generate(_prompts(2), GREEDY)
     assert all(len(d.token_ids) == 12 for d in done)
     eng.leak_check()

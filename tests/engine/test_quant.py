@@ -93,7 +93,7 @@ def test_quantized_engine_is_batch_invariant(tiny_model_dir: Path, method: str) 
     eng = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", quantization=method,
                                  quant_packed_max_rows=1 << 20, num_kv_blocks=128))
     layers = [m for m in eng.runner.model.modules() if isinstance(m, QuantLinear)]
-    assert len(layers) == 2 * 4 + 1 and eng.runner.quant.fallbacks == []
+    assert len(layers) == 2 * 4 + 1 and eng.runner.fallbacks()["quantization"] == []
     prompts = [[(7 * i + j) % 300 + 3 for j in range(5 + 3 * i)] for i in range(8)]
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     together = [c.token_ids for c in eng.generate(prompts, params)]
@@ -125,3 +125,21 @@ def test_quantized_tiny_matches_hf_with_the_same_weights(tiny_model_dir: Path, m
     got = eng.generate([ids], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
     assert got[0].token_ids == out[0, len(ids):].tolist()
     eng.leak_check()
+
+
+def test_gguf_tensor_that_cannot_stay_packed_falls_back_with_a_log(caplog) -> None:
+    import logging
+
+    from torch import nn
+
+    from engine.quant.apply import quantize_model
+
+    model = nn.Sequential(nn.Linear(64, 32, bias=False), nn.Linear(32, 16, bias=False))
+    raw = quantize(_w(32, 64).numpy(), QT.Q4_1)
+    sources = {"0": [("Q4_1", raw)], "1": [("F16", np.zeros((16, 64), np.uint8))]}
+    with caplog.at_level(logging.WARNING):
+        report = quantize_model(model, "gguf", torch.float32, sources.get, strict=False)
+    assert isinstance(model[0], QuantLinear) and isinstance(model[1], nn.Linear)
+    assert report.fallbacks == ["1.weight: GGUF type F16 cannot be kept packed (packable: "
+                                "Q4_0, Q4_1, Q8_0)"]
+    assert "1.weight: GGUF type F16" in caplog.text and "dequantized" in caplog.text
