@@ -144,15 +144,3 @@ def test_gguf_tensor_that_cannot_stay_packed_falls_back_with_a_log(caplog) -> No
                                 "Q4_0, Q4_1, Q8_0)"]
     assert "1.weight: GGUF type F16" in caplog.text and "dequantized" in caplog.text
 
-
-def test_hf_config_reads_transformers5_rope_parameters() -> None:
-    from engine.loader.hf_loader import hf_config
-
-    base = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
-            "num_attention_heads": 2}
-    cfg = hf_config({**base, "rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"}},
-                    Path("m"))
-    assert cfg.rope_theta == 100000.0 and cfg.rope_scaling is None
-    cfg = hf_config({**base, "rope_parameters": {"rope_theta": 5e5, "rope_type": "linear",
-                                                 "factor": 2.0}}, Path("m"))
-    assert cfg.rope_scaling == {"rope_type": "linear", "factor": 2.0}
