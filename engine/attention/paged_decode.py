@@ -66,11 +66,18 @@ def _vec_flags() -> list[str]:
     return []
 
 
+KERNEL_MAX_ROWS = 16
+"""Above this many decode rows the gathered SDPA path measured faster (bench/mfu.py
+--profile at batch 64: the kernel took 2.1 ms per layer, 39% of the step; the
+micro-benchmark: 1.58 vs 1.35 ms at 64 rows, 0.29 vs 0.31 at 16, 0.02 vs 0.09 at 1)."""
+
+
 def paged_decode(q: torch.Tensor, kv: torch.Tensor, layer: int, tables: torch.Tensor,
                  lens: torch.Tensor, scale: float) -> torch.Tensor:
     """q [N, Hq, D]; kv the whole cache; tables [N, maxb] long (padded with any block
     id); lens [N] long -> [N, Hq, D]."""
-    if kv.device.type == "cpu" and kernel_unavailable() is None:
+    if (kv.device.type == "cpu" and q.shape[0] <= KERNEL_MAX_ROWS
+            and kernel_unavailable() is None):
         return torch.ops.tandem.paged_decode(q.contiguous(), kv, layer, tables, lens, scale)
     return gathered_decode(q, kv, layer, tables, lens, scale)
 
