@@ -1,15 +1,14 @@
 """Decode attention over the paged cache, without gathering the context first.
 
 ``paged_decode(q, kv, layer, tables, lens, scale)`` -> [N, Hq, D] for N sequences
-with one query token each. On CPU it runs ``torch.ops.tandem.paged_decode``
-(csrc/paged_decode.cpp): K and V rows are read in place through the block
-tables, one (sequence, KV head) per task, so a step no longer copies every
-context once per layer and the result of a row does not depend on the rest of
-the batch. The extension is built on first use with the machine's compiler
-(about 30 s, cached in torch's extension directory: ~/.cache/torch_extensions).
+with one query token each. On CPU, for up to KERNEL_MAX_ROWS sequences, it runs
+``torch.ops.tandem.paged_decode`` (csrc/paged_decode.cpp): K and V rows are read in
+place through the block tables, one (sequence, KV head) per task, so a step copies no
+context. The extension is built on first use with the machine's compiler (about 20 s,
+cached in torch's extension directory: ~/.cache/torch_extensions).
 
-Elsewhere (CUDA, or no compiler) it falls back to the gathered path (one batched
-SDPA over the contexts padded to the longest), and says so once in the log.
+Above KERNEL_MAX_ROWS, and elsewhere (CUDA, or no compiler: said once in the log), it
+takes the gathered path: one batched SDPA over the contexts padded to the longest.
 """
 from __future__ import annotations
 
