@@ -59,12 +59,13 @@ class WorkerMetrics:
                                "(quantization: linears left dense; compile; paged_decode): "
                                "the number of reasons; the log says which",
                                list(labels) + ["kind"], registry=r)
-        for kind in ("quantization", "compile", "paged_decode"):
-            self.labelled(self.fallbacks, kind=kind)
         self._ticks = 0
         self._last = None  # EngineStats seen at the previous refresh
-        # Create every series now, so /metrics lists each name from the start (dashboards,
-        # autoscalers and their tests read names before any event happened).
+        self._create_series()
+
+    def _create_series(self) -> None:
+        """Every series now, so /metrics lists each name from the start (dashboards,
+        autoscalers and their tests read names before any event happened)."""
         for metric in (self.prompt_tokens, self.generation_tokens, self.prefix_hits,
                        self.prefix_queries, self.kv_bytes, self.kv_blocks, self.kv_seconds,
                        self.kv_usage, self.running, self.waiting, self.leases,
@@ -79,6 +80,8 @@ class WorkerMetrics:
             self.labelled(self.preemptions, mode=mode)
         for direction in ("in", "out"):
             self.labelled(self.swap_bytes, direction=direction)
+        for kind in ("quantization", "compile", "paged_decode"):
+            self.labelled(self.fallbacks, kind=kind)
 
     def labelled(self, metric, **extra):
         """metric.labels(...) with this worker's role and id filled in."""
