@@ -91,7 +91,8 @@ def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHand
     async def streaming(request, context):
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
-    kw = dict(request_deserializer=handler.request_deserializer,
+    # the request is never parsed: an unauthenticated caller learns nothing from it
+    kw = dict(request_deserializer=lambda raw: None,
               response_serializer=handler.response_serializer)
     if handler.unary_unary:
         return grpc.unary_unary_rpc_method_handler(unary, **kw)

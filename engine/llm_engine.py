@@ -7,6 +7,7 @@ thread (the services run it on a dedicated engine thread).
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 import uuid
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Sequence
 
 from engine.config import EngineConfig
+from engine.quant.base import resolve_method
 from engine.limits import check_priority, check_prompt
 from engine.kv_cache import KVCacheManager, blocks_for
 from engine.loader import load_checkpoint
@@ -67,7 +69,10 @@ class LLMEngine:
         self.config = config
         ckpt = load_checkpoint(config.model)
         self.model_config = ckpt.config
-        self.fingerprint = ckpt.fingerprint
+        # the weights as run: the same checkpoint quantized another way gives other KV
+        method = resolve_method(config.quantization, ckpt.reader is not None)
+        quant = "" if method == "none" else f":{method}:{config.quant_group_size}"
+        self.fingerprint = hashlib.sha256(f"{ckpt.fingerprint}{quant}".encode()).hexdigest()[:32]
         self.max_model_len = config.max_model_len or min(ckpt.config.max_position_embeddings,
                                                          DEFAULT_MAX_MODEL_LEN)
         self.tokenizer = tokenizer or (Tokenizer.from_gguf(ckpt.reader) if ckpt.reader is not None

@@ -3,6 +3,7 @@ lint, Kubernetes schema validation (kubernetes-validate --strict), the wiring be
 objects, and values.schema.json (closed, complete, rejects bad values)."""
 from __future__ import annotations
 
+import base64
 import functools
 import importlib.resources
 import json
@@ -174,6 +175,7 @@ def test_default_objects(rendered):
         ("PodDisruptionBudget", f"{FULL}-router"), ("PodDisruptionBudget", f"{FULL}-prefill"),
         ("PodDisruptionBudget", f"{FULL}-decode"),
         ("NetworkPolicy", f"{FULL}-router"), ("NetworkPolicy", f"{FULL}-workers"),
+        ("Secret", f"{FULL}-cluster"),
     ])
 
 
@@ -237,6 +239,7 @@ def test_router_pod(rendered):
     assert _flag(c["args"], "block-size") == "$(TANDEM_BLOCK_SIZE)"
     assert _flag(c["args"], "model") == "$(TANDEM_MODEL)"
     assert not any(e["name"] == "TANDEM_API_KEY" for e in c["env"])
+    _assert_cluster_secret(dep)
     svc = one(docs, "Service", f"{FULL}-router")
     assert svc["spec"]["type"] == "ClusterIP"
     assert svc["spec"]["ports"][0]["targetPort"] == "http"
@@ -271,6 +274,36 @@ def test_worker_pod(rendered, role):
     assert {"name": "models", "emptyDir": {"sizeLimit": "2Gi"}} in pod["volumes"]
     assert dep["spec"]["replicas"] == 1
     assert dep["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
+    _assert_cluster_secret(dep)
+
+
+def _assert_cluster_secret(dep) -> None:
+    """Every service pod mounts the cluster secret read-only and is told where it is."""
+    pod, c = dep["spec"]["template"]["spec"], container(dep)
+    assert _flag(c["args"], "cluster-secret-file") == "/etc/tandem/cluster/cluster-secret"
+    assert {"name": "cluster-secret", "mountPath": "/etc/tandem/cluster",
+            "readOnly": True} in c["volumeMounts"]
+    assert {"name": "cluster-secret", "secret": {"secretName": f"{FULL}-cluster",
+                                                 "defaultMode": 0o400}} in pod["volumes"]
+
+
+def test_cluster_secret_is_random_and_can_be_brought(chart):
+    a, b = (one(render(chart, {}), "Secret", f"{FULL}-cluster") for _ in range(2))
+    assert a["data"]["cluster-secret"] != b["data"]["cluster-secret"]
+    assert len(base64.b64decode(a["data"]["cluster-secret"])) == 64
+    docs = render(chart, {"clusterSecret": {"existingSecret": "mine"}})
+    assert not [d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"].endswith("-cluster")]
+    dep = one(docs, "Deployment", f"{FULL}-decode")
+    assert {"name": "cluster-secret", "secret": {"secretName": "mine", "defaultMode": 0o400}} \
+        in dep["spec"]["template"]["spec"]["volumes"]
+
+
+def test_api_keys_file_from_a_secret(chart):
+    dep = one(render(chart, {"auth": {"keysSecret": "team-keys"}}), "Deployment", f"{FULL}-router")
+    c = container(dep)
+    assert _flag(c["args"], "api-keys-file") == "/etc/tandem/keys/keys.yaml"
+    assert {"name": "api-keys", "secret": {"secretName": "team-keys", "defaultMode": 0o400}} \
+        in dep["spec"]["template"]["spec"]["volumes"]
 
 
 def test_configmap_holds_the_shared_settings(rendered):
@@ -459,8 +492,7 @@ def test_existing_secret_claim_and_pod_monitor(rendered):
 
 def test_created_api_key_is_random_when_not_given(chart):
     docs = render(chart, {"auth": {"enabled": True}})
-    (secret,) = by_kind(docs, "Secret").values()
-    import base64
+    secret = one(docs, "Secret", f"{FULL}-auth")
     assert len(base64.b64decode(secret["data"]["api-key"])) == 32
 
 

@@ -63,9 +63,9 @@ def messages(cls, depth: int = 0) -> st.SearchStrategy:
             if depth >= 2:
                 continue
             sub = messages(_message_class(f), depth + 1)
-            value = st.lists(sub, max_size=2) if f.label == FD.LABEL_REPEATED else sub
+            value = st.lists(sub, max_size=2) if f.is_repeated else sub
         else:
-            value = st.lists(_scalar(f), max_size=50) if f.label == FD.LABEL_REPEATED else _scalar(f)
+            value = st.lists(_scalar(f), max_size=50) if f.is_repeated else _scalar(f)
         fields[f.name] = st.one_of(st.none(), value)
 
     def build(values: dict) -> object:
@@ -145,7 +145,7 @@ def test_fuzz_every_method(tiny_model_dir) -> None:
                     _call(ch, method, payload, streaming), loop).result(30)
                 seen.setdefault(method, set()).add(code.name)
 
-            for _ in range(3):  # ~120 examples, every method several times
+            for _ in range(4):  # ~160 examples, every method several times
                 await loop.run_in_executor(None, one)
             assert set(seen) == {m for _, m, _, _ in METHODS}, seen
             toks, _ = await generate(ds, "after-fuzz", [5] * 20, [], sampling())  # still serving
