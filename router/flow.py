@@ -44,7 +44,9 @@ MAX_ATTEMPTS = 3
 # A worker that died, stopped answering or is shutting down; another can take the
 # request over. UNKNOWN is not here: it is what an unhandled error in a handler looks
 # like, and retrying it would let one poison request mark every worker down.
-RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED}
+# UNAUTHENTICATED: that worker holds another cluster secret; another worker may not
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
+             grpc.StatusCode.UNAUTHENTICATED}
 
 
 Logprob = tuple[float, list[tuple[int, float]]]

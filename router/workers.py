@@ -49,6 +49,8 @@ class Worker:
     """Discovery dropped it: no new work; dropped once inflight reaches 0."""
     kv_peers_sent: tuple[float, frozenset[str]] | None = None
     """Decode workers: when this router last told it the prefill pool, and what."""
+    refused: bool = False
+    """Its last authenticated call was refused (another cluster secret)."""
 
     @property
     def name(self) -> str:
@@ -151,10 +153,29 @@ class WorkerPool:
                 ok = r.status == health_pb2.HealthCheckResponse.SERVING
             except grpc.aio.AioRpcError:
                 ok = False
+            # the health service is open to probes; an authenticated call proves the
+            # worker shares this router's cluster secret
+            ok = ok and await self._authenticated_load(w)
             if ok and w.role == "decode":
                 ok = await self._announce_prefill_pool(w)  # before it gets any handle
             self._set_health(w, ok)
             await asyncio.sleep(HEALTH_PERIOD_S)
+
+    async def _authenticated_load(self, w: Worker) -> bool:
+        """GetLoad with this router's credentials: refreshes w.load; False (with one
+        clear warning) when the worker refuses them."""
+        try:
+            w.load = await w.stub.GetLoad(common.LoadRequest(), timeout=2.0)
+        except grpc.aio.AioRpcError as e:
+            if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                if not w.refused:
+                    log.warning("%s worker %s refuses this router's credentials (%s): start "
+                                "both with the same --cluster-secret-file", w.role, w.name,
+                                e.details())
+                w.refused = True
+            return False
+        w.refused = False
+        return True
 
     async def _announce_prefill_pool(self, w: Worker) -> bool:
         """Tell a decode worker which prefill workers it may pull KV from (on a change,
