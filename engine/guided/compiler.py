@@ -101,8 +101,9 @@ def grammar_of(spec: GuidedSpec) -> str:
     """The llguidance grammar for a spec. ValueError saying what is wrong with it."""
     if spec.kind == "json_schema":
         return _schema(spec.text)
-    if spec.kind == "regex":
-        return llguidance.LLMatcher.grammar_from_regex(spec.text)
+    if spec.kind == "regex":  # \d is [0-9], as a client writing a phone number means it
+        return llguidance.LLMatcher.grammar_from_lark(
+            f"start: /{llguidance.regex_to_lark(spec.text, 'd')}/")
     if spec.kind == "choice":
         return llguidance.LLMatcher.grammar_from_lark(_choices(spec.text))
     if spec.kind == "grammar":
