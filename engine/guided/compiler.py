@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import llguidance
 
-from engine.guided.search import fewest_tokens, shortest_output
+from engine.guided.search import byte_tokenizer, fewest_tokens, shortest_output
 from engine.guided.spec import GuidedSpec
 from engine.tokenizer import Tokenizer
 
@@ -32,6 +32,7 @@ MAX_ERROR_CHARS = 400
 
 @dataclass
 class _Compiled:
+    grammar: str
     matcher: llguidance.LLMatcher
     """Pristine: never advanced, only copied."""
     min_tokens: int | None = None
@@ -125,6 +126,7 @@ class GrammarCompiler:
     _cache: OrderedDict = field(default_factory=OrderedDict, repr=False)
     _ll: llguidance.LLTokenizer | None = field(default=None, repr=False)
     _bytes: tuple | None = field(default=None, repr=False)
+    _byte_ll: llguidance.LLTokenizer | None = field(default=None, repr=False)
 
     @property
     def ll_tokenizer(self) -> llguidance.LLTokenizer:
@@ -146,7 +148,7 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(_short(matcher.get_error()))
-        compiled = _Compiled(matcher)
+        compiled = _Compiled(grammar, matcher)
         with self._lock:
             self._cache[key] = compiled
             while len(self._cache) > self.cache_size:
@@ -164,10 +166,11 @@ class GrammarCompiler:
         one to end), or None when the search gave up (engine/guided/search.py)."""
         compiled = self._compiled(spec)
         if not compiled.searched:
-            with self._lock:
-                start = compiled.matcher.deep_copy()
-            byte_tokens, token_bytes, longest = self._vocab_bytes()
-            found = shortest_output(start, byte_tokens)
+            token_bytes, longest = self._vocab_bytes()
+            found = None
+            start = llguidance.LLMatcher(self._byte_ll, compiled.grammar, log_level=0)
+            if not start.is_error():  # (a grammar naming special tokens: no check)
+                found = shortest_output(start)
             if found is not None:
                 data, stopped = found
                 compiled.min_tokens = fewest_tokens(data, token_bytes, longest) + (not stopped)
@@ -202,15 +205,14 @@ class GrammarCompiler:
             return None
         return lambda text: self.accepts(spec, before + text)
 
-    def _vocab_bytes(self) -> tuple[dict[int, int], frozenset[bytes], int]:
+    def _vocab_bytes(self) -> tuple[frozenset[bytes], int]:
+        """Every plain token's bytes and the longest; the byte tokenizer built too."""
+        ll = self.ll_tokenizer
         with self._lock:
             if self._bytes is None:
-                ll = self._ll
-                spelled = [ll.decode_bytes([t]) for t in range(ll.vocab_size)]
-                byte_tokens: dict[int, int] = {}
-                for t, data in enumerate(spelled):
-                    if len(data) == 1 and not ll.is_special_token(t):
-                        byte_tokens.setdefault(data[0], t)
-                plain = [d for t, d in enumerate(spelled) if d and not ll.is_special_token(t)]
-                self._bytes = (byte_tokens, frozenset(plain), max(map(len, plain)))
+                plain = [ll.decode_bytes([t]) for t in range(ll.vocab_size)
+                         if not ll.is_special_token(t)]
+                plain = [d for d in plain if d]
+                self._bytes = (frozenset(plain), max(map(len, plain)))
+                self._byte_ll = byte_tokenizer()
             return self._bytes

@@ -165,10 +165,12 @@ class Sampler:
                              f"got shape {tuple(logits.shape)}")
         if not states:
             return SamplerOutput([], [])
-        x = logits.to(torch.float32, copy=True)
-        _penalise_(x, states)
-        if banned is not None:
-            x.masked_fill_(banned.to(x.device, non_blocking=True), float("-inf"))
+        if banned is None:
+            x = logits.to(torch.float32, copy=True)
+        else:  # the copy and the mask in one pass
+            x = logits.to(torch.float32).masked_fill(banned.to(logits.device, non_blocking=True),
+                                                     float("-inf"))
+        _penalise_(x, states)  # a refused token stays -inf whatever the penalties
         tokens = torch.empty(len(states), dtype=torch.long, device=x.device)
         greedy = [i for i, s in enumerate(states) if s.params.greedy]
         if greedy:

@@ -113,3 +113,11 @@ def test_llguidance_tokenizer_agrees_with_ours(compiler) -> None:
     ids = compiler.tokenizer.encode('{"x": [1, 2]} héllo', add_special_tokens=False)
     assert ll.decode_bytes(ids) == '{"x": [1, 2]} héllo'.encode()
     assert isinstance(ll, llguidance.LLTokenizer) and ll.vocab_size == compiler.tokenizer.vocab_size
+
+
+def test_grammars_in_lark_and_gbnf(compiler) -> None:
+    lark = GuidedSpec("grammar", 'start: "yes" | "no" DIGITS\nDIGITS: /[0-9]+/')
+    gbnf = GuidedSpec("grammar", 'root ::= "yes" | "no" digits\ndigits ::= [0-9]+')
+    for spec in (lark, gbnf):
+        assert compiler.accepts(spec, "yes") and compiler.accepts(spec, "no42")
+        assert not compiler.accepts(spec, "maybe") and not compiler.accepts(spec, "no")
