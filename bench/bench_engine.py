@@ -122,6 +122,11 @@ def main() -> None:
     ap.add_argument("--model", default=DEFAULT_MODEL, help="GGUF file or HF directory")
     ap.add_argument("--dtype", default="auto", help="engine dtype: auto, float32, bfloat16")
     ap.add_argument("--quick", action="store_true", help="fewer tokens and HF prompts (smoke run)")
+    ap.add_argument("--quantization", default="auto", help="engine --quantization (default: auto)")
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                    help="compiled decode steps (default: on)")
+    ap.add_argument("--skip-hf", action="store_true", help="no HF baseline (engine rows only)")
+    ap.add_argument("--skip-fp32", action="store_true", help="no float32 engine rows")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
 
@@ -136,7 +141,11 @@ def main() -> None:
         print(f"WARNING: load average {load1:.1f} on {os.cpu_count()} CPUs before start: other "
               "processes compete for the cores; trust the p50 columns over the means.", flush=True)
 
-    eng = LLMEngine(EngineConfig(model=str(model_path), dtype=args.dtype, max_model_len=2048))
+    t_load = time.perf_counter()
+    eng = LLMEngine(EngineConfig(model=str(model_path), dtype=args.dtype, max_model_len=2048,
+                                 quantization=args.quantization, compile=args.compile))
+    print(f"engine start-up {time.perf_counter() - t_load:.1f}s (quantization "
+          f"{args.quantization}, compile {args.compile})", flush=True)
     eng_dtype = dtype_name(resolve_dtype(args.dtype))
     maker = PromptMaker(eng.model_config.vocab_size)
     print(f"model {model_path.name}  engine dtype {eng_dtype}  torch threads {torch.get_num_threads()}  "
@@ -152,8 +161,9 @@ def main() -> None:
     results[-1].name = f"engine prefill ({eng_dtype})"
     eng.leak_check()
     del eng
-    if eng_dtype != "float32":  # is `auto` the right pick for this CPU? batch 1 and 32 in fp32 too
-        eng = LLMEngine(EngineConfig(model=str(model_path), dtype="float32", max_model_len=2048))
+    if eng_dtype != "float32" and not args.skip_fp32:  # is `auto` right for this CPU? fp32 too
+        eng = LLMEngine(EngineConfig(model=str(model_path), dtype="float32", max_model_len=2048,
+                                     quantization=args.quantization, compile=args.compile))
         bench_engine_decode(eng, maker.make(2, prompt_len), 8, "warmup")
         for batch in (1, 32):
             results.append(bench_engine_decode(eng, maker.make(batch, prompt_len), new_tokens,
@@ -162,10 +172,12 @@ def main() -> None:
         eng.leak_check()
         del eng
 
-    hf32 = load_hf(model_path)
-    hf_sets = [("float32", hf32)]
-    if eng_dtype != "float32":
-        hf_sets.append((eng_dtype, copy.deepcopy(hf32).to(resolve_dtype(eng_dtype))))
+    hf_sets = []
+    if not args.skip_hf:
+        hf32 = load_hf(model_path)
+        hf_sets = [("float32", hf32)]
+        if eng_dtype != "float32":
+            hf_sets.append((eng_dtype, copy.deepcopy(hf32).to(resolve_dtype(eng_dtype))))
     hf_prompt_ids = maker.make(hf_prompts, prompt_len)
     hf_results = []
     for name, model in hf_sets:
@@ -186,8 +198,11 @@ def main() -> None:
         print(f"{r.name:28s} {r.batch:5d} {r.prompt_len:6d} {r.new_tokens:4d} {fmt(r.decode_tps):>13s} "
               f"{fmt(r.p50_step_ms):>11s} {fmt(r.p50_tps):>10s} {fmt(r.e2e_tps):>10s} {r.wall_s:7.2f}")
 
-    best_hf = max(hf_results, key=lambda r: r.p50_tps or 0.0)
     ours = {r.batch: r for r in results if r.name == f"engine decode ({eng_dtype})"}
+    if not hf_results:
+        print(f"\ntotal bench time {time.perf_counter() - t_start:.0f}s")
+        return
+    best_hf = max(hf_results, key=lambda r: r.p50_tps or 0.0)
     print(f"\nRatios use engine {eng_dtype}. HF baseline: {best_hf.name}, the faster HF dtype on this CPU "
           f"({fmt(best_hf.decode_tps)} decode tok/s, {fmt(best_hf.p50_tps)} p50 tok/s at batch 1)")
     for label, num, target in (("engine batch-32 aggregate / HF batch-1", ours[32], 10.0),

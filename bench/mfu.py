@@ -25,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
+from engine.quant.linear import QuantLinear  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 from tandem.bench.datasets import LengthDist, synthetic  # noqa: E402
 from tandem.bench.report import target_line  # noqa: E402
@@ -54,16 +55,22 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
+def linears(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Every weight matmul: nn.Linear, or QuantLinear (packed + dense) when quantized."""
+    return [mod for mod in model.modules() if isinstance(mod, (torch.nn.Linear, QuantLinear))]
+
+
 def step_gemms_flops(model: torch.nn.Module, m: int, dtype: torch.dtype, reps: int = 5) -> float:
-    """FLOP/s of the decode step's weight GEMMs alone: x[m, in] @ W^T for every Linear."""
-    linears = [mod for mod in model.modules() if isinstance(mod, torch.nn.Linear)]
-    xs = [torch.randn(m, lin.in_features, dtype=dtype) for lin in linears]
-    flops = sum(2 * m * lin.weight.numel() for lin in linears)
+    """FLOP/s of the decode step's weight GEMMs alone: x[m, in] @ W^T for every linear,
+    through the kernel the engine picks at m rows."""
+    lins = linears(model)
+    xs = [torch.randn(m, lin.in_features, dtype=dtype) for lin in lins]
+    flops = sum(2 * m * lin.weight.numel() for lin in lins)
 
     def run() -> None:
         with torch.inference_mode():
-            for x, lin in zip(xs, linears):
-                torch.nn.functional.linear(x, lin.weight)
+            for x, lin in zip(xs, lins):
+                lin(x)
 
     run()
     return flops / min(_timed(run) for _ in range(reps))
@@ -123,6 +130,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--quantization", default="auto", help="engine --quantization (default: auto)")
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                    help="compiled decode steps (default: on)")
     ap.add_argument("--profile", action="store_true",
                     help="also print torch.profiler op tables of decode steps at batch 1 and "
                          "--batch (after the measurement)")
@@ -132,11 +142,14 @@ def main() -> None:
     print(f"mfu: {load_note()} at start", flush=True)
     torch.set_num_threads(args.threads)
 
+    t_load = time.perf_counter()
     eng = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads,
-                                 max_num_seqs=max(64, args.batch), max_model_len=2048))
+                                 max_num_seqs=max(64, args.batch), max_model_len=2048,
+                                 quantization=args.quantization, compile=args.compile))
+    print(f"engine start-up {time.perf_counter() - t_load:.1f}s (quantization "
+          f"{args.quantization}, compile {args.compile})", flush=True)
     cfg, model, dtype = eng.model_config, eng.runner.model, eng.runner.dtype
-    linear_params = sum(m.weight.numel() for m in model.modules()
-                        if isinstance(m, torch.nn.Linear))
+    linear_params = sum(m.weight.numel() for m in linears(model))
     attn_per_ctx = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim  # FLOPs per key attended
     prompts = [r.prompt for r in synthetic(args.batch, LengthDist.parse(args.prompt_len),
                                            LengthDist.parse(1), seed=5)]

@@ -29,9 +29,10 @@ from tandem.bench.servers import Noise, free_port, load_note, serve, tandem_up  
 from tandem.fetch_model import default_model_path  # noqa: E402
 
 
-def llamacpp_available() -> str | None:
-    """None when llama_cpp.server imports (in a child, so a crash cannot take us down)."""
-    r = subprocess.run([sys.executable, "-c", "import llama_cpp, llama_cpp.server.app; "
+def llamacpp_available(python: str = sys.executable) -> str | None:
+    """None when llama_cpp.server imports in ``python`` (in a child, so a crash cannot take
+    us down)."""
+    r = subprocess.run([python, "-c", "import llama_cpp, llama_cpp.server.app; "
                         "print(llama_cpp.__version__)"], capture_output=True, text=True)
     if r.returncode:
         tail = (r.stderr.strip().splitlines() or [f"exit code {r.returncode}"])[-1]

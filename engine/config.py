@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+
+from engine.attention.base import ATTENTION_BACKENDS
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = "llama"
+    architecture: str = "llama"
+    """The model family, a key of engine.models.MODELS."""
 
     def __post_init__(self) -> None:
         for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -109,7 +114,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     """Reuse cached full blocks with equal chained hashes (and equal tokens)."""
     attention_backend: str = "auto"
-    """auto | sdpa | flash_attn | naive."""
+    """auto (flash_attn where CUDA and the package are, else sdpa), or a name of the
+    attention-backend registry: sdpa, flash_attn, naive."""
     swap_space: float = 1.0
     """Host (CPU) swap pool for preempted requests' KV blocks, GiB; pinned memory on CUDA."""
     preemption_mode: str = "auto"
@@ -126,6 +132,22 @@ class EngineConfig:
     """Seed of the chained block hashes; every process of one cluster must agree."""
     num_threads: int | None = None
     """torch intra-op threads; None leaves torch's default."""
+    quantization: str = "auto"
+    """Linear weights: auto (a GGUF's Q4_0/Q4_1/Q8_0 tensors stay packed, an HF checkpoint
+    runs as stored), none (dequantize at load), int8 | int4 (quantize every linear at load),
+    gguf (as auto, GGUF only). Packed weights run through fused weight-only kernels at
+    small batch and keep a dense copy for large ones."""
+    quant_group_size: int = 32
+    """Weights per scale/zero group of --quantization int4 (32, 64, 128 or 256)."""
+    quant_packed_max_rows: int | None = None
+    """Steps of at most this many tokens use the packed int kernels, larger ones the dense
+    weights; None = measured at start-up per weight shape (0 = always dense)."""
+    compile: bool = os.environ.get("TANDEM_COMPILE", "1") != "0"
+    """Compile the decode step at start-up (torch.compile per bucketed batch size 1, 2, 4,
+    ... up to --compile-max-batch; CUDA graphs on GPU); --no-compile runs every step eagerly.
+    TANDEM_COMPILE=0 in the environment makes --no-compile the default (the test suite's)."""
+    compile_max_batch: int | None = None
+    """Largest compiled decode batch (bigger decode batches run eagerly); None = max_num_seqs."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -149,10 +171,19 @@ class EngineConfig:
             raise ValueError(f"--swap-space must be > 0 with --preemption-mode "
                              f"{self.preemption_mode} (got {self.swap_space}); use "
                              "--preemption-mode recompute to run without a swap pool")
-        if self.attention_backend not in ("auto", "sdpa", "flash_attn", "naive"):
-            raise ValueError(f"--attention-backend must be auto, sdpa, flash_attn or naive; "
-                             f"got {self.attention_backend!r}")
+        ATTENTION_BACKENDS.check(self.attention_backend, extra=("auto",))
         resolve_dtype(self.dtype, self.device)
+        from engine.quant.base import METHODS  # torch-only module; keeps config import light
+        if self.quantization not in METHODS:
+            raise ValueError(f"--quantization must be one of {', '.join(METHODS)}; "
+                             f"got {self.quantization!r}")
+        if self.compile_max_batch is not None and self.compile_max_batch < 1:
+            raise ValueError(f"--compile-max-batch must be >= 1, got {self.compile_max_batch}")
+        if self.quant_group_size not in (32, 64, 128, 256):
+            raise ValueError(f"--quant-group-size must be 32, 64, 128 or 256, "
+                             f"got {self.quant_group_size}")
+        if self.quant_packed_max_rows is not None and self.quant_packed_max_rows < 0:
+            raise ValueError(f"--quant-packed-max-rows must be >= 0, got {self.quant_packed_max_rows}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

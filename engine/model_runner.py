@@ -11,19 +11,20 @@ from typing import Callable
 import torch
 
 from engine.attention import build_metadata, get_backend
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig
+from engine.kv_cache import kv_block_bytes
 from engine.loader import LoadedCheckpoint
-from engine.layers.rotary import RotaryEmbedding
-from engine.models.llama import ForwardContext, LlamaForCausalLM
+from engine.loader.gguf_loader import raw_rows
+from engine.compile.decode import CompiledDecode
+from engine.models.llama import (ForwardContext, LlamaForCausalLM, Segments, StepInterrupted,
+                                 checkpoint_names)
+from engine.quant.apply import QuantReport, quantize_model, select_paths
+from engine.quant.base import resolve_method
+from engine.models import MODELS
 from engine.request import Request
 from engine.sampling import Sampler, SamplerOutput
 
 log = logging.getLogger(__name__)
-
-
-def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
 
 
 class ModelRunner:
@@ -36,15 +37,14 @@ class ModelRunner:
             torch.set_num_threads(config.num_threads)
         t0 = time.perf_counter()
         with torch.device("meta"):
-            model = LlamaForCausalLM(ckpt.config, max_model_len)
+            model = MODELS.load(ckpt.config.architecture)(ckpt.config, max_model_len)
         model = model.to_empty(device=self.device)  # no random init: every weight is loaded
         model.tie_weights()  # to_empty gives each module its own new Parameter
         model.load_weights(ckpt.tensors)
-        self.model = model.to(dtype=self.dtype).eval()
-        # built last so the cos/sin tables stay fp32 whatever the model dtype
-        self.model.model.rotary = RotaryEmbedding(
-            ckpt.config.head_dim, max_model_len, ckpt.config.rope_theta,
-            ckpt.config.rope_scaling).to(self.device)
+        self.quant = self._quantize(model, ckpt)
+        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        if self.quant is not None:
+            select_paths(self.model, self.quant, config.quant_packed_max_rows)
         self.backend = get_backend(config.attention_backend, self.device)
         self.num_blocks = self._num_blocks()
         cfg = ckpt.config
@@ -57,13 +57,61 @@ class ModelRunner:
                                    pin_memory=pin) if self.num_swap_blocks else None
         self.sampler = Sampler()
         self._masks = None
+        self.compiled: CompiledDecode | None = None
+        if config.compile:
+            self.compiled = CompiledDecode(self.model, self.device,
+                                           config.compile_max_batch or config.max_num_seqs)
+            self.compiled.warm_up(self._dummy_decode)
         log.info("model loaded in %.1fs (%s, %s); attention=%s; KV pool %d blocks x %d tokens",
                  time.perf_counter() - t0, self.dtype, self.device, self.backend.name,
                  self.num_blocks, config.block_size)
 
+    def _quantize(self, model: LlamaForCausalLM, ckpt: LoadedCheckpoint) -> QuantReport | None:
+        """Pack the linear weights per --quantization (None: dense, as loaded)."""
+        method = resolve_method(self.config.quantization, ckpt.reader is not None)
+        if method == "none":
+            return None
+        lookup = (raw_rows(ckpt.reader, ckpt.config, ckpt.path) if ckpt.reader is not None
+                  else lambda name: None)
+        tie = ckpt.config.tie_word_embeddings
+
+        def sources(path: str):
+            found = [lookup(n) for n in checkpoint_names(path, tie)]
+            return None if any(f is None for f in found) else found
+
+        report = quantize_model(model, method, self.dtype, sources,
+                                self.config.quant_group_size, strict=method != "gguf")
+        kinds = sorted(set(report.packed.values()))
+        log.info("quantization %s: %d linears packed (%s), %d dense fallbacks; packed weights "
+                 "%.1f MB beside %.1f MB of dense weights kept for large batches",
+                 method, len(report.packed), ", ".join(kinds), len(report.fallbacks),
+                 report.packed_bytes / 1e6, report.dense_bytes / 1e6)
+        return report
+
+    def fallbacks(self) -> dict[str, list[str]]:
+        """Every speed path that is not running, and why: for logs and /metrics (a gauge
+        per kind, e.g. tandem:engine_fallbacks{kind="compile"} = len(reasons)).
+
+        quantization: linears left dense; compile: the compiled decode step, disabled at
+        start-up or after a failed step; paged_decode: the in-place decode attention kernel."""
+        from engine.attention.paged_decode import kernel_unavailable
+
+        out: dict[str, list[str]] = {"quantization": list(self.quant.fallbacks) if self.quant else [],
+                                     "compile": [], "paged_decode": []}
+        if self.compiled is not None and self.compiled.disabled:
+            out["compile"].append(self.compiled.disabled)
+        if self.device.type == "cpu" and getattr(self.backend, "name", "") == "sdpa":
+            reason = kernel_unavailable()
+            if reason:
+                out["paged_decode"].append(reason)
+        return out
+
     @property
     def block_bytes(self) -> int:
-        return kv_block_bytes(self.model_config, self.config.block_size, self.dtype)
+        cfg = self.model_config
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return kv_block_bytes(cfg.num_layers, self.config.block_size, cfg.num_kv_heads,
+                              cfg.head_dim, itemsize)
 
     def _num_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -125,8 +173,7 @@ class ModelRunner:
         states = [r.sampling for r in sampled]
         masks = self._submit_masks(states)
         try:
-            hidden = self.model(torch.tensor(ids, device=self.device),
-                                torch.tensor(pos, device=self.device), ctx)
+            hidden = self._forward(ids, pos, ctx, decode_only=num_prefills == 0)
             if not sampled:
                 return [], None
             logits = self.model.compute_logits(hidden[sample_rows])  # [N, V] fp32
@@ -147,6 +194,34 @@ class ModelRunner:
         if not any(s.guide is not None for s in states):
             return None  # unconstrained batches pay nothing
         return self.masks.submit([s.guide for s in states], self.model_config.vocab_size)
+
+    def _forward(self, ids: list[int], pos: list[int], ctx: ForwardContext,
+                 decode_only: bool) -> torch.Tensor:
+        """Hidden states [T, H]: a compiled bucket for decode-only steps, else eager."""
+        c = self.compiled
+        bucket = c.bucket(len(ids)) if c is not None and decode_only else None
+        if bucket is not None:
+            tids, tpos = c.pad(ids, pos, bucket)
+            try:
+                return self.model(tids, tpos, ctx, c.segments, rows=len(ids))[:len(ids)]
+            except StepInterrupted:
+                raise
+            except Exception as e:  # a recompile that failed: this step and later ones eager
+                c.fail(f"compiled decode step for batch {bucket} failed: {type(e).__name__}: "
+                       f"{str(e).strip().splitlines()[0][:300] if str(e) else ''}")
+        return self.model(torch.tensor(ids, device=self.device),
+                          torch.tensor(pos, device=self.device), ctx)
+
+    @torch.inference_mode()
+    def _dummy_decode(self, rows: int, segments: Segments) -> None:
+        """One decode step of ``rows`` one-token sequences in KV block 0 (start-up only:
+        the pool is empty, so nothing cached is overwritten)."""
+        meta = build_metadata([1] * rows, [1] * rows, 0, [[0]] * rows, self.config.block_size,
+                              self.device)
+        ctx = ForwardContext(self.kv, meta, self.backend)
+        tids, tpos = self.compiled.pad([0] * rows, [0] * rows, rows)
+        hidden = self.model(tids, tpos, ctx, segments, rows=rows)
+        self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def prompt_logits(self, token_ids: list[int], table: list[int]) -> torch.Tensor:

@@ -1,10 +1,17 @@
 from __future__ import annotations
 
-from pathlib import Path
+import os
 
-import pytest
+# Tests run eager decode steps unless they ask for compiled ones (compiling costs seconds
+# per engine); tests/engine/test_compile.py tests the compiled path. Set before any
+# engine import, and inherited by the service processes tests start.
+os.environ.setdefault("TANDEM_COMPILE", "0")
 
-from tests.utils import make_tiny_llama, real_model_path
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+from tests.utils import make_tiny_llama, real_model_path  # noqa: E402
 
 
 @pytest.fixture(scope="session")

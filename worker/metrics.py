@@ -11,6 +11,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
 
+FALLBACK_EVERY = 500
+"""Engine-loop iterations between refreshes of tandem:engine_fallbacks."""
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -53,9 +55,17 @@ class WorkerMetrics:
         self.interrupted_steps = counter("tandem:engine_steps_interrupted",
                                          "Steps abandoned mid-forward for a more important "
                                          "arrival")
+        self.fallbacks = Gauge("tandem:engine_fallbacks", "Speed paths not running, by kind "
+                               "(quantization: linears left dense; compile; paged_decode): "
+                               "the number of reasons; the log says which",
+                               list(labels) + ["kind"], registry=r)
+        self._ticks = 0
         self._last = None  # EngineStats seen at the previous refresh
-        # Create every series now, so /metrics lists each name from the start (dashboards,
-        # autoscalers and their tests read names before any event happened).
+        self._create_series()
+
+    def _create_series(self) -> None:
+        """Every series now, so /metrics lists each name from the start (dashboards,
+        autoscalers and their tests read names before any event happened)."""
         for metric in (self.prompt_tokens, self.generation_tokens, self.prefix_hits,
                        self.prefix_queries, self.kv_bytes, self.kv_blocks, self.kv_seconds,
                        self.kv_usage, self.running, self.waiting, self.leases,
@@ -70,6 +80,8 @@ class WorkerMetrics:
             self.labelled(self.preemptions, mode=mode)
         for direction in ("in", "out"):
             self.labelled(self.swap_bytes, direction=direction)
+        for kind in ("quantization", "compile", "paged_decode"):
+            self.labelled(self.fallbacks, kind=kind)
 
     def labelled(self, metric, **extra):
         """metric.labels(...) with this worker's role and id filled in."""
@@ -85,6 +97,10 @@ class WorkerMetrics:
     def observe_engine(self, engine: LLMEngine, active_leases: int = 0) -> None:
         """Refresh the gauges and add the engine counters' growth (called after steps)."""
         self._count_stats(engine.stats)
+        self._ticks += 1
+        if self._ticks % FALLBACK_EVERY == 1:  # cheap, but not per step
+            for kind, reasons in engine.runner.fallbacks().items():
+                self.labelled(self.fallbacks, kind=kind).set(len(reasons))
         self.labelled(self.kv_usage).set(engine.kv.pool.usage)
         self.labelled(self.running).set(len(engine.scheduler.running))
         self.labelled(self.waiting).set(len(engine.scheduler.waiting))

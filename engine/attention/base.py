@@ -11,21 +11,22 @@ block b of the whole model is one contiguous region.
 """
 from __future__ import annotations
 
-import importlib
 from abc import ABC, abstractmethod
 from typing import Literal
 
 import torch
 
 from engine.attention.metadata import AttentionMetadata
+from engine.registry import Registry
 
 BackendName = Literal["sdpa", "flash_attn", "naive"]
 
-_REGISTRY: dict[str, str] = {
-    "sdpa": "engine.attention.sdpa:SDPABackend",
-    "flash_attn": "engine.attention.flash_attn:FlashAttnBackend",
-    "naive": "engine.attention.naive:NaiveBackend",
-}
+ATTENTION_BACKENDS: Registry[type[AttentionBackend]] = Registry(
+    "attention backend", "--attention-backend", {
+        "sdpa": "engine.attention.sdpa:SDPABackend",
+        "flash_attn": "engine.attention.flash_attn:FlashAttnBackend",
+        "naive": "engine.attention.naive:NaiveBackend",
+    })
 
 
 class AttentionBackend(ABC):
@@ -70,22 +71,15 @@ def gather_kv(layer: int, kv: torch.Tensor, table: list[int] | torch.Tensor,
     return k.view(-1, *k.shape[-2:])[:seq_len], v.view(-1, *v.shape[-2:])[:seq_len]
 
 
-def _load(name: str) -> type[AttentionBackend]:
-    module, cls = _REGISTRY[name].split(":")
-    return getattr(importlib.import_module(module), cls)
-
-
 def get_backend(name: str, device: torch.device | str = "cpu") -> AttentionBackend:
     """``auto`` picks flash_attn when usable, else sdpa. An explicit name that cannot
     run here is an error naming --attention-backend, never a silent fallback."""
     device = torch.device(device)
     if name == "auto":
-        fa = _load("flash_attn")
-        return fa() if fa.available(device) is None else _load("sdpa")()
-    if name not in _REGISTRY:
-        raise ValueError(f"--attention-backend {name!r} is unknown; choose from "
-                         f"auto, {', '.join(_REGISTRY)}")
-    cls = _load(name)
+        fa = ATTENTION_BACKENDS.load("flash_attn")
+        return fa() if fa.available(device) is None else ATTENTION_BACKENDS.load("sdpa")()
+    ATTENTION_BACKENDS.check(name, extra=("auto",))
+    cls = ATTENTION_BACKENDS.load(name)
     reason = cls.available(device)
     if reason is not None:
         raise RuntimeError(f"--attention-backend {name} cannot run here: {reason}")

@@ -1,18 +1,20 @@
 """torch scaled_dot_product_attention over the paged cache.
 
 Prefill sequences run one SDPA each over their gathered context (causal with the
-cached prefix in front: an explicit mask when a prefix exists). Decoding
-sequences run as one batched SDPA over their contexts padded to the longest,
-with a key-padding mask. On CUDA, SDPA dispatches to a FlashAttention kernel; on
-CPU to a fused kernel.
+cached prefix in front: an explicit mask when a prefix exists). On CUDA, SDPA
+dispatches to a FlashAttention kernel; on CPU to a fused kernel. Decoding
+sequences run through paged_decode.py: on CPU a kernel that reads K/V in place
+through the block tables (the CPU SDPA kernel was slow for single-token queries
+and needed every context gathered first, once per layer).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from engine.attention.base import AttentionBackend, gather_blocks, gather_kv, write_kv
+from engine.attention.base import AttentionBackend, gather_kv, write_kv
 from engine.attention.metadata import AttentionMetadata
+from engine.attention.paged_decode import paged_decode
 
 
 def _causal_mask(qlen: int, slen: int, device) -> torch.Tensor:
@@ -22,15 +24,13 @@ def _causal_mask(qlen: int, slen: int, device) -> torch.Tensor:
 
 
 def _decode_inputs(meta: AttentionMetadata, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Padded block tables [N, maxb] and a key mask [N, 1, 1, maxb*B] for the decodes."""
+    """Block tables [N, maxb] (padded with block 0, never read) and lengths [N]."""
     p = meta.num_prefills
     lens = meta.seq_lens[p:]
     maxb = -(-max(lens) // meta.block_size)
     tables = [t[:maxb] + [0] * (maxb - len(t[:maxb])) for t in meta.block_tables[p:]]
-    bt = torch.tensor(tables, dtype=torch.long, device=device)
-    keys = torch.arange(maxb * meta.block_size, device=device)
-    mask = keys.unsqueeze(0) < torch.tensor(lens, device=device).unsqueeze(1)
-    return bt, mask[:, None, None, :]
+    return (torch.tensor(tables, dtype=torch.long, device=device),
+            torch.tensor(lens, dtype=torch.long, device=device))
 
 
 class SDPABackend(AttentionBackend):
@@ -52,13 +52,6 @@ class SDPABackend(AttentionBackend):
             out[start:start + qlen] = o[0].transpose(0, 1)
             start += qlen
         if meta.num_decodes:
-            bt, mask = meta.cached("decode", lambda: _decode_inputs(meta, q.device))
-            n = bt.shape[0]
-            ks, vs = gather_blocks(layer, kv, bt.view(-1))  # [N*maxb, B, Hkv, D] each
-            ks = ks.view(n, -1, *ks.shape[-2:]).transpose(1, 2)  # [N, Hkv, S, D]
-            vs = vs.view(n, -1, *vs.shape[-2:]).transpose(1, 2)
-            qs = q[start:].unsqueeze(2)  # [N, Hq, 1, D]
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale,
-                                               enable_gqa=True)
-            out[start:] = o.squeeze(2)
+            bt, lens = meta.cached("decode", lambda: _decode_inputs(meta, q.device))
+            out[start:] = paged_decode(q[start:], kv, layer, bt, lens, scale)
         return out

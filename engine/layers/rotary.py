@@ -36,14 +36,32 @@ def inv_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None)
 
 
 class RotaryEmbedding(nn.Module):
+    """The tables are a pure function of the config, so they are recomputed, in fp32,
+    wherever the module goes (``_apply``): casting the model to bf16, or materialising
+    it from the meta device, never degrades or empties them."""
+
     def __init__(self, head_dim: int, max_positions: int, theta: float,
                  scaling: dict[str, Any] | None) -> None:
         super().__init__()
-        inv = inv_frequencies(head_dim, theta, scaling)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv)  # [P, D/2]
+        self._spec = (head_dim, max_positions, theta, scaling)
+        self.register_buffer("cos", torch.empty(max_positions, head_dim), persistent=False)
+        self.register_buffer("sin", torch.empty(max_positions, head_dim), persistent=False)
+        self._build(self.cos.device)
+
+    def _build(self, device: torch.device) -> None:
+        if device.type == "meta":
+            return
+        head_dim, max_positions, theta, scaling = self._spec
+        inv = inv_frequencies(head_dim, theta, scaling).to(device)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32, device=device),
+                            inv)  # [P, D/2]
         emb = torch.cat([freqs, freqs], dim=-1)  # [P, D]
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.cos, self.sin = emb.cos(), emb.sin()
+
+    def _apply(self, fn, recurse: bool = True):
+        super()._apply(fn, recurse)
+        self._build(self.cos.device)
+        return self
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for these positions, shaped [T, 1, D] to broadcast over heads."""

@@ -103,6 +103,28 @@ def _dequantize(tensor, path: Path) -> np.ndarray:
     return arr.reshape(shape)
 
 
+def raw_rows(reader: GGUFReader, config: ModelConfig, path: Path):
+    """A lookup HF tensor name -> (GGUF type name, raw block rows [N, row bytes]) with
+    Q/K rows unpermuted like the dequantized tensors, or None when absent."""
+    by_name = {hf_name(t.name): t for t in reader.tensors if hf_name(t.name)}
+
+    def lookup(name: str) -> tuple[str, np.ndarray] | None:
+        t = by_name.get(name)
+        if t is None:
+            return None
+        rows = np.asarray(t.data)
+        if rows.ndim == 1:  # an unquantized 1-D tensor: nothing to keep packed
+            return t.tensor_type.name, rows
+        rows = rows.reshape(int(t.shape[-1]), -1)  # [N, row bytes]
+        if name.endswith("q_proj.weight"):
+            rows = unpermute_qk(rows, config.num_heads)
+        elif name.endswith("k_proj.weight"):
+            rows = unpermute_qk(rows, config.num_kv_heads)
+        return t.tensor_type.name, rows
+
+    return lookup
+
+
 def _weight_digest(path: Path, config: ModelConfig) -> str:
     """Cheap, stable digest: size plus the first and last MiB of the file plus the config."""
     h = hashlib.sha256(config.fingerprint().encode())

@@ -19,6 +19,13 @@ def hf_config(d: dict, path: Path) -> ModelConfig:
         raise ValueError(f"{path}/config.json: model_type {d.get('model_type')!r} is not "
                          "supported (Llama family only)")
     heads = int(d["num_attention_heads"])
+    # transformers >= 5 writes rope_parameters {rope_theta, rope_type, ...} instead of
+    # top-level rope_theta / rope_scaling
+    rope = d.get("rope_parameters") or {}
+    theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
+    scaling = d.get("rope_scaling")
+    if scaling is None and rope.get("rope_type", "default") != "default":
+        scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
     eos = d.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
     return ModelConfig(
@@ -28,8 +35,8 @@ def hf_config(d: dict, path: Path) -> ModelConfig:
         num_kv_heads=int(d.get("num_key_value_heads") or heads),
         head_dim=int(d.get("head_dim") or d["hidden_size"] // heads),
         rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
-        rope_theta=float(d.get("rope_theta", 10000.0)),
-        rope_scaling=d.get("rope_scaling"),
+        rope_theta=float(theta),
+        rope_scaling=scaling,
         max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
         bos_token_id=d.get("bos_token_id"), eos_token_ids=eos_ids,

@@ -31,6 +31,20 @@ _FUSED = {
 }
 
 
+def checkpoint_names(module_path: str, tie_word_embeddings: bool) -> list[str]:
+    """HF checkpoint tensors that make up one of our linear layers, in shard order
+    (``model.layers.0.self_attn.qkv_proj`` -> its q, k and v projections)."""
+    if module_path == "lm_head" and tie_word_embeddings:
+        return ["model.embed_tokens.weight"]
+    target = module_path + ".weight"
+    shards = sorted((idx, suffix) for suffix, (fused, idx) in _FUSED.items()
+                    if target.endswith(fused))
+    if not shards:
+        return [target]
+    prefix = target[: -len(_FUSED[shards[0][1]][0])]
+    return [prefix + suffix for _, suffix in shards]
+
+
 @dataclass
 class ForwardContext:
     """What one forward pass needs besides tokens: injected by the runner."""
@@ -57,16 +71,21 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.hq * self.d, cfg.hidden_size, bias=False)
         self.scale = self.d ** -0.5
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                ctx: ForwardContext) -> torch.Tensor:
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Normed hidden [T, H] -> rotated q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) D]
         q, k, v = qkv.split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
         q = apply_rotary(q.view(t, self.hq, self.d), cos, sin)  # [T, Hq, D]
         k = apply_rotary(k.view(t, self.hkv, self.d), cos, sin)  # [T, Hkv, D]
-        v = v.view(t, self.hkv, self.d)
+        return q, k, v.view(t, self.hkv, self.d)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               ctx: ForwardContext) -> torch.Tensor:
+        """The paged-cache part (writes K/V, never compiled) -> o [T, Hq * D]."""
         o = ctx.backend.forward(self.layer, q, k, v, ctx.kv, ctx.meta, self.scale)  # [T, Hq, D]
-        return self.o_proj(o.reshape(t, self.hq * self.d))
+        return o.reshape(q.shape[0], self.hq * self.d)
 
 
 class MLP(nn.Module):
@@ -89,9 +108,48 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
+    def attn_in(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Residual stream [T, H] -> q, k, v of this layer's attention."""
+        return self.self_attn.project(self.input_layernorm(x), cos, sin)
+
+    def attn_out(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """Residual [T, H] and attention output [T, Hq * D] -> the layer's output [T, H]."""
+        x = x + self.self_attn.o_proj(o)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def first_segment(model: "LlamaModel", input_ids: torch.Tensor, positions: torch.Tensor):
+    """Embedding, RoPE tables and layer 0 up to its attention -> (x, cos, sin, q, k, v)."""
+    x = model.embed_tokens(input_ids)  # [T, H]
+    cos, sin = model.rotary.tables(positions, x.dtype)  # [T, 1, D]
+    return (x, cos, sin, *model.layers[0].attn_in(x, cos, sin))
+
+
+def middle_segment(prev: DecoderLayer, nxt: DecoderLayer, x: torch.Tensor, o: torch.Tensor,
+                   cos: torch.Tensor, sin: torch.Tensor):
+    """From one layer's attention to the next one's -> (x, q, k, v)."""
+    x = prev.attn_out(x, o)
+    return (x, *nxt.attn_in(x, cos, sin))
+
+
+def last_segment(prev: DecoderLayer, norm: RMSNorm, x: torch.Tensor, o: torch.Tensor
+                 ) -> torch.Tensor:
+    """The last layer after its attention, and the final norm -> hidden [T, H]."""
+    return norm(prev.attn_out(x, o))
+
+
+@dataclass(frozen=True)
+class Segments:
+    """The three pieces of a forward pass between attention calls. Eager by default;
+    engine/compile/ hands in compiled ones, and pads the rows to a bucket (``rows``
+    real rows reach attention; the padding rows are computed and dropped)."""
+
+    first: Callable = first_segment
+    middle: Callable = middle_segment
+    last: Callable = last_segment
+
+
+EAGER = Segments()
 
 
 class LlamaModel(nn.Module):
@@ -103,16 +161,25 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                ctx: ForwardContext) -> torch.Tensor:
-        """input_ids, positions: [T] -> final hidden states [T, H]."""
-        x = self.embed_tokens(input_ids)  # [T, H]
-        cos, sin = self.rotary.tables(positions, x.dtype)  # [T, 1, D]
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
+                seg: Segments = EAGER, rows: int | None = None) -> torch.Tensor:
+        """input_ids, positions: [T] -> final hidden states [T, H]. With ``rows`` < T the
+        last T - rows tokens are padding: they never reach attention or the KV cache.
+        ctx.should_stop is asked before every layer but the first."""
+        n = input_ids.shape[0] if rows is None else rows
+        pad = input_ids.shape[0] - n
+        x, cos, sin, q, k, v = seg.first(self, input_ids, positions)
         for i, layer in enumerate(self.layers):
             if i and ctx.should_stop is not None and ctx.should_stop():
                 raise StepInterrupted
-            x = layer(x, cos, sin, ctx)
-        return self.norm(x)
+            if pad:
+                q, k, v = q[:n], k[:n], v[:n]
+            o = layer.self_attn.attend(q, k, v, ctx)  # [n, Hq * D]
+            if pad:
+                o = F.pad(o, (0, 0, 0, pad))
+            if i + 1 < len(self.layers):
+                x, q, k, v = seg.middle(layer, self.layers[i + 1], x, o, cos, sin)
+        return seg.last(self.layers[-1], self.norm, x, o)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -127,8 +194,9 @@ class LlamaForCausalLM(nn.Module):
         if self.cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids, positions, ctx: ForwardContext) -> torch.Tensor:
-        return self.model(input_ids, positions, ctx)
+    def forward(self, input_ids, positions, ctx: ForwardContext, seg: Segments = EAGER,
+                rows: int | None = None) -> torch.Tensor:
+        return self.model(input_ids, positions, ctx, seg, rows)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] -> fp32 logits [N, V] (only the rows the sampler needs)."""

@@ -91,3 +91,19 @@ def test_abort_frees_blocks_and_others_continue(engine: LLMEngine) -> None:
         done += [o for o in engine.step() if o.finished]
     assert [o.request_id for o in done] == [b]
     engine.leak_check()
+
+
+def test_batched_equals_alone_gguf_packed(model_path) -> None:
+    """The GGUF kept packed: alone, decode rows run on the int4/int8 kernels; 16 together
+    run on the dense copy of the same values. Tokens must not depend on which."""
+    if model_path.is_dir():
+        pytest.skip("needs the GGUF")
+    eng = LLMEngine(EngineConfig(model=str(model_path), dtype="float32", num_kv_blocks=600,
+                                 max_num_batched_tokens=64, max_model_len=1024,
+                                 quantization="gguf", quant_packed_max_rows=4))
+    prompts = _prompts(16)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    together = _run(eng, prompts, params)
+    alone = [_run(eng, [p], params)[0] for p in prompts]
+    assert together == alone
+    eng.leak_check()

@@ -1,0 +1,120 @@
+"""A compiled decode step: torch.compile'd segments for bucketed batch sizes.
+
+Only the parts of a step between attention calls are compiled (models/llama.py
+``Segments``: embedding + layer 0 up to attention; one layer's output + the next
+layer's q/k/v; the last layer's output + the final norm). Attention itself stays
+eager, so it reads the paged cache through whatever backend is configured, and
+``should_stop`` is still asked between layers: step interruption works unchanged.
+The middle segment is one graph shared by all layers (the layer's weights are
+graph inputs), so a bucket costs three compiles, not one per layer.
+
+A decode-only step of n rows runs in the smallest bucket >= n, its input padded
+with token 0 at position 0; the padding rows are computed by the segments and
+dropped before attention (they never touch the KV cache). Steps with a prefill,
+or more rows than the largest bucket, run eagerly.
+
+On CPU, inductor generates fused C++ for the norms, RoPE, SiLU-mul and residuals
+and calls the same GEMM / weight-only kernels. On CUDA the segments are compiled
+with mode="reduce-overhead", which captures each of them as a CUDA graph per
+bucket. Compiled code is cached on disk by inductor (TORCHINDUCTOR_CACHE_DIR,
+default /tmp/torchinductor_$USER), so a restart recompiles much faster.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+import torch
+
+from engine.models.llama import (EAGER, LlamaForCausalLM, Segments, first_segment,
+                                 last_segment, middle_segment)
+from engine.timing import best_seconds
+
+log = logging.getLogger(__name__)
+
+
+def decode_buckets(max_rows: int) -> list[int]:
+    """1, 2, 4, ... up to the first power of two >= max_rows."""
+    out = [1]
+    while out[-1] < max_rows:
+        out.append(out[-1] * 2)
+    return out
+
+
+class CompiledDecode:
+    """The compiled segments, the buckets they were built for, and what went wrong if
+    anything did (``disabled``: None while compiled steps run)."""
+
+    def __init__(self, model: LlamaForCausalLM, device: torch.device, max_rows: int,
+                 options: dict | None = None) -> None:
+        import torch._dynamo
+
+        self.model = model
+        self.buckets = decode_buckets(max_rows)
+        # one compiled graph per (segment, bucket); dynamo's default limit is 8
+        torch._dynamo.config.cache_size_limit = max(64, 4 * len(self.buckets))
+        kw: dict = {"dynamic": False, "fullgraph": True}
+        if device.type == "cuda":
+            kw["mode"] = "reduce-overhead"  # CUDA graphs per bucket
+        else:
+            kw["options"] = dict(options or {})
+        self.device = device
+        self.disabled: str | None = None
+        self.compile_seconds = 0.0
+        self.slower: set[int] = set()
+        """Buckets whose compiled step measured slower than the eager one at start-up."""
+        self.timings: dict[int, tuple[float, float]] = {}
+        """bucket -> (compiled ms, eager ms) of a dummy step, measured at start-up."""
+        try:
+            self.segments = Segments(*(torch.compile(f, **kw)
+                                       for f in (first_segment, middle_segment, last_segment)))
+        except Exception as e:  # e.g. an unknown inductor option
+            self.segments = Segments()
+            self.fail(f"torch.compile refused the decode step: {type(e).__name__}: "
+                      f"{str(e).strip().splitlines()[0][:300]}")
+
+    def bucket(self, n: int) -> int | None:
+        """The compiled bucket for n rows, or None (run eagerly): none is big enough, or the
+        smallest big enough measured slower than eager at start-up."""
+        if self.disabled is not None:
+            return None
+        b = next((b for b in self.buckets if b >= n), None)
+        return b if b is not None and b not in self.slower else None
+
+    def pad(self, ids: list[int], pos: list[int], bucket: int
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        extra = bucket - len(ids)
+        return (torch.tensor(ids + [0] * extra, device=self.device),
+                torch.tensor(pos + [0] * extra, device=self.device))
+
+    def warm_up(self, run_bucket: Callable[[int, Segments], None]) -> None:
+        """Compile every bucket now (``run_bucket(b, segments)`` runs one dummy step of b
+        rows), printing a progress line per bucket, then time it against the eager step
+        (best of 3 each) and keep whichever is faster. A failure disables compiled steps,
+        logged."""
+        t0 = time.perf_counter()
+        for i, b in enumerate(self.buckets if self.disabled is None else ()):
+            t = time.perf_counter()
+            try:
+                run_bucket(b, self.segments)
+            except Exception as e:  # inductor/dynamo raise many types; all mean "no compile"
+                self.fail(f"compiling the decode step for batch {b} failed: "
+                          f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}")
+                return
+            compiled = best_seconds(lambda: run_bucket(b, self.segments)) * 1e3
+            eager = best_seconds(lambda: run_bucket(b, EAGER)) * 1e3
+            self.timings[b] = (compiled, eager)
+            if compiled >= eager:
+                self.slower.add(b)
+            log.info("compiled decode step %d/%d (batch %d) in %.1fs: %.1f ms vs %.1f ms eager%s",
+                     i + 1, len(self.buckets), b, time.perf_counter() - t, compiled, eager,
+                     " (slower: this batch runs eagerly)" if compiled >= eager else "")
+        self.compile_seconds = time.perf_counter() - t0
+        log.info("compiled decode steps for batches %s in %.1fs (--no-compile skips this)",
+                 ",".join(map(str, self.buckets)), self.compile_seconds)
+
+    def fail(self, reason: str) -> None:
+        self.disabled = reason
+        log.error("%s; decode steps run eagerly from now on (--no-compile turns compilation "
+                  "off)", reason)

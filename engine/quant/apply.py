@@ -1,0 +1,77 @@
+"""Swap a loaded model's nn.Linear layers for QuantLinear ones (dense + packed)."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from engine.quant.base import QuantMethod, Source, get_method
+from engine.quant.linear import QuantLinear
+from engine.quant.packed import UnpackableWeight
+from engine.quant.select import choose_paths
+
+log = logging.getLogger(__name__)
+
+SourceLookup = Callable[[str], Sequence[Source] | None]
+"""Module path (``model.layers.0.self_attn.qkv_proj``) -> its checkpoint blocks, or None."""
+
+
+@dataclass
+class QuantReport:
+    """What quantization did at load: exposed as ``ModelRunner.quant`` for logs and metrics."""
+
+    method: str
+    packed: dict[str, str] = field(default_factory=dict)
+    """Module path -> what it holds (``int8``, ``Q4 as int4/g32``, ...)."""
+    fallbacks: list[str] = field(default_factory=list)
+    """Why each linear that should have been packed runs dense instead."""
+    packed_bytes: int = 0
+    dense_bytes: int = 0
+    paths: dict[tuple, tuple] = field(default_factory=dict)
+    """Measured {shape key: (packed_max_rows, [(rows, packed us, dense us)])}."""
+
+
+def quantize_model(model: nn.Module, method_name: str, dtype: torch.dtype,
+                   sources: SourceLookup, group_size: int = 32,
+                   strict: bool = True) -> QuantReport:
+    """Replace every nn.Linear (weights still fp32) with a QuantLinear whose dense copy
+    holds the dequantized packed values (a tied embedding shares them).
+
+    strict: an UnpackableWeight is an error naming the tensor and the flag (explicit
+    int8/int4); otherwise the layer stays dense, logged and listed in ``fallbacks``."""
+    method: QuantMethod = get_method(method_name, group_size)
+    report = QuantReport(method_name)
+    for path, mod in list(model.named_modules()):
+        if not isinstance(mod, nn.Linear):
+            continue
+        try:
+            packed, values = method.pack(path + ".weight", mod.weight.detach(), dtype,
+                                         sources(path))
+        except UnpackableWeight as e:
+            if strict:
+                raise ValueError(f"--quantization {method_name}: {e}") from e
+            report.fallbacks.append(str(e))
+            log.warning("quantization fallback: %s; this layer runs on dequantized weights", e)
+            continue
+        with torch.no_grad():  # the dense copy holds the same (quantized) weights
+            mod.weight.copy_(values)
+        parent_path, _, attr = path.rpartition(".")
+        parent = model.get_submodule(parent_path) if parent_path else model
+        setattr(parent, attr, QuantLinear(mod, packed, method.describe(packed)))
+        report.packed[path] = method.describe(packed)
+        report.packed_bytes += packed.nbytes()
+        report.dense_bytes += mod.weight.numel() * torch.empty((), dtype=dtype).element_size()
+    return report
+
+
+def select_paths(model: nn.Module, report: QuantReport, forced: int | None) -> None:
+    """After the model is in its final dtype and device: pick each layer's kernel by rows."""
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    report.paths = choose_paths(layers, forced)
+    for (kind, n, k, g, dt, _), (rows, table) in report.paths.items():
+        cells = " ".join(f"M{m}:{tp:.0f}/{td:.0f}" for m, tp, td in table)
+        log.info("quant %s [%d,%d] %s: packed kernel up to %d rows (us packed/dense %s)",
+                 kind, n, k, dt, rows, cells)

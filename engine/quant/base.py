@@ -1,0 +1,73 @@
+"""The quantization contract and its registry.
+
+A ``QuantMethod`` turns one linear weight into a ``PackedWeight`` the fused
+weight-only kernels read. It is called once per linear at load time, on the
+fp32 weight (q/k/v and gate/up already fused, so one call per kernel call),
+and may also read the checkpoint's own packed blocks (``sources``: the GGUF
+type and raw rows of each fused shard, in shard order).
+
+``pack`` returns the packed weight, or raises ``UnpackableWeight`` naming the
+tensor when the kernel cannot take it. The caller decides whether that is an
+error (an explicit ``--quantization int8|int4``) or a logged fallback to the
+dense weights (a GGUF tensor stored in a type we cannot keep packed).
+
+Methods (``--quantization``): ``gguf`` keeps a GGUF's Q4_0/Q4_1 blocks as int4
+(exactly) and requantizes Q8_0 per channel to int8; ``int8`` and ``int4``
+quantize any checkpoint at load. ``none`` (no method) dequantizes at load.
+"""
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from engine.quant.packed import PackedWeight, UnpackableWeight  # noqa: F401 (re-export)
+
+Source = tuple[str, np.ndarray]
+"""(GGUF type name, raw block rows [N_shard, row bytes]) of one fused shard."""
+
+_REGISTRY: dict[str, str] = {
+    "int8": "engine.quant.methods:Int8Method",
+    "int4": "engine.quant.methods:Int4Method",
+    "gguf": "engine.quant.methods:GGUFMethod",
+}
+METHODS = ("auto", "none", *_REGISTRY)
+
+
+class QuantMethod(ABC):
+    name: str
+
+    @abstractmethod
+    def pack(self, name: str, weight: torch.Tensor, dtype: torch.dtype,
+             sources: Sequence[Source] | None = None) -> tuple[PackedWeight, torch.Tensor]:
+        """weight [N, K] fp32 -> (packed weight with scales in ``dtype`` (the activations'),
+        the fp32 values it represents [N, K]).
+
+        The caller puts those values in the dense copy too, so both kernels multiply by
+        the same weights and a request's tokens do not depend on its batch's size.
+        Pure: reads its inputs only. Raises UnpackableWeight naming ``name``."""
+
+    def describe(self, packed: PackedWeight) -> str:
+        """Short label of what a packed weight is, for the start-up log."""
+        g = f"/g{packed.group_size}" if packed.kind == "int4" else ""
+        return f"{packed.kind}{g}"
+
+
+def resolve_method(name: str, is_gguf: bool) -> str:
+    """``auto`` keeps a GGUF's own quantization packed and leaves other checkpoints dense."""
+    if name not in METHODS:
+        raise ValueError(f"--quantization must be one of {', '.join(METHODS)}; got {name!r}")
+    if name == "auto":
+        return "gguf" if is_gguf else "none"
+    if name == "gguf" and not is_gguf:
+        raise ValueError("--quantization gguf needs a .gguf checkpoint; use int8 or int4 "
+                         "to quantize an HF checkpoint at load")
+    return name
+
+
+def get_method(name: str, group_size: int = 32) -> QuantMethod:
+    module, cls = _REGISTRY[name].split(":")
+    return getattr(importlib.import_module(module), cls)(group_size)

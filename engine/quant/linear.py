@@ -1,0 +1,44 @@
+"""A linear layer that keeps both its packed weight and its dense weight, and picks
+the faster kernel by the number of rows in the call.
+
+At a handful of rows a weight-only int kernel reads 2-4x fewer bytes than a bf16
+GEMM and wins; from about 8 rows the bf16 GEMM runs on AMX tiles and the int
+kernels (which dequantize in registers and use FMA) fall far behind (see
+``engine/quant/select.py`` and ``bench/quant_kernels.py``). So the layer holds
+both: the packed weight costs 0.5 (int4/g32: 0.625) or 1 byte per weight on top
+of the dense copy. The choice depends only on the row count, which is static in
+a compiled step, so it is resolved at trace time.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.quant.packed import PackedWeight
+
+
+class QuantLinear(nn.Module):
+    def __init__(self, dense: nn.Linear, packed: PackedWeight, label: str) -> None:
+        super().__init__()
+        self.in_features, self.out_features = dense.in_features, dense.out_features
+        self.weight = dense.weight  # [N, K]; shared with a tied embedding
+        self.kind, self.group_size, self.label = packed.kind, packed.group_size, label
+        self.register_buffer("qdata", packed.data, persistent=False)
+        self.register_buffer("qscales", packed.scales, persistent=False)
+        self.packed_max_rows = 0
+        """Calls with at most this many rows use the packed kernel (set by select.py)."""
+
+    @property
+    def packed(self) -> PackedWeight:
+        return PackedWeight(self.kind, self.qdata, self.qscales, self.out_features,
+                            self.in_features, self.group_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
+        if x.shape[0] <= self.packed_max_rows:
+            return self.packed.matmul(x)
+        return F.linear(x, self.weight)
+
+    def extra_repr(self) -> str:
+        return (f"{self.in_features}, {self.out_features}, {self.label}, "
+                f"packed up to {self.packed_max_rows} rows")

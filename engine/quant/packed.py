@@ -1,0 +1,94 @@
+"""Packed weights and the fused weight-only kernels that multiply by them.
+
+A ``PackedWeight`` is one linear weight [N, K] kept quantized in the layout a
+PyTorch kernel reads directly, with the kernel call next to it:
+
+* ``int8``: per-output-channel symmetric int8 [N, K] plus scales [N];
+  ``aten._weight_int8pack_mm`` (CPU and CUDA).
+* ``int4``: 4-bit codes in groups of ``group_size`` along K, asymmetric:
+  w = (q - 8) * scale + zero, scales and zeros [K / group, N, 2] in the
+  activation dtype. On CPU ``aten._weight_int4pack_mm_for_cpu`` over
+  ``_convert_weight_to_int4pack_for_cpu``; on CUDA ``aten._weight_int4pack_mm``
+  over ``_convert_weight_to_int4pack`` (needs bf16 activations).
+
+The kernels' own shape limits are checked here, before any packing, so a bad
+shape is an error naming the tensor rather than a crash inside the kernel (the
+CPU int8 kernel segfaults when K is not a multiple of 16).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+PackedKind = Literal["int8", "int4"]
+INT4_GROUP_SIZES = (32, 64, 128, 256)
+
+
+class UnpackableWeight(ValueError):
+    """The kernel cannot take this tensor's shape (the message names the tensor)."""
+
+
+def check_shape(name: str, kind: PackedKind, n: int, k: int, group_size: int = 32) -> None:
+    if kind == "int8" and k % 16:
+        raise UnpackableWeight(f"{name} [{n}, {k}]: the int8 weight-only kernel needs "
+                               "in_features divisible by 16")
+    if kind == "int4":
+        if group_size not in INT4_GROUP_SIZES:
+            raise UnpackableWeight(f"{name}: int4 group size must be one of {INT4_GROUP_SIZES}, "
+                                   f"got {group_size}")
+        if n % 16 or k % group_size:
+            raise UnpackableWeight(
+                f"{name} [{n}, {k}]: the int4 weight-only kernel needs out_features divisible "
+                f"by 16 and in_features divisible by the group size {group_size}")
+
+
+@dataclass
+class PackedWeight:
+    kind: PackedKind
+    data: torch.Tensor
+    """int8: [N, K] int8; int4: the kernel's packed uint8 (CPU) / int32 (CUDA) layout."""
+    scales: torch.Tensor
+    """int8: [N]; int4: [K / group, N, 2] (scale, zero), activation dtype."""
+    out_features: int
+    in_features: int
+    group_size: int = 0
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] -> x @ W^T [M, N], in x's dtype."""
+        if self.kind == "int8":
+            return torch.ops.aten._weight_int8pack_mm(x, self.data, self.scales)
+        if x.device.type == "cuda":
+            return torch.ops.aten._weight_int4pack_mm(x, self.data, self.group_size, self.scales)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.data, self.group_size,
+                                                          self.scales)
+
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size() + \
+            self.scales.numel() * self.scales.element_size()
+
+    def dequantize(self) -> torch.Tensor:
+        """[N, K] in the scales' dtype: the weights this kernel multiplies by."""
+        eye = torch.eye(self.in_features, dtype=self.scales.dtype, device=self.scales.device)
+        return self.matmul(eye).t().contiguous()
+
+
+def pack_int8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> PackedWeight:
+    """q [N, K] int8, scales [N] -> PackedWeight (scales cast to the activation dtype)."""
+    n, k = q.shape
+    return PackedWeight("int8", q.contiguous(), scales.to(dtype).contiguous(), n, k)
+
+
+def pack_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+              dtype: torch.dtype) -> PackedWeight:
+    """q [N, K] integer codes 0..15; scales, zeros [N, K / group] with w = (q - 8) * s + z."""
+    n, k = q.shape
+    sz = torch.stack([scales.t(), zeros.t()], dim=-1).to(dtype).contiguous()  # [K/g, N, 2]
+    codes = q.to(torch.int32).contiguous()
+    if codes.device.type == "cuda":
+        packed = torch.ops.aten._convert_weight_to_int4pack(
+            (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8), 8)
+    else:
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
+    return PackedWeight("int4", packed, sz, n, k, group_size)

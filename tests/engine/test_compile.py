@@ -1,0 +1,103 @@
+"""The compiled decode step (engine/compile/) against the eager one on the tiny model, fp32:
+token-identical, batch-invariant, interruptible, and a compile failure falls back loudly."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from engine.compile.decode import CompiledDecode, decode_buckets
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+def _engine(path: Path, compile: bool, quantization: str = "none") -> LLMEngine:
+    eng = LLMEngine(EngineConfig(model=str(path), dtype="float32", num_kv_blocks=128,
+                                 max_num_seqs=8, compile=compile, compile_max_batch=4,
+                                 quantization=quantization, quant_packed_max_rows=2))
+    if compile:
+        assert set(eng.runner.compiled.timings) == {1, 2, 4}
+        eng.runner.compiled.slower.clear()  # test every compiled bucket, faster or not
+    return eng
+
+
+def _prompts(n: int) -> list[list[int]]:
+    return [[(7 * i + j) % 300 + 3 for j in range(5 + 3 * i)] for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def compiled(tiny_model_dir: Path) -> LLMEngine:
+    eng = _engine(tiny_model_dir, compile=True)
+    assert eng.runner.compiled.disabled is None
+    assert eng.runner.compiled.buckets == [1, 2, 4]
+    return eng
+
+
+def test_buckets() -> None:
+    assert decode_buckets(1) == [1]
+    assert decode_buckets(5) == [1, 2, 4, 8]
+    assert decode_buckets(64)[-1] == 64
+
+
+def test_compiled_tokens_equal_eager(compiled: LLMEngine, tiny_model_dir: Path) -> None:
+    eager = _engine(tiny_model_dir, compile=False)
+    prompts = _prompts(6)  # 6 rows: bucket... none (> 4): eager; then 3, 2, 1 as they finish
+    params = [SamplingParams(max_tokens=4 + 2 * i, temperature=0, ignore_eos=True)
+              for i in range(6)]
+    want = [c.token_ids for c in eager.generate(prompts, params)]
+    assert [c.token_ids for c in compiled.generate(prompts, params)] == want
+    assert [c.token_ids for c in compiled.generate(prompts[:3], params[:3])] == want[:3]
+    alone = [compiled.generate([p], GREEDY)[0].token_ids for p in prompts[:3]]
+    assert alone == [c.token_ids for c in eager.generate(prompts[:3], GREEDY)]
+    compiled.leak_check()
+
+
+def test_compiled_quantized_tokens_equal_eager(tiny_model_dir: Path) -> None:
+    """Packed int8 kernels at 1-2 rows, dense at 4: both inside the compiled graphs."""
+    a = _engine(tiny_model_dir, compile=True, quantization="int8")
+    b = _engine(tiny_model_dir, compile=False, quantization="int8")
+    prompts = _prompts(4)
+    assert [c.token_ids for c in a.generate(prompts, GREEDY)] == \
+        [c.token_ids for c in b.generate(prompts, GREEDY)]
+
+
+def test_compiled_step_is_interruptible(compiled: LLMEngine) -> None:
+    """should_stop is asked between layers of a compiled step as of an eager one."""
+    for i in range(2):
+        compiled.add_request(_prompts(2)[i], GREEDY, request_id=f"low{i}", priority=5)
+    compiled.step()
+    compiled.step()
+    attn = compiled.runner.model.model.layers[0].self_attn
+    inner = attn.attend
+
+    def attend(*a, **kw):
+        attn.attend = inner
+        compiled.interrupt_for(0)
+        return inner(*a, **kw)
+
+    attn.attend = attend
+    before = compiled.stats.interrupted_steps
+    assert compiled.step() == []
+    assert compiled.stats.interrupted_steps == before + 1
+    while compiled.has_unfinished():
+        compiled.step()
+    compiled.leak_check()
+
+
+def test_compile_failure_falls_back_and_says_so(tiny_model_dir: Path, caplog) -> None:
+    eng = _engine(tiny_model_dir, compile=False)
+    c = CompiledDecode(eng.runner.model, eng.runner.device, 1, options={"_raise_error_for_testing": True})
+    eng.runner.compiled = c
+    with caplog.at_level(logging.ERROR):
+        c.warm_up(eng.runner._dummy_decode)
+    assert c.disabled and "compiling the decode step for batch 1 failed" in c.disabled
+    assert "--no-compile" in caplog.text
+    assert c.bucket(1) is None  # every later step runs eagerly
+    assert eng.runner.fallbacks()["compile"] == [c.disabled]
+    done = eng.generate(_prompts(2), GREEDY)
+    assert all(len(d.token_ids) == 12 for d in done)
+    eng.leak_check()

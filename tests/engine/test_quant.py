@@ -1,0 +1,146 @@
+"""Packed weights: GGUF blocks map exactly onto the int4 kernel, the kernels agree with
+the dequantized weights, bad shapes are named, and quantized engines stay batch-invariant."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+from gguf.quants import dequantize, quantize
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.quant.base import get_method, resolve_method
+from engine.quant.linear import QuantLinear
+from engine.quant.packed import UnpackableWeight
+from engine.sampling import SamplingParams
+
+
+def _w(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_1])
+def test_gguf_four_bit_blocks_pack_exactly(qtype) -> None:
+    w = _w(64, 96).numpy()
+    raw = quantize(w, qtype)  # [64, row bytes]
+    want = torch.from_numpy(dequantize(raw, qtype).reshape(64, 96).astype(np.float32))
+    packed, values = get_method("gguf").pack("w", want, torch.float32, [(qtype.name, raw)])
+    torch.testing.assert_close(values, want, atol=1e-6, rtol=0)
+    assert packed.kind == "int4" and packed.group_size == 32
+    torch.testing.assert_close(packed.dequantize(), want, atol=1e-6, rtol=0)
+
+
+def test_fused_shards_concatenate_in_order() -> None:
+    a, b = _w(32, 64, 1).numpy(), _w(16, 64, 2).numpy()
+    ra, rb = quantize(a, QT.Q4_1), quantize(b, QT.Q4_1)
+    want = torch.from_numpy(np.concatenate([dequantize(ra, QT.Q4_1), dequantize(rb, QT.Q4_1)])
+                            .reshape(48, 64).astype(np.float32))
+    packed, _ = get_method("gguf").pack("qkv", want, torch.float32, [("Q4_1", ra), ("Q4_1", rb)])
+    torch.testing.assert_close(packed.dequantize(), want, atol=1e-6, rtol=0)
+
+
+def test_q8_0_is_requantized_per_channel_and_f16_is_unpackable() -> None:
+    w = _w(32, 64)
+    packed, _ = get_method("gguf").pack("lm_head", w, torch.float32, [("Q8_0", np.zeros((32, 68), np.uint8))])
+    assert packed.kind == "int8"
+    with pytest.raises(UnpackableWeight, match="lm_head: GGUF type F16 cannot be kept packed"):
+        get_method("gguf").pack("lm_head", w, torch.float32, [("F16", np.zeros((32, 128), np.uint8))])
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernels_match_their_dequantized_weights(method: str, dtype: torch.dtype) -> None:
+    w = _w(48, 128)
+    packed, values = get_method(method).pack("w", w, dtype)
+    deq = packed.dequantize().float()
+    torch.testing.assert_close(deq, values.to(dtype).float(), atol=1e-6, rtol=1e-2)
+    assert (deq - w).abs().max() <= (0.05 if method == "int4" else 0.005)
+    x = torch.randn(5, 128, dtype=dtype)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(packed.matmul(x).float(), x.float() @ deq.t(), atol=tol, rtol=tol)
+
+
+def test_bad_shapes_name_the_tensor() -> None:
+    with pytest.raises(UnpackableWeight, match=r"blk\.q \[40, 64\].*divisible by 16"):
+        get_method("int4").pack("blk.q", _w(40, 64), torch.float32)
+    with pytest.raises(UnpackableWeight, match=r"x \[16, 40\].*int8.*divisible by 16"):
+        get_method("int8").pack("x", _w(16, 40), torch.float32)
+
+
+def test_resolve_method() -> None:
+    assert resolve_method("auto", is_gguf=True) == "gguf"
+    assert resolve_method("auto", is_gguf=False) == "none"
+    with pytest.raises(ValueError, match="--quantization gguf needs a .gguf"):
+        resolve_method("gguf", is_gguf=False)
+    with pytest.raises(ValueError, match="--quantization"):
+        EngineConfig(quantization="fp8")
+
+
+def test_int4_on_unsupported_shape_is_a_clear_engine_error(tmp_path: Path) -> None:
+    from tests.utils import make_tiny_llama
+
+    d = make_tiny_llama(tmp_path / "odd", hidden=48, heads=4, kv_heads=2)  # K=48: no g32
+    with pytest.raises(ValueError, match=r"--quantization int4: model\.layers\.0\.self_attn\.qkv_proj"):
+        LLMEngine(EngineConfig(model=str(d), dtype="float32", quantization="int4", num_kv_blocks=16))
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_engine_is_batch_invariant(tiny_model_dir: Path, method: str) -> None:
+    """Packed kernels at every batch size (forced): 8 requests together equal each alone."""
+    eng = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", quantization=method,
+                                 quant_packed_max_rows=1 << 20, num_kv_blocks=128))
+    layers = [m for m in eng.runner.model.modules() if isinstance(m, QuantLinear)]
+    assert len(layers) == 2 * 4 + 1 and eng.runner.fallbacks()["quantization"] == []
+    prompts = [[(7 * i + j) % 300 + 3 for j in range(5 + 3 * i)] for i in range(8)]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    together = [c.token_ids for c in eng.generate(prompts, params)]
+    alone = [eng.generate([p], params)[0].token_ids for p in prompts]
+    assert together == alone
+    eng.leak_check()
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_tiny_matches_hf_with_the_same_weights(tiny_model_dir: Path, method: str) -> None:
+    """On-load quantization against HF transformers holding the same quantized values:
+    logits of every prompt position (dense path) and greedy tokens (packed kernels)."""
+    transformers = pytest.importorskip("transformers")
+    from tests.engine.test_reference_hf import hf_with_weights_of
+
+    eng = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", quantization=method,
+                                 quant_packed_max_rows=4, num_kv_blocks=64))
+    hf = hf_with_weights_of(transformers.AutoModelForCausalLM.from_pretrained(
+        tiny_model_dir, dtype=torch.float32).eval(), eng.runner)
+    ids = [(5 * j) % 300 + 3 for j in range(40)]
+    table = eng.kv.pool.allocate(eng.kv.blocks_needed(len(ids)))
+    ours = eng.runner.prompt_logits(ids, table)
+    eng.kv.pool.free(table)
+    with torch.inference_mode():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+        out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                          do_sample=False, max_new_tokens=16, eos_token_id=None, pad_token_id=0)
+    torch.testing.assert_close(ours, ref, atol=1e-3, rtol=1e-3)
+    got = eng.generate([ids], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    assert got[0].token_ids == out[0, len(ids):].tolist()
+    eng.leak_check()
+
+
+def test_gguf_tensor_that_cannot_stay_packed_falls_back_with_a_log(caplog) -> None:
+    import logging
+
+    from torch import nn
+
+    from engine.quant.apply import quantize_model
+
+    model = nn.Sequential(nn.Linear(64, 32, bias=False), nn.Linear(32, 16, bias=False))
+    raw = quantize(_w(32, 64).numpy(), QT.Q4_1)
+    sources = {"0": [("Q4_1", raw)], "1": [("F16", np.zeros((16, 64), np.uint8))]}
+    with caplog.at_level(logging.WARNING):
+        report = quantize_model(model, "gguf", torch.float32, sources.get, strict=False)
+    assert isinstance(model[0], QuantLinear) and isinstance(model[1], nn.Linear)
+    assert report.fallbacks == ["1.weight: GGUF type F16 cannot be kept packed (packable: "
+                                "Q4_0, Q4_1, Q8_0)"]
+    assert "1.weight: GGUF type F16" in caplog.text and "dequantized" in caplog.text
+
