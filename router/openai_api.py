@@ -14,12 +14,12 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.guided.spec import GuidedSpec
-from engine.limits import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, PRIORITY_MAX, PRIORITY_MIN
+from engine.limits import (MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_TOOLS, PRIORITY_MAX,
+                           PRIORITY_MIN)
 from engine.sampling import SamplingParams
 
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
 FunctionName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")]
-MAX_TOOLS = 128
 
 
 class _Strict(BaseModel):

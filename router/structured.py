@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from engine.guided.compiler import check_schema
 from engine.guided.spec import JSON_OBJECT_SCHEMA, GuidedSpec
 from router.http.errors import APIError
-from router.openai_api import NamedToolChoice, ResponseFormat, StructuredOutputs
+from router.openai_api import NamedToolChoice, ResponseFormat
 from router.tools import ToolPlan
 
 
@@ -36,13 +36,21 @@ def _bad(field: str, message: str) -> APIError:
     return APIError(400, f"{field}: {message}", param=field)
 
 
+def _spec(field: str, kind: str, text: str) -> GuidedSpec:
+    """GuidedSpec(kind, text), or APIError naming the field (empty, too long)."""
+    try:
+        return GuidedSpec(kind, text)
+    except ValueError as e:
+        raise _bad(field, str(e)) from None
+
+
 def _json_spec(field: str, schema: dict | str) -> GuidedSpec:
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
         except json.JSONDecodeError as e:
             raise _bad(field, f"is not valid JSON: {e}") from None
-    return GuidedSpec.json_schema(schema)
+    return _spec(field, "json_schema", json.dumps(schema))
 
 
 def _response_format(rf: ResponseFormat) -> GuidedSpec | None:
@@ -50,49 +58,38 @@ def _response_format(rf: ResponseFormat) -> GuidedSpec | None:
         return None
     if rf.type == "json_object" or rf.json_schema.schema_ is None:
         return GuidedSpec("json_schema", JSON_OBJECT_SCHEMA)
-    return GuidedSpec.json_schema(rf.json_schema.schema_)
+    return _json_spec("response_format", rf.json_schema.schema_)
 
 
-def _structured(so: StructuredOutputs) -> list[tuple[str, GuidedSpec | None]]:
-    out: list[tuple[str, GuidedSpec | None]] = []
-    if so.json_ is not None:
-        out.append(("structured_outputs.json", _json_spec("structured_outputs.json", so.json_)))
-    if so.regex is not None:
-        out.append(("structured_outputs.regex", GuidedSpec("regex", so.regex)))
-    if so.choice is not None:
-        out.append(("structured_outputs.choice", GuidedSpec.choice(so.choice)))
-    if so.grammar is not None:
-        out.append(("structured_outputs.grammar", GuidedSpec("grammar", so.grammar)))
-    if so.json_object:
-        out.append(("structured_outputs.json_object", GuidedSpec("json_schema",
-                                                                 JSON_OBJECT_SCHEMA)))
-    return out
+def _given(field: str, kind: str, value) -> list[tuple[str, GuidedSpec]]:
+    """[(field, its spec)] when the field is given, else []."""
+    if value is None:
+        return []
+    if kind == "json_schema":
+        return [(field, _json_spec(field, value))]
+    return [(field, _spec(field, kind, json.dumps(list(value)) if kind == "choice" else value))]
 
 
 def _sources(body) -> list[tuple[str, GuidedSpec | None]]:
     found: list[tuple[str, GuidedSpec | None]] = []
     if body.response_format is not None:
         found.append(("response_format", _response_format(body.response_format)))
-    if body.guided_json is not None:
-        found.append(("guided_json", _json_spec("guided_json", body.guided_json)))
-    if body.guided_regex is not None:
-        found.append(("guided_regex", GuidedSpec("regex", body.guided_regex)))
-    if body.guided_choice is not None:
-        found.append(("guided_choice", GuidedSpec.choice(body.guided_choice)))
-    if body.guided_grammar is not None:
-        found.append(("guided_grammar", GuidedSpec("grammar", body.guided_grammar)))
-    if body.structured_outputs is not None:
-        found += _structured(body.structured_outputs)
+    for name, kind in (("json", "json_schema"), ("regex", "regex"), ("choice", "choice"),
+                       ("grammar", "grammar")):
+        found += _given(f"guided_{name}", kind, getattr(body, f"guided_{name}"))
+    so = body.structured_outputs
+    if so is not None:
+        found += _given("structured_outputs.json", "json_schema", so.json_)
+        for name in ("regex", "choice", "grammar"):
+            found += _given(f"structured_outputs.{name}", name, getattr(so, name))
+        found += _given("structured_outputs.json_object", "json_schema",
+                        JSON_OBJECT_SCHEMA if so.json_object else None)
     return found
 
 
 def constraint_of(body) -> Constraint:
     """The request's constraint (not compiled yet). APIError (400) naming the field."""
-    field = "response_format"
-    try:
-        found = _sources(body)
-    except ValueError as e:  # a GuidedSpec refused its text (empty, too long)
-        raise _bad(field, str(e)) from None
+    found = _sources(body)
     given = [(f, s) for f, s in found if s is not None]
     if len(given) > 1:
         raise _bad(given[1][0], f"only one output constraint may be given; {given[0][0]} "

@@ -8,14 +8,13 @@ import hashlib
 import json
 from dataclasses import dataclass
 
+from engine.limits import MAX_GUIDED_CHARS
+
 KINDS = ("json_schema", "regex", "choice", "grammar", "llguidance")
 """json_schema: a JSON Schema as JSON text; regex: a Rust-regex the whole output must
 match; choice: a JSON list of strings, the output is one of them; grammar: Lark (as
 llguidance takes it) or GBNF; llguidance: a grammar in llguidance's own JSON format
 (what the router builds for tool calls)."""
-MAX_SPEC_CHARS = 200_000
-"""Longest constraint text a request may carry (the grammar is compiled on the router
-and on every worker the request touches)."""
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
 """response_format {"type": "json_object"}: any JSON object."""
 
@@ -32,8 +31,8 @@ class GuidedSpec:
             raise ValueError(f"guided.kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
         if not isinstance(self.text, str) or not self.text:
             raise ValueError(f"guided.text must be a non-empty string ({self.kind})")
-        if len(self.text) > MAX_SPEC_CHARS:
-            raise ValueError(f"guided.text: at most {MAX_SPEC_CHARS} characters, "
+        if len(self.text) > MAX_GUIDED_CHARS:
+            raise ValueError(f"guided.text: at most {MAX_GUIDED_CHARS} characters, "
                              f"got {len(self.text)} ({self.kind})")
 
     @property

@@ -10,6 +10,7 @@ import httpx
 import jsonschema
 import pytest
 
+from engine.limits import MAX_GUIDED_CHARS, MAX_TOOLS
 from router.http.errors import APIError
 from router.openai_api import ChatCompletionRequest
 from router.structured import constraint_of
@@ -193,6 +194,10 @@ BAD = [
     ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}},
      "structured_outputs.whitespace_pattern"),
     ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"guided_regex": "a" * (MAX_GUIDED_CHARS + 1)}, "guided_regex"),
+    ({"structured_outputs": {"grammar": ""}}, "structured_outputs.grammar"),
+    ({"tools": [{"type": "function", "function": {"name": f"f{i}"}}
+                for i in range(MAX_TOOLS + 1)]}, "tools"),
 ]
 
 
