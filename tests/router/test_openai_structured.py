@@ -5,19 +5,13 @@ streaming gives what the plain call gives."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 
-import httpx
 import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel
 
-from tests.cluster.launch import free_port
+from tests.cluster.launch import tandem_up
 
 pytestmark = pytest.mark.slow
 WEATHER = {"type": "function", "function": {
@@ -34,27 +28,11 @@ class Person(BaseModel):
 
 @pytest.fixture(scope="module")
 def client(model_path):
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tandem.cli", "up", "--model", str(model_path), "--port",
-         str(port), "--kv-transfer", "tcp", "--kv-blocks", "256", "--max-model-len", "2048",
-         "--local-prefill-threshold", "16"], stderr=subprocess.DEVNULL, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 240
-    while True:
-        assert proc.poll() is None, "tandem up exited"
-        assert time.monotonic() < deadline, "tandem up not ready"
-        try:
-            if httpx.get(url + "/ready", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    c.model = c.models.list().data[0].id
-    yield c
-    os.killpg(proc.pid, signal.SIGINT)
-    proc.wait(timeout=30)
+    with tandem_up(model_path, ["--kv-transfer", "tcp", "--kv-blocks", "256", "--max-model-len",
+                                "2048", "--local-prefill-threshold", "16"], ready_s=240) as url:
+        c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        c.model = c.models.list().data[0].id
+        yield c
 
 
 PEOPLE = [[{"role": "user", "content": "Alice is 30 years old. Extract the person as JSON."}],
