@@ -21,6 +21,28 @@ PROMPT = ("The history of the printing press begins in the fifteenth century, wh
           "goldsmith in Mainz combined several known techniques into a new machine that")
 
 
+def _stream_killing_decode(c, body: dict) -> tuple[list[str], list[str | None]]:
+    """Stream a completion and kill its (one busy) decode worker after 8 events; the
+    texts and finish reasons of every event."""
+    text, reasons, killed = [], [], False
+    with httpx.stream("POST", c.url + "/v1/completions", timeout=120,
+                      json={**body, "stream": True}) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            assert "error" not in ev, ev
+            text.append(ev["choices"][0]["text"])
+            reasons.append(ev["choices"][0]["finish_reason"])
+            if len(text) == 8 and not killed:
+                busy = [d for d in c.decode if c.load(d).num_running]
+                assert len(busy) == 1
+                busy[0].kill()
+                killed = True
+    assert killed
+    return text, reasons
+
+
 @pytest.mark.parametrize("seeded", [True])  # seeded covers the greedy path and the RNG handoff
 def test_decode_killed_mid_stream_resumes_seamlessly(model_path, seeded) -> None:
     n = 40
@@ -32,22 +54,8 @@ def test_decode_killed_mid_stream_resumes_seamlessly(model_path, seeded) -> None
     want = eng.generate([PROMPT], SamplingParams(**sp))[0].text
     with cluster(model_path, "tcp", n_prefill=1, n_decode=2, worker_args=FP32,
                  router_args=["--local-prefill-threshold", "0"]) as c:
-        text, killed, reasons = [], False, []
-        with httpx.stream("POST", c.url + "/v1/completions", timeout=120,
-                          json={"prompt": PROMPT, "stream": True, **sp}) as r:
-            for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                ev = json.loads(line[6:])
-                assert "error" not in ev, ev
-                text.append(ev["choices"][0]["text"])
-                reasons.append(ev["choices"][0]["finish_reason"])
-                if len(text) == 8 and not killed:
-                    busy = [d for d in c.decode if c.load(d).num_running]
-                    assert len(busy) == 1
-                    busy[0].kill()
-                    killed = True
-        assert killed and reasons[-1] == "length"
+        text, reasons = _stream_killing_decode(c, {"prompt": PROMPT, **sp})
+        assert reasons[-1] == "length"
         assert "".join(text) == want
         c.leak_check()  # the surviving workers hold nothing
 
@@ -72,21 +80,9 @@ def test_decode_killed_mid_stream_keeps_the_grammar(model_path) -> None:
     assert want.finish_reason.value == "stop"
     with cluster(model_path, "tcp", n_prefill=1, n_decode=2, worker_args=FP32,
                  router_args=["--local-prefill-threshold", "0"]) as c:
-        text, killed = [], False
-        with httpx.stream("POST", c.url + "/v1/completions", timeout=120, json={
-                "prompt": prompt, "stream": True, "guided_json": FRUITS, **sp}) as r:
-            for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                ev = json.loads(line[6:])
-                assert "error" not in ev, ev
-                text.append(ev["choices"][0]["text"])
-                if len(text) == 8 and not killed:
-                    busy = [d for d in c.decode if c.load(d).num_running]
-                    assert len(busy) == 1
-                    busy[0].kill()
-                    killed = True
-        assert killed and ev["choices"][0]["finish_reason"] == "stop"
+        text, reasons = _stream_killing_decode(c, {"prompt": prompt, "guided_json": FRUITS,
+                                                   **sp})
+        assert reasons[-1] == "stop"
         assert "".join(text) == want.text
         jsonschema.validate(json.loads(want.text), FRUITS)
         c.leak_check()
