@@ -140,9 +140,14 @@ def tandem_up(model: str | Path, args: list[str], ready_s: float = 180):
         wait_ready(url, proc, time.monotonic() + ready_s, "tandem up")
         yield url
     finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        interrupt(proc)
+
+
+def interrupt(proc: subprocess.Popen, timeout: float = 30) -> None:
+    """Ctrl-C to a process group (`tandem up` stops its cluster), SIGKILL if it hangs."""
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
