@@ -16,6 +16,11 @@ PRIORITY_MAX = 2**31 - 1
 MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
+MAX_GUIDED_CHARS = 200_000
+"""Longest output constraint (schema, regex, choices, grammar) a request may carry: it
+is compiled on the router and on every worker the request touches."""
+MAX_TOOLS = 128
+"""Most tools one chat request may offer (their schemas become one grammar)."""
 GREEDY_TEMPERATURE = 1e-5
 """Temperatures below this are treated as 0 (greedy), as vLLM does: dividing logits
 by a subnormal temperature gives inf/NaN, and the limit of sampling is the argmax."""

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Sequence
 
 from engine.config import EngineConfig
+from engine.guided.compiler import GrammarCompiler
 from engine.quant.base import resolve_method
 from engine.limits import check_priority, check_prompt
 from engine.kv_cache import KVCacheManager, blocks_for
@@ -96,7 +97,9 @@ class LLMEngine:
         eos = set(ckpt.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
-        self.outputs = OutputProcessor(self.tokenizer, eos, self.max_model_len)
+        self.guided = GrammarCompiler(self.tokenizer, ckpt.config.vocab_size, sorted(eos))
+        """Constraints compiled once each, checked before a request is queued."""
+        self.outputs = OutputProcessor(self.tokenizer, eos, self.max_model_len, self.guided)
         self.requests: dict[str, Request] = {}
         self.held: dict[str, list[int]] = {}
         """Block tables of finished prefill_only requests, kept for a KV handoff."""
@@ -110,14 +113,19 @@ class LLMEngine:
                      request_id: str | None = None, priority: int = 0,
                      output_token_ids: Sequence[int] = ()) -> Request:
         """Validate and build a Request without queueing it. Raises ValueError naming
-        the field (prompt, output_token_ids) when it cannot be served. Reads only the
-        engine's fixed configuration, so any thread may call it; whether the id is free
-        is decided when the request is admitted (``admit``), on the engine thread."""
+        the field (prompt, output_token_ids, guided, max_tokens) when it cannot be
+        served. Reads only the engine's fixed configuration (and the thread-safe grammar
+        cache), so any thread may call it; whether the id is free is decided when the
+        request is admitted (``admit``), on the engine thread."""
         request_id = request_id or uuid.uuid4().hex
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         check_prompt(ids, self.model_config.vocab_size, self.max_model_len, output_token_ids)
         check_priority(priority)
         req = Request(request_id, ids, params, priority)
+        if params.guided is not None:  # the grammar compiles and can finish, or no work
+            if not output_token_ids:
+                self.guided.check(params.guided, params.max_tokens)
+            req.sampling.guide = self.guided.start(params.guided)
         if output_token_ids:  # resumed elsewhere: the outputs so far join the context
             req.token_ids.extend(output_token_ids)
             req.sampling.resume(output_token_ids, self.model_config.vocab_size,

@@ -1,5 +1,6 @@
 """Owns the model weights, the KV cache tensor and the attention backend; runs
-one scheduled batch as one forward pass and samples every row that needs a token.
+one scheduled batch as one forward pass and samples every row that needs a token
+(the masks of constrained rows are built beside the forward, engine/guided/masks.py).
 """
 from __future__ import annotations
 
@@ -55,6 +56,7 @@ class ModelRunner:
         self.swap_kv = torch.empty((self.num_swap_blocks, *self.kv.shape[1:]), dtype=self.dtype,
                                    pin_memory=pin) if self.num_swap_blocks else None
         self.sampler = Sampler()
+        self._masks = None
         self.compiled: CompiledDecode | None = None
         if config.compile:
             self.compiled = CompiledDecode(self.model, self.device,
@@ -168,11 +170,30 @@ class ModelRunner:
         meta = build_metadata(qlens, slens, num_prefills, tables, self.config.block_size,
                               self.device)
         ctx = ForwardContext(self.kv, meta, self.backend, should_stop)
-        hidden = self._forward(ids, pos, ctx, decode_only=num_prefills == 0)
-        if not sampled:
-            return [], None
-        logits = self.model.compute_logits(hidden[sample_rows])  # [N, V] fp32
-        return sampled, self.sampler(logits, [r.sampling for r in sampled])
+        states = [r.sampling for r in sampled]
+        masks = self._submit_masks(states)
+        try:
+            hidden = self._forward(ids, pos, ctx, decode_only=num_prefills == 0)
+            if not sampled:
+                return [], None
+            logits = self.model.compute_logits(hidden[sample_rows])  # [N, V] fp32
+        finally:  # the masks are done before anything else touches their matchers
+            banned = self.masks.result(masks) if masks is not None else None
+        return sampled, self.sampler(logits, states, banned)
+
+    @property
+    def masks(self):
+        """The constrained rows' mask builder (engine.guided.masks.MaskBuilder), made on
+        first use: an engine that never sees a constraint never loads llguidance."""
+        if self._masks is None:
+            from engine.guided.masks import MaskBuilder
+            self._masks = MaskBuilder()
+        return self._masks
+
+    def _submit_masks(self, states: list) -> object | None:
+        if not any(s.guide is not None for s in states):
+            return None  # unconstrained batches pay nothing
+        return self.masks.submit([s.guide for s in states], self.model_config.vocab_size)
 
     def _forward(self, ids: list[int], pos: list[int], ctx: ForwardContext,
                  decode_only: bool) -> torch.Tensor:

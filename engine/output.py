@@ -1,13 +1,17 @@
 """Turns sampled tokens into request outputs: detokenization, stop conditions.
 
-Stop checks run in this order after each token: EOS (unless ignore_eos), a stop
-token id, a stop string (text held back while it may be a prefix of one),
-max_tokens, the context window.
+Stop checks run in this order after each token: a token the request's grammar
+refuses (error), EOS (unless ignore_eos), a stop token id, a stop string (text held
+back while it may be a prefix of one), a grammar that is complete, max_tokens, the
+context window. A constrained request therefore ends "stop" only with a complete
+output (its grammar allows EOS only there, and a stop string inside the structure
+is just text), and "length" when max_tokens cuts it short.
 """
 from __future__ import annotations
 
 import time
 
+from engine.guided.compiler import GrammarCompiler
 from engine.request import FinishReason, Request, RequestOutput, RequestStatus
 from engine.sampling import TokenLogprobs
 from engine.text import TextAssembler
@@ -15,17 +19,23 @@ from engine.tokenizer import Tokenizer
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer, eos_token_ids: set[int], max_model_len: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, eos_token_ids: set[int], max_model_len: int,
+                 guided: GrammarCompiler | None = None) -> None:
         self.tokenizer = tokenizer
         self.eos = eos_token_ids
         self.max_model_len = max_model_len
+        self.guided = guided
         self.text: dict[str, TextAssembler] = {}
 
     def register(self, req: Request) -> None:
         # everything known at admission (prompt, plus outputs made elsewhere) is context
         p = req.params
+        accept = None
+        if self.guided is not None and p.guided is not None and p.stop:
+            accept = self.guided.acceptor(p.guided, p.stop,
+                                          self.tokenizer.decode(req.output_token_ids))
         self.text[req.request_id] = TextAssembler(self.tokenizer, req.token_ids, p.stop,
-                                                  p.include_stop_str_in_output)
+                                                  p.include_stop_str_in_output, accept)
 
     def forget(self, request_id: str) -> None:
         """No text is owed for this request any more (handed off to another worker)."""
@@ -36,20 +46,31 @@ class OutputProcessor:
         req.sampling.append(token)
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
-        p = req.params
         text = self.text.get(req.request_id)
         delta, hit = text.add([token]) if text is not None else ("", False)
-        reason = None
-        if token in self.eos and not p.ignore_eos or token in p.stop_token_ids or hit:
-            reason = FinishReason.STOP
-        elif req.num_output_tokens >= p.max_tokens or len(req.token_ids) >= self.max_model_len:
-            reason = FinishReason.LENGTH
+        reason = self._reason(req, token, hit)
         out = RequestOutput(req.request_id, [token], delta, reason is not None, reason,
                             [logprobs] if logprobs is not None else [], req.num_prompt_tokens,
                             req.num_output_tokens, req.num_cached_tokens)
+        if reason is FinishReason.ERROR:
+            out.error = f"constrained decoding failed: {req.sampling.guide.error}"
         if reason is not None:
             out.text += self._close(req, reason)
         return out
+
+    def _reason(self, req: Request, token: int, hit: bool) -> FinishReason | None:
+        p, guide = req.params, req.sampling.guide
+        if guide is not None and guide.error:
+            return FinishReason.ERROR
+        # a grammar allows EOS only where the output is complete; a stop token id ends a
+        # constrained output only there too (elsewhere it is part of the structure)
+        eos = token in self.eos and (not p.ignore_eos or guide is not None)
+        stop_id = token in p.stop_token_ids and (guide is None or guide.matcher.is_accepting())
+        if eos or stop_id or hit or (guide is not None and guide.stopped):
+            return FinishReason.STOP
+        if req.num_output_tokens >= p.max_tokens or len(req.token_ids) >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
 
     def finish(self, req: Request, reason: FinishReason, error: str | None = None) -> RequestOutput:
         """Finish outside the token path (abort, error)."""

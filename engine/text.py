@@ -7,7 +7,7 @@ Torch-free.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 from engine.sampling.stop import StopStringMatcher
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -15,11 +15,15 @@ from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 class TextAssembler:
     def __init__(self, tokenizer: Tokenizer, context_ids: Sequence[int],
-                 stop: Sequence[str] = (), include_stop_str_in_output: bool = False) -> None:
+                 stop: Sequence[str] = (), include_stop_str_in_output: bool = False,
+                 accept: Callable[[str], bool] | None = None) -> None:
         """context_ids: what precedes the output (the prompt, plus outputs made
-        elsewhere), so the first output token decodes in context."""
+        elsewhere), so the first output token decodes in context. accept: for a
+        constrained request, whether the output before a stop string is complete
+        (a stop string inside the structure is just text; StopStringMatcher)."""
         self._detok = IncrementalDetokenizer(tokenizer, context_ids)
-        self._stop = StopStringMatcher(stop, include_stop_str_in_output) if stop else None
+        self._stop = (StopStringMatcher(stop, include_stop_str_in_output, accept)
+                      if stop else None)
 
     @property
     def stopped(self) -> bool:

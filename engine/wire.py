@@ -5,6 +5,7 @@ fills the requests) and the workers (which read them). Load reports are the
 workers' own (worker/base.py)."""
 from __future__ import annotations
 
+from engine.guided.spec import GuidedSpec
 from engine.kv_cache import KVEvent, KVEventKind
 from engine.sampling import SamplingParams
 from proto import common_pb2 as common
@@ -19,7 +20,8 @@ def sampling_from_proto(m: common.SamplingParams) -> SamplingParams:
         presence_penalty=m.presence_penalty, frequency_penalty=m.frequency_penalty,
         seed=m.seed if m.HasField("seed") else None, stop=tuple(m.stop),
         stop_token_ids=tuple(m.stop_token_ids), ignore_eos=m.ignore_eos,
-        logprobs=m.logprobs if m.HasField("logprobs") else None)
+        logprobs=m.logprobs if m.HasField("logprobs") else None,
+        guided=GuidedSpec(m.guided.kind, m.guided.text) if m.HasField("guided") else None)
 
 
 def sampling_to_proto(p: SamplingParams) -> common.SamplingParams:
@@ -32,6 +34,8 @@ def sampling_to_proto(p: SamplingParams) -> common.SamplingParams:
         m.seed = p.seed
     if p.logprobs is not None:
         m.logprobs = p.logprobs
+    if p.guided is not None:
+        m.guided.kind, m.guided.text = p.guided.kind, p.guided.text
     return m
 
 

@@ -25,6 +25,7 @@ from typing import AsyncIterator
 
 import grpc
 
+from engine.guided.compiler import GrammarCompiler
 from engine.kv_cache import blocks_for, hash_token_blocks
 from engine.sampling import SamplingParams
 from engine.text import TextAssembler
@@ -103,6 +104,8 @@ class RequestFlow:
         self.tokenizer = tokenizer
         self.pool = pool
         self.placer = Placer(config.routing, pool.index)
+        self.guided = GrammarCompiler(tokenizer)
+        """Constraints compiled and checked at the edge (the workers check them again)."""
 
     async def run(self, prompt_ids: list[int], params: SamplingParams, priority: int = 0,
                   request_id: str | None = None, trace: Trace | None = None,
@@ -115,7 +118,8 @@ class RequestFlow:
         t0 = time.monotonic()
         req = _Request(rid, prompt_ids, params, priority,
                        deadline or t0 + self.config.request_timeout_s)
-        text = _TextStream(self.tokenizer, prompt_ids, params)
+        text = _TextStream(self.tokenizer, prompt_ids, params,
+                           self.guided.acceptor(params.guided, params.stop))
         try:
             async for token_ids, reason, logprobs in self._tokens(req, trace):
                 if not trace.ttft_seconds:
@@ -311,9 +315,10 @@ def _absorb(trace: Trace, t: decode_pb2.KVTrace) -> None:
 class _TextStream:
     """The client's text (engine/text.py) turned into Deltas."""
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams) -> None:
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams,
+                 accept=None) -> None:
         self.text = TextAssembler(tokenizer, prompt_ids, params.stop,
-                                  params.include_stop_str_in_output)
+                                  params.include_stop_str_in_output, accept)
 
     def feed(self, token_ids: list[int], reason: str | None, logprobs: list[Logprob]) -> Delta:
         text, hit = self.text.add(token_ids)

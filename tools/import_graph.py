@@ -29,7 +29,8 @@ TORCH_FREE = {"engine", "engine.kv_cache", "engine.kv_cache.block_hash",
               "engine.kv_cache.block_pool", "engine.kv_cache.manager", "engine.kv_cache.layout",
               "engine.tokenizer", "engine.chat_template", "engine.limits", "engine.sampling",
               "engine.sampling.params", "engine.sampling.stop", "engine.text", "engine.wire",
-              "engine.registry"}
+              "engine.registry", "engine.guided", "engine.guided.spec",
+              "engine.guided.compiler", "engine.guided.search"}
 """The engine modules the router may import: they load no torch and no model code."""
 
 

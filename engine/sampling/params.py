@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from engine.guided.spec import GuidedSpec
 from engine.limits import (GREEDY_TEMPERATURE, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
                            MAX_STOP_TOKEN_IDS)
 
@@ -67,6 +68,10 @@ class SamplingParams:
     """None: no logprobs; N in [0, 20]: the chosen token's logprob plus the top N."""
     include_stop_str_in_output: bool = False
     """Keep the matched stop string at the end of the output."""
+    guided: GuidedSpec | None = None
+    """What the output must match (JSON Schema, regex, choice, grammar); None: free text.
+    The grammar decides where the output ends: EOS is allowed only where it is complete,
+    and ignore_eos does not apply."""
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, 1)
@@ -82,6 +87,8 @@ class SamplingParams:
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         self._normalise_stops()
+        if self.guided is not None and not isinstance(self.guided, GuidedSpec):
+            raise ValueError(f"guided must be a GuidedSpec, got {type(self.guided).__name__}")
 
     def _normalise_stops(self) -> None:
         """Accept lists (JSON) and a bare string, store tuples so the object stays hashable."""

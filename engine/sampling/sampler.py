@@ -6,6 +6,9 @@ q ~ Exp(1), which picks token i with probability probs[i]. A seeded request
 draws its q from its own generator and every transform is row-wise, so its
 tokens do not depend on which requests share the batch or on its row.
 
+A constrained request's row is first masked to the tokens its grammar allows
+(``banned``, built beside the forward pass by engine/guided/masks.py).
+
 Logprobs are those of the RAW model distribution (log_softmax of the logits
 before penalties, temperature and truncation), as vLLM returns by default: they
 describe the model, not the sampling knobs, and stay comparable across requests.
@@ -14,12 +17,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.sampling.params import SamplingParams
 from engine.sampling.processors import (apply_min_p_, apply_penalties_, apply_temperature_,
                                         apply_top_k_top_p_)
+
+if TYPE_CHECKING:
+    from engine.guided.compiler import GuidedState
 
 _TINY = torch.finfo(torch.float32).tiny
 
@@ -29,21 +36,29 @@ class SamplingState:
 
     The engine creates one per request and calls ``append`` with every token it
     commits, so penalties see the whole history and the seeded RNG advances
-    exactly once per sampling step of this request.
+    exactly once per sampling step of this request. A constrained request's ``guide``
+    consumes every committed token too, so a resumed request's grammar state is rebuilt
+    by replaying its outputs.
     """
 
-    __slots__ = ("params", "prompt_token_ids", "output_token_ids", "_generator", "_prompt_t")
+    __slots__ = ("params", "prompt_token_ids", "output_token_ids", "guide", "_generator",
+                 "_prompt_t")
 
     def __init__(self, params: SamplingParams, prompt_token_ids: Sequence[int] = ()) -> None:
         self.params = params
         self.prompt_token_ids: tuple[int, ...] = tuple(int(t) for t in prompt_token_ids)
         self.output_token_ids: list[int] = []
+        self.guide: GuidedState | None = None
+        """The grammar state of a constrained request (set by the engine)."""
         self._generator: torch.Generator | None = None
         self._prompt_t: torch.Tensor | None = None
 
     def append(self, token_id: int) -> None:
-        """Record a token the engine committed to the output."""
+        """Record a token the engine committed to the output (a token the grammar
+        refuses leaves ``guide.error`` set)."""
         self.output_token_ids.append(int(token_id))
+        if self.guide is not None:
+            self.guide.consume(token_id)
 
     def resume(self, output_token_ids: Sequence[int], vocab_size: int,
                device: torch.device) -> None:
@@ -52,6 +67,9 @@ class SamplingState:
         vocab_size per sampled token), so the rest matches an uninterrupted run."""
         for t in output_token_ids:
             self.append(t)
+        if self.guide is not None and self.guide.error:
+            raise ValueError(f"output_token_ids do not match the request's constraint "
+                             f"({self.guide.spec.kind}): {self.guide.error}")
         gen = None if self.params.greedy else self.generator(device)
         if gen is not None:
             for _ in output_token_ids:
@@ -138,14 +156,21 @@ class Sampler:
         self._seed = seed
         self._shared: dict[torch.device, torch.Generator] = {}
 
-    def __call__(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, states: Sequence[SamplingState],
+                 banned: torch.Tensor | None = None) -> SamplerOutput:
+        """banned: [B, V] bool, True where a row's grammar refuses the token
+        (constrained requests); None when no row is constrained."""
         if logits.dim() != 2 or logits.shape[0] != len(states):
             raise ValueError(f"logits must be [B, V] with B = len(states) = {len(states)}, "
                              f"got shape {tuple(logits.shape)}")
         if not states:
             return SamplerOutput([], [])
-        x = logits.to(torch.float32, copy=True)
-        _penalise_(x, states)
+        if banned is None:
+            x = logits.to(torch.float32, copy=True)
+        else:  # the copy and the mask in one pass
+            x = logits.to(torch.float32).masked_fill(banned.to(logits.device, non_blocking=True),
+                                                     float("-inf"))
+        _penalise_(x, states)  # a refused token stays -inf whatever the penalties
         tokens = torch.empty(len(states), dtype=torch.long, device=x.device)
         greedy = [i for i, s in enumerate(states) if s.params.greedy]
         if greedy:

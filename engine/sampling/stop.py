@@ -6,7 +6,7 @@ partial stop string that is later cut from the final output.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 
 class StopStringMatcher:
@@ -15,9 +15,14 @@ class StopStringMatcher:
     When several stop strings occur, the one that completes first in the stream
     wins (smallest end position; on a tie, the one starting earliest), which is
     what a character-by-character stream would have hit.
+
+    ``accept`` (constrained requests): called with the whole output before a match;
+    False means the match falls inside the structure (a JSON string, say) and is
+    just text, so the search goes on past it.
     """
 
-    def __init__(self, stops: Sequence[str], include_stop_str_in_output: bool = False) -> None:
+    def __init__(self, stops: Sequence[str], include_stop_str_in_output: bool = False,
+                 accept: Callable[[str], bool] | None = None) -> None:
         stops = (stops,) if isinstance(stops, str) else tuple(stops)
         for s in stops:
             if not isinstance(s, str) or not s:
@@ -26,6 +31,9 @@ class StopStringMatcher:
         self.include_stop_str_in_output = include_stop_str_in_output
         self._held = ""
         self._stopped = False
+        self._accept = accept
+        self._emitted: list[str] = []
+        """What feed returned so far (kept only when accept is set)."""
         self.matched: str | None = None
         """The stop string that ended generation, once one has."""
 
@@ -40,7 +48,7 @@ class StopStringMatcher:
         if not self.stops:
             return delta, False
         text = self._held + delta
-        hit = self._first_match(text)
+        hit = next((m for m in self._matches(text) if self._accepted(text[:m[0]])), None)
         if hit is not None:
             start, stop = hit
             self._stopped, self._held = True, ""
@@ -48,24 +56,32 @@ class StopStringMatcher:
             return text[:stop] if self.include_stop_str_in_output else text[:start], True
         keep = self._partial_suffix_len(text)
         self._held = text[len(text) - keep:] if keep else ""
+        if self._accept is not None:
+            self._emitted.append(text[:len(text) - keep])
         return text[:len(text) - keep], False
+
+    def _accepted(self, before: str) -> bool:
+        if self._accept is None:
+            return True
+        self._emitted = ["".join(self._emitted)]
+        return self._accept(self._emitted[0] + before)
 
     def flush(self) -> str:
         """Release held-back text when generation ends for another reason (EOS, length)."""
         held, self._held = self._held, ""
         return "" if self._stopped else held
 
-    def _first_match(self, text: str) -> tuple[int, int] | None:
-        """(start, end) of the stop string completing first in ``text``, or None."""
-        best: tuple[int, int] | None = None
+    def _matches(self, text: str) -> list[tuple[int, int]]:
+        """(start, end) of stop strings in ``text``, the one completing first first (on
+        a tie, the one starting earliest). Without ``accept`` only the first occurrence
+        of each stop string can matter; with it, every occurrence is a candidate."""
+        found = []
         for s in self.stops:
             i = text.find(s)
-            if i < 0:
-                continue
-            cand = (i + len(s), i)
-            if best is None or cand < (best[1], best[0]):
-                best = (i, i + len(s))
-        return best
+            while i >= 0:
+                found.append((i + len(s), i))
+                i = text.find(s, i + 1) if self._accept is not None else -1
+        return [(i, end) for end, i in sorted(found)]
 
     def _partial_suffix_len(self, text: str) -> int:
         """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""

@@ -28,6 +28,8 @@ from router.http.render import LogprobFormat, ResponseShape
 from router.openai_api import ChatCompletionRequest, CompletionRequest
 from router.outcomes import DeadlineExceeded, NoWorkerError, QueueFull, WorkerError
 from router.state import RouterState
+from router.structured import Constraint, constraint_of
+from router.tools import ToolCallText, ToolPlan, template_messages
 
 FLOW_ERRORS = (NoWorkerError, WorkerError, DeadlineExceeded, QueueFull)
 
@@ -89,32 +91,44 @@ class Endpoints:
             ids = await asyncio.to_thread(tok.encode, body.prompt)
         else:
             ids = list(body.prompt)
-        return await self._serve(request, body, ids, chat=False, logprobs=body.logprobs)
+        try:
+            constraint = constraint_of(body)
+        except APIError as e:
+            return e.response(_echo(request, ""))
+        return await self._serve(request, body, ids, chat=False, logprobs=body.logprobs,
+                                 constraint=constraint)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         if body.max_completion_tokens and not body.max_tokens:
             body.max_tokens = body.max_completion_tokens
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         try:
-            ids = await asyncio.to_thread(self._chat_ids, messages)
+            constraint = constraint_of(body)
+            ids = await asyncio.to_thread(self._chat_ids, messages, constraint.tools)
+        except APIError as e:
+            return e.response(_echo(request, ""))
         except ValueError as e:
             return APIError(400, str(e), param="messages").response(_echo(request, ""))
         lp = (body.top_logprobs or 0) if body.logprobs else None
-        return await self._serve(request, body, ids, chat=True, logprobs=lp)
+        return await self._serve(request, body, ids, chat=True, logprobs=lp,
+                                 constraint=constraint)
 
-    def _chat_ids(self, messages: list[dict]) -> list[int]:
+    def _chat_ids(self, messages: list[dict], tools: ToolPlan | None) -> list[int]:
         tok = self.state.tokenizer
-        text = tok.apply_chat_template(messages, add_generation_prompt=True)
+        messages, extra = template_messages(messages, tools, tok.chat_template)
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, **extra)
         return tok.encode(text, add_special_tokens=False)
 
     async def _serve(self, request: Request, body, prompt_ids: list[int], chat: bool,
-                     logprobs: int | None) -> Response:
+                     logprobs: int | None, constraint: Constraint) -> Response:
         st = self.state
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         headers = _echo(request, rid)
         try:
             priority, deadline = self._priority(request, body), self._deadline(request)
-            params = self._check(body, prompt_ids, logprobs)
+            params = self._check(body, prompt_ids, logprobs, constraint.spec)
+            if params.guided is not None:  # compiling is CPU work: off the event loop
+                await asyncio.to_thread(self._compile, params, constraint.field)
         except APIError as e:
             return e.response(headers)
         stack = AsyncExitStack()
@@ -133,14 +147,16 @@ class Endpoints:
             shape = ResponseShape(rid, int(time.time()), st.model_name, chat,
                                   LogprobFormat(st.tokenizer, chat) if logprobs is not None
                                   else None,
-                                  bool(body.stream_options and body.stream_options.include_usage))
+                                  bool(body.stream_options and body.stream_options.include_usage),
+                                  constraint.tools)
             if body.stream:
                 resp = OwnedStream(self._sse(first, deltas, shape, outcome), stack, headers)
                 stack = None  # the response owns it now
                 return resp
             text, reason, ids, lps = await _collect(first, deltas)
-            outcome.reason = reason or "error"
-            return JSONResponse(shape.full(text, reason, ids, lps, outcome.trace), headers=headers)
+            full = shape.full(text, reason, ids, lps, outcome.trace)
+            outcome.reason = full["choices"][0]["finish_reason"] or "error"
+            return JSONResponse(full, headers=headers)
         except FLOW_ERRORS as e:
             outcome.reason = "error"
             return APIError.from_flow(e).response(headers)
@@ -148,7 +164,7 @@ class Endpoints:
             if stack is not None:
                 await stack.aclose()
 
-    def _check(self, body, prompt_ids: list[int], logprobs: int | None):
+    def _check(self, body, prompt_ids: list[int], logprobs: int | None, guided=None):
         """SamplingParams for the request; APIError (400) naming the field otherwise."""
         st = self.state
         if body.model not in (None, "", st.model_name):
@@ -157,9 +173,17 @@ class Endpoints:
         try:
             check_prompt(prompt_ids, st.tokenizer.vocab_size, st.config.max_model_len,
                          max_tokens=body.max_tokens)
-            return body.sampling(st.config.default_max_tokens, logprobs)
+            return body.sampling(st.config.default_max_tokens, logprobs, guided)
         except ValueError as e:
             raise APIError(400, str(e), param=str(e).split(" ", 1)[0].rstrip(":")) from e
+
+    def _compile(self, params, field: str) -> None:
+        """The constraint compiles and a complete output fits in max_tokens (the same
+        check every worker makes), or APIError (400) naming the field."""
+        try:
+            self.state.flow.guided.check(params.guided, params.max_tokens, field)
+        except ValueError as e:
+            raise APIError(400, str(e), param=str(e).split(":", 1)[0]) from e
 
     def _priority(self, request: Request, body) -> int:
         """The request's priority (x-priority wins over the body's), within its API key's
@@ -200,10 +224,12 @@ class Endpoints:
         if shape.chat:
             yield shape.chunk(None, None, role=True)
         d, last = first, time.monotonic()
+        calls = ToolCallText(shape.tools) if shape.tools is not None else None
         try:
             while True:
-                if d.text or (shape.logprobs is not None and d.token_ids):
-                    yield shape.chunk(d.text, None, d=d)
+                text = d.text if calls is None else calls.feed(d.text)
+                if text or (shape.logprobs is not None and d.token_ids):
+                    yield shape.chunk(text, None, d=d)
                 if d.finished:
                     outcome.reason = d.finish_reason or "error"
                     break
@@ -211,7 +237,15 @@ class Endpoints:
                 now = time.monotonic()
                 m.itl.observe(now - last)
                 last = now
-            yield shape.chunk(None if shape.chat else "", d.finish_reason)
+            if calls is not None:
+                owed, found = calls.finish(d.finish_reason)
+                if owed:
+                    yield shape.chunk(owed, None)
+                if found:
+                    outcome.reason = "tool_calls"
+                    for event in shape.tool_call_chunks(found):
+                        yield event
+            yield shape.chunk(None if shape.chat else "", outcome.reason)
             if shape.include_usage:
                 yield shape.usage_chunk(outcome.trace)
             yield "data: [DONE]\n\n"

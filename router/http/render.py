@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from engine.tokenizer import Tokenizer
 from router.flow import Delta, Logprob, Trace
+from router.tools import ToolPlan, parse_calls
 
 
 class LogprobFormat:
@@ -53,13 +54,20 @@ class ResponseShape:
     chat: bool
     logprobs: LogprobFormat | None = None
     include_usage: bool = False
+    tools: ToolPlan | None = None
+    """Set when the output may hold tool calls (message.tool_calls, finish_reason
+    "tool_calls")."""
 
     def full(self, text: str, reason: str | None, ids: list[int], lps: list[Logprob],
              trace: Trace) -> dict:
         lp = self.logprobs.render(ids, lps) if self.logprobs is not None else None
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": lp, "finish_reason": reason}
+            message: dict = {"role": "assistant", "content": text}
+            calls = parse_calls(text) if self.tools is not None and reason == "stop" else None
+            if calls:
+                message, reason = {"role": "assistant", "content": None,
+                                   "tool_calls": calls}, "tool_calls"
+            choice = {"index": 0, "message": message, "logprobs": lp, "finish_reason": reason}
         else:
             choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": reason}
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
@@ -83,6 +91,18 @@ class ResponseShape:
         else:
             choice = {"index": 0, "text": text or "", "logprobs": lps, "finish_reason": reason}
         return self._event(choices=[choice])
+
+    def tool_call_chunks(self, calls: list[dict]) -> list[str]:
+        """Each call as OpenAI streams one: its id, type and name, then its arguments."""
+        out = []
+        for i, call in enumerate(calls):
+            fn = call["function"]
+            head = {"index": i, "id": call["id"], "type": "function",
+                    "function": {"name": fn["name"], "arguments": ""}}
+            for part in (head, {"index": i, "function": {"arguments": fn["arguments"]}}):
+                out.append(self._event(choices=[{"index": 0, "delta": {"tool_calls": [part]},
+                                                 "logprobs": None, "finish_reason": None}]))
+        return out
 
     def usage_chunk(self, trace: Trace) -> str:
         return self._event(choices=[], usage=usage(trace))

@@ -107,15 +107,7 @@ def cluster(model: str | Path, backend: str = "tcp", n_prefill: int = 1, n_decod
                 args += ["--decode", proc.addr]
             c.router = Proc("router", _spawn(args))
             c.url = f"http://127.0.0.1:{port}"
-            while True:
-                assert c.router.popen.poll() is None, "router died at startup"
-                assert time.monotonic() < deadline, "router not ready in time"
-                try:
-                    if httpx.get(c.url + "/ready", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.1)
+            wait_ready(c.url, c.router.popen, deadline, "router")
             yield c
         finally:
             for proc in [c.router] + c.prefill + c.decode:
@@ -127,3 +119,41 @@ def cluster(model: str | Path, backend: str = "tcp", n_prefill: int = 1, n_decod
                         proc.popen.wait(timeout=15)
                     except subprocess.TimeoutExpired:
                         proc.kill()
+
+
+def wait_ready(url: str, proc: subprocess.Popen, deadline: float, what: str) -> None:
+    """Until ``url``/ready answers 200; AssertionError if ``proc`` dies or time runs out."""
+    while True:
+        assert proc.poll() is None, f"{what} exited"
+        assert time.monotonic() < deadline, f"{what} not ready"
+        try:
+            if httpx.get(url + "/ready", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def tandem_up(model: str | Path, args: list[str], ready_s: float = 180):
+    """`tandem up` on a free loopback port; yields the router's URL, stops it with SIGINT."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", "up", "--model", str(model),
+                             "--port", str(port), *args],
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, proc, time.monotonic() + ready_s, "tandem up")
+        yield url
+    finally:
+        interrupt(proc)
+
+
+def interrupt(proc: subprocess.Popen, timeout: float = 30) -> None:
+    """Ctrl-C to a process group (`tandem up` stops its cluster), SIGKILL if it hangs."""
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

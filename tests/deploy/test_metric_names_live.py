@@ -2,17 +2,14 @@
 a running `tandem up` (its router and worker /metrics endpoints, read over HTTP)."""
 from __future__ import annotations
 
-import os
 import re
-import signal
 import subprocess
 import sys
 import time
 
 import httpx
-import pytest
 
-from tests.cluster.launch import free_port
+from tests.cluster.launch import free_port, interrupt
 from tests.deploy.test_metric_names import autoscaled_chart, series_names, used_metric_names  # noqa: F401
 
 
@@ -51,9 +48,5 @@ def test_running_tandem_up_exports_every_used_name(tiny_model_dir, autoscaled_ch
         missing = {src: sorted(names - exported) for src, names in used.items() if names - exported}
         assert not missing, f"used but not exported by the running cluster: {missing}"
     finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        interrupt(proc)
     assert proc.returncode == 0

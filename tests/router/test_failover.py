@@ -7,6 +7,7 @@ import json
 import time
 
 import httpx
+import jsonschema
 import pytest
 
 from engine.config import EngineConfig
@@ -20,6 +21,28 @@ PROMPT = ("The history of the printing press begins in the fifteenth century, wh
           "goldsmith in Mainz combined several known techniques into a new machine that")
 
 
+def _stream_killing_decode(c, body: dict) -> tuple[list[str], list[str | None]]:
+    """Stream a completion and kill its (one busy) decode worker after 8 events; the
+    texts and finish reasons of every event."""
+    text, reasons, killed = [], [], False
+    with httpx.stream("POST", c.url + "/v1/completions", timeout=120,
+                      json={**body, "stream": True}) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            assert "error" not in ev, ev
+            text.append(ev["choices"][0]["text"])
+            reasons.append(ev["choices"][0]["finish_reason"])
+            if len(text) == 8 and not killed:
+                busy = [d for d in c.decode if c.load(d).num_running]
+                assert len(busy) == 1
+                busy[0].kill()
+                killed = True
+    assert killed
+    return text, reasons
+
+
 @pytest.mark.parametrize("seeded", [True])  # seeded covers the greedy path and the RNG handoff
 def test_decode_killed_mid_stream_resumes_seamlessly(model_path, seeded) -> None:
     n = 40
@@ -31,24 +54,38 @@ def test_decode_killed_mid_stream_resumes_seamlessly(model_path, seeded) -> None
     want = eng.generate([PROMPT], SamplingParams(**sp))[0].text
     with cluster(model_path, "tcp", n_prefill=1, n_decode=2, worker_args=FP32,
                  router_args=["--local-prefill-threshold", "0"]) as c:
-        text, killed, reasons = [], False, []
-        with httpx.stream("POST", c.url + "/v1/completions", timeout=120,
-                          json={"prompt": PROMPT, "stream": True, **sp}) as r:
-            for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                ev = json.loads(line[6:])
-                assert "error" not in ev, ev
-                text.append(ev["choices"][0]["text"])
-                reasons.append(ev["choices"][0]["finish_reason"])
-                if len(text) == 8 and not killed:
-                    busy = [d for d in c.decode if c.load(d).num_running]
-                    assert len(busy) == 1
-                    busy[0].kill()
-                    killed = True
-        assert killed and reasons[-1] == "length"
+        text, reasons = _stream_killing_decode(c, {"prompt": PROMPT, **sp})
+        assert reasons[-1] == "length"
         assert "".join(text) == want
         c.leak_check()  # the surviving workers hold nothing
+
+
+FRUITS = {"type": "array", "minItems": 4, "maxItems": 4, "items": {
+    "type": "object", "additionalProperties": False, "required": ["fruit", "colour"],
+    "properties": {"fruit": {"type": "string", "maxLength": 20},
+                   "colour": {"enum": ["red", "green", "yellow", "orange", "purple"]}}}}
+
+
+def test_decode_killed_mid_stream_keeps_the_grammar(model_path) -> None:
+    """A constrained request whose decode worker dies mid-stream: the replacement is
+    re-prefilled with the tokens already streamed, both workers replay them through
+    the grammar, and the client gets the uninterrupted (seeded) output, which validates."""
+    from engine.guided.spec import GuidedSpec
+
+    sp = dict(max_tokens=150, temperature=0.8, seed=99)
+    eng = LLMEngine(EngineConfig(model=str(model_path), dtype="float32", max_model_len=1024,
+                                 num_kv_blocks=256))
+    prompt = "List four fruits and their colours as JSON:"
+    want = eng.generate([prompt], SamplingParams(**sp, guided=GuidedSpec.json_schema(FRUITS)))[0]
+    assert want.finish_reason.value == "stop"
+    with cluster(model_path, "tcp", n_prefill=1, n_decode=2, worker_args=FP32,
+                 router_args=["--local-prefill-threshold", "0"]) as c:
+        text, reasons = _stream_killing_decode(c, {"prompt": prompt, "guided_json": FRUITS,
+                                                   **sp})
+        assert reasons[-1] == "stop"
+        assert "".join(text) == want.text
+        jsonschema.validate(json.loads(want.text), FRUITS)
+        c.leak_check()
 
 
 def test_killing_prefill_then_decode_during_fifty_streams(model_path) -> None:

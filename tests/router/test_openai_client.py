@@ -3,47 +3,28 @@ chat and completions, streaming and not, stop strings, max_tokens, seed,
 logprobs; errors raise the client's typed exceptions."""
 from __future__ import annotations
 
-import os
 import re
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from tests.cluster.launch import free_port
+from tests.cluster.launch import tandem_up
 
 MODEL = "tiny-llama"
 
 
 @pytest.fixture(scope="module")
 def client(tiny_model_dir):
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tandem.cli", "up", "--model", str(tiny_model_dir), "--port",
-         str(port), "--kv-transfer", "tcp", "--dtype", "float32", "--kv-blocks", "128",
-         "--max-model-len", "256", "--local-prefill-threshold", "4"],
-        stderr=subprocess.DEVNULL, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        assert proc.poll() is None, "tandem up exited"
-        assert time.monotonic() < deadline, "tandem up not ready"
-        try:
-            if httpx.get(url + "/ready", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-    c.server_url = url
-    yield c
-    os.killpg(proc.pid, signal.SIGINT)
-    proc.wait(timeout=30)
+    with tandem_up(tiny_model_dir, ["--kv-transfer", "tcp", "--dtype", "float32", "--kv-blocks",
+                                    "128", "--max-model-len", "256",
+                                    "--local-prefill-threshold", "4"]) as url:
+        c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        c.server_url = url
+        yield c
 
 
 def _model(client) -> str:
