@@ -24,33 +24,33 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13proto/kv_link.proto\x12\rtandem.kvlink\"\x9b\x01\n\x0c\x43ompatRecord\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x11\n\tkv_layout\x18\x07 \x01(\t\"\xa8\x01\n\x08KVHandle\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x19\n\x11transfer_endpoint\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x13\n\x0blease_epoch\x18\x05 \x01(\x04\x12\x1e\n\x16lease_deadline_unix_ms\x18\x06 \x01(\x04\x12\x12\n\nnum_tokens\x18\x07 \x01(\r\"c\n\x10HandshakeRequest\x12+\n\x06\x63ompat\x18\x01 \x01(\x0b\x32\x1b.tandem.kvlink.CompatRecord\x12\x11\n\treader_id\x18\x02 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\"\x94\x02\n\x0eHandshakeReply\x12+\n\x06\x63ompat\x18\x01 \x01(\x0b\x32\x1b.tandem.kvlink.CompatRecord\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\x11\n\tworker_id\x18\x03 \x01(\t\x12\x12\n\nagent_name\x18\x04 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x05 \x01(\x0c\x12\x11\n\tbase_addr\x18\x06 \x01(\x04\x12\x13\n\x0b\x62lock_bytes\x18\x07 \x01(\x04\x12\x12\n\nnum_blocks\x18\x08 \x01(\r\x12\x11\n\tdata_host\x18\t \x01(\t\x12\x11\n\tdata_port\x18\n \x01(\r\x12\x10\n\x08mem_type\x18\x0b \x01(\t\x12\x11\n\tdevice_id\x18\x0c \x01(\r\"3\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\"0\n\x0cReleaseReply\x12\x10\n\x08released\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"X\n\x0bReadRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x13\n\x0b\x62lock_bytes\x18\x04 \x01(\x04\"o\n\nReadHeader\x12)\n\x06status\x18\x01 \x01(\x0e\x32\x19.tandem.kvlink.ReadStatus\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x13\n\x0b\x62lock_bytes\x18\x04 \x01(\x04\"G\n\x0bReadTrailer\x12)\n\x06status\x18\x01 \x01(\x0e\x32\x19.tandem.kvlink.ReadStatus\x12\r\n\x05\x65rror\x18\x02 \x01(\t*m\n\nReadStatus\x12\x1b\n\x17READ_STATUS_UNSPECIFIED\x10\x00\x12\x0b\n\x07READ_OK\x10\x01\x12\x12\n\x0eREAD_MALFORMED\x10\x02\x12\x0e\n\nREAD_LEASE\x10\x03\x12\x11\n\rREAD_INTERNAL\x10\x04\x32\x9c\x01\n\x06KVLink\x12K\n\tHandshake\x12\x1f.tandem.kvlink.HandshakeRequest\x1a\x1d.tandem.kvlink.HandshakeReply\x12\x45\n\x07Release\x12\x1d.tandem.kvlink.ReleaseRequest\x1a\x1b.tandem.kvlink.ReleaseReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13proto/kv_link.proto\x12\rtandem.kvlink\"\xcc\x01\n\x0c\x43ompatRecord\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x11\n\tkv_layout\x18\x07 \x01(\t\x12\x16\n\x0ekv_cache_dtype\x18\x08 \x01(\t\x12\x17\n\x0fkv_scale_layout\x18\t \x01(\t\"\xa8\x01\n\x08KVHandle\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x19\n\x11transfer_endpoint\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x13\n\x0blease_epoch\x18\x05 \x01(\x04\x12\x1e\n\x16lease_deadline_unix_ms\x18\x06 \x01(\x04\x12\x12\n\nnum_tokens\x18\x07 \x01(\r\"c\n\x10HandshakeRequest\x12+\n\x06\x63ompat\x18\x01 \x01(\x0b\x32\x1b.tandem.kvlink.CompatRecord\x12\x11\n\treader_id\x18\x02 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\"\x94\x02\n\x0eHandshakeReply\x12+\n\x06\x63ompat\x18\x01 \x01(\x0b\x32\x1b.tandem.kvlink.CompatRecord\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\x11\n\tworker_id\x18\x03 \x01(\t\x12\x12\n\nagent_name\x18\x04 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x05 \x01(\x0c\x12\x11\n\tbase_addr\x18\x06 \x01(\x04\x12\x13\n\x0b\x62lock_bytes\x18\x07 \x01(\x04\x12\x12\n\nnum_blocks\x18\x08 \x01(\r\x12\x11\n\tdata_host\x18\t \x01(\t\x12\x11\n\tdata_port\x18\n \x01(\r\x12\x10\n\x08mem_type\x18\x0b \x01(\t\x12\x11\n\tdevice_id\x18\x0c \x01(\r\"3\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\"0\n\x0cReleaseReply\x12\x10\n\x08released\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"X\n\x0bReadRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x13\n\x0b\x62lock_bytes\x18\x04 \x01(\x04\"o\n\nReadHeader\x12)\n\x06status\x18\x01 \x01(\x0e\x32\x19.tandem.kvlink.ReadStatus\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x13\n\x0b\x62lock_bytes\x18\x04 \x01(\x04\"G\n\x0bReadTrailer\x12)\n\x06status\x18\x01 \x01(\x0e\x32\x19.tandem.kvlink.ReadStatus\x12\r\n\x05\x65rror\x18\x02 \x01(\t*m\n\nReadStatus\x12\x1b\n\x17READ_STATUS_UNSPECIFIED\x10\x00\x12\x0b\n\x07READ_OK\x10\x01\x12\x12\n\x0eREAD_MALFORMED\x10\x02\x12\x0e\n\nREAD_LEASE\x10\x03\x12\x11\n\rREAD_INTERNAL\x10\x04\x32\x9c\x01\n\x06KVLink\x12K\n\tHandshake\x12\x1f.tandem.kvlink.HandshakeRequest\x1a\x1d.tandem.kvlink.HandshakeReply\x12\x45\n\x07Release\x12\x1d.tandem.kvlink.ReleaseRequest\x1a\x1b.tandem.kvlink.ReleaseReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.kv_link_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_READSTATUS']._serialized_start=1126
-  _globals['_READSTATUS']._serialized_end=1235
+  _globals['_READSTATUS']._serialized_start=1175
+  _globals['_READSTATUS']._serialized_end=1284
   _globals['_COMPATRECORD']._serialized_start=39
-  _globals['_COMPATRECORD']._serialized_end=194
-  _globals['_KVHANDLE']._serialized_start=197
-  _globals['_KVHANDLE']._serialized_end=365
-  _globals['_HANDSHAKEREQUEST']._serialized_start=367
-  _globals['_HANDSHAKEREQUEST']._serialized_end=466
-  _globals['_HANDSHAKEREPLY']._serialized_start=469
-  _globals['_HANDSHAKEREPLY']._serialized_end=745
-  _globals['_RELEASEREQUEST']._serialized_start=747
-  _globals['_RELEASEREQUEST']._serialized_end=798
-  _globals['_RELEASEREPLY']._serialized_start=800
-  _globals['_RELEASEREPLY']._serialized_end=848
-  _globals['_READREQUEST']._serialized_start=850
-  _globals['_READREQUEST']._serialized_end=938
-  _globals['_READHEADER']._serialized_start=940
-  _globals['_READHEADER']._serialized_end=1051
-  _globals['_READTRAILER']._serialized_start=1053
-  _globals['_READTRAILER']._serialized_end=1124
-  _globals['_KVLINK']._serialized_start=1238
-  _globals['_KVLINK']._serialized_end=1394
+  _globals['_COMPATRECORD']._serialized_end=243
+  _globals['_KVHANDLE']._serialized_start=246
+  _globals['_KVHANDLE']._serialized_end=414
+  _globals['_HANDSHAKEREQUEST']._serialized_start=416
+  _globals['_HANDSHAKEREQUEST']._serialized_end=515
+  _globals['_HANDSHAKEREPLY']._serialized_start=518
+  _globals['_HANDSHAKEREPLY']._serialized_end=794
+  _globals['_RELEASEREQUEST']._serialized_start=796
+  _globals['_RELEASEREQUEST']._serialized_end=847
+  _globals['_RELEASEREPLY']._serialized_start=849
+  _globals['_RELEASEREPLY']._serialized_end=897
+  _globals['_READREQUEST']._serialized_start=899
+  _globals['_READREQUEST']._serialized_end=987
+  _globals['_READHEADER']._serialized_start=989
+  _globals['_READHEADER']._serialized_end=1100
+  _globals['_READTRAILER']._serialized_start=1102
+  _globals['_READTRAILER']._serialized_end=1173
+  _globals['_KVLINK']._serialized_start=1287
+  _globals['_KVLINK']._serialized_end=1443
 # @@protoc_insertion_point(module_scope)

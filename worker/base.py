@@ -55,7 +55,9 @@ class WorkerBase:
         await self.engine.start()
 
     def compat(self) -> CompatRecord:
-        return CompatRecord.from_kv(self.engine.kv_tensor, self.engine.info.fingerprint)
+        info = self.engine.info
+        return CompatRecord.from_kv(self.engine.kv_tensor, info.fingerprint, info.kv_cache_dtype,
+                                    info.dtype)
 
     async def start_server(self, service_names: list[str]) -> None:
         self.health = grpc_server.add_health_and_reflection(self.server, service_names)

@@ -1,0 +1,113 @@
+"""Quantized KV cache (--kv-cache-dtype int8 | fp8_e4m3): the row codec, every CPU attention
+path against the naive reference with the same quantization, block bytes, the flag's errors."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import engine.attention.paged_decode as pd
+from engine.attention import build_metadata, get_backend
+from engine.attention.naive import NaiveBackend
+from engine.config import EngineConfig
+from engine.kv_cache import kv_block_bytes, kv_format_block_bytes
+from engine.kv_cache.quant import decode, encode
+
+
+def test_int8_rows_round_trip_within_half_a_step() -> None:
+    x = torch.randn(7, 3, 64) * torch.logspace(-3, 2, 7)[:, None, None]
+    rows = encode(x, "int8")
+    assert rows.shape == (7, 3, 66) and rows.dtype == torch.int8
+    scale = rows[..., 64:].contiguous().view(torch.bfloat16).float()  # [7, 3, 1]
+    assert torch.equal(scale, (x.abs().amax(-1, keepdim=True) / 127).bfloat16().float())
+    err = (decode(rows, "int8", torch.float32) - x).abs()
+    assert (err <= scale / 2 + 1e-6).all()
+    assert decode(encode(torch.zeros(2, 64), "int8"), "int8", torch.float32).abs().max() == 0
+
+
+def test_fp8_rows_round_trip() -> None:
+    x = torch.randn(5, 2, 32)
+    y = decode(encode(x, "fp8_e4m3"), "fp8_e4m3", torch.float32)
+    assert ((y - x).abs() <= x.abs() * 2 ** -3 + 1e-3).all()  # e4m3: 3 mantissa bits
+
+
+def _case(rng: random.Random, quant: str, dtype: torch.dtype, hq: int = 9, hkv: int = 3,
+          block_size: int = 16, decodes: int = 4):
+    """A mixed batch (prefills over cached prefixes, then decodes) over a quantized cache."""
+    layers, d = 2, 64
+    specs = [(rng.choice([0, rng.randint(1, 40)]), rng.randint(2, 37)) for _ in range(2)]
+    specs += [(rng.randint(1, 60), 1) for _ in range(decodes)]
+    nblocks = sum(-(-(c + n) // block_size) for c, n in specs) + 2
+    kv = encode(torch.randn(nblocks, layers, 2, block_size, hkv, d), quant)
+    free = list(range(nblocks))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(-(-(c + n) // block_size))] for c, n in specs]
+    qlens, slens = [n for _, n in specs], [c + n for c, n in specs]
+    t = sum(qlens)
+    q, k, v = (torch.randn(t, h, d, dtype=dtype) for h in (hq, hkv, hkv))
+    return layers, q, k, v, kv, (qlens, slens, 2, tables, block_size)
+
+
+@pytest.mark.parametrize("quant", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kernel_rows", [16, 0])  # the in-place kernel, then the gathered path
+def test_sdpa_matches_naive_on_a_quantized_cache(quant: str, dtype: torch.dtype,
+                                                 kernel_rows: int, monkeypatch) -> None:
+    monkeypatch.setattr(pd, "KERNEL_MAX_ROWS", kernel_rows)
+    rng = random.Random(hash((quant, str(dtype), kernel_rows)) & 0xffff)
+    sdpa, naive = get_backend("sdpa"), NaiveBackend()
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    for _ in range(3):
+        layers, q, k, v, kv, args = _case(rng, quant, dtype)
+        for layer in range(layers):
+            kv_a, kv_b = kv.clone(), kv.clone()
+            ref = naive.forward(layer, q, k, v, kv_a, build_metadata(*args, kv_quant=quant), 0.125)
+            out = sdpa.forward(layer, q, k, v, kv_b, build_metadata(*args, kv_quant=quant), 0.125)
+            torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+            assert torch.equal(kv_b, kv_a)  # the same quantized bytes written
+
+
+def test_paged_kernel_reads_int8_in_place() -> None:
+    if pd.kernel_unavailable() is not None:
+        pytest.skip(f"kernel unavailable: {pd.kernel_unavailable()}")
+    rng = random.Random(5)
+    _, q, _, _, kv, (qlens, slens, _, tables, bs) = _case(rng, "int8", torch.float32, decodes=6)
+    q, lens = q[-6:], torch.tensor(slens[-6:])
+    width = max(len(t) for t in tables[-6:])
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables[-6:]])
+    fused = torch.ops.tandem.paged_decode(q.contiguous(), kv, 1, bt, lens, 0.125)
+    torch.testing.assert_close(fused, pd.gathered_decode(q, kv, 1, bt, lens, 0.125, "int8"),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_int8_block_is_half_of_bf16_plus_scales() -> None:
+    shape = dict(num_layers=30, block_size=16, num_kv_heads=3, head_dim=64)  # SmolLM2-135M
+    bf16 = kv_format_block_bytes("bfloat16", **shape)
+    int8 = kv_format_block_bytes("int8", **shape)
+    scales = 30 * 2 * 16 * 3 * 2  # one bfloat16 per (layer, K/V, token, KV head)
+    assert (bf16, int8) == (368640, 368640 // 2 + scales) == (368640, 190080)
+    assert int8 == kv_block_bytes(30, 16, 3, 64, 1, scale_bytes=2)
+    gib = 1 << 30
+    assert (gib // int8) / (gib // bf16) >= 1.9  # 1.939x the tokens in the same memory
+
+
+@pytest.mark.parametrize("kw,needle", [
+    ({"kv_cache_dtype": "int4"}, "--kv-cache-dtype must be one of auto, bfloat16, float32, "
+                                 "int8, fp8_e4m3; got 'int4'"),
+    ({"kv_cache_dtype": "fp8_e4m3"}, "--kv-cache-dtype fp8_e4m3 needs a CUDA device"),
+    ({"kv_cache_dtype": "bfloat16", "dtype": "float32"}, "--kv-cache-dtype bfloat16 needs "
+                                                          "--dtype bfloat16"),
+])
+def test_bad_kv_cache_dtype_names_the_flag_and_what_works(kw: dict, needle: str) -> None:
+    with pytest.raises(ValueError) as e:
+        EngineConfig(**kw)
+    assert needle in str(e.value)
+    assert "int8" in str(e.value) or "auto" in str(e.value)
+
+
+def test_resolved_kv_cache_dtype() -> None:
+    assert EngineConfig(dtype="float32").resolved_kv_cache_dtype == "float32"
+    assert EngineConfig(dtype="float32").kv_quant is None
+    cfg = EngineConfig(dtype="bfloat16", kv_cache_dtype="int8")
+    assert (cfg.resolved_kv_cache_dtype, cfg.kv_quant) == ("int8", "int8")
