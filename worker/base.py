@@ -8,6 +8,7 @@ import logging
 
 import grpc
 
+from engine.kv_cache.layout import scale_layout
 from engine.llm_engine import LLMEngine
 from engine.request import RequestOutput
 from engine.worker_api import DuplicateRequestError, EngineDead, EngineLoad, EngineWorker
@@ -53,6 +54,9 @@ class WorkerBase:
             on_step=lambda e: self.metrics.observe_engine(e, self.active_leases()),
             on_load=lambda _: self.hub.load_changed(), on_death=self._engine_died)
         await self.engine.start()
+        info = self.engine.info
+        self.metrics.set_kv_cache(info.kv_cache_dtype, scale_layout(info.kv_cache_dtype),
+                                  info.block_size, info.block_bytes)
 
     def compat(self) -> CompatRecord:
         info = self.engine.info

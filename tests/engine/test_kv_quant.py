@@ -111,3 +111,32 @@ def test_resolved_kv_cache_dtype() -> None:
     assert EngineConfig(dtype="float32").kv_quant is None
     cfg = EngineConfig(dtype="bfloat16", kv_cache_dtype="int8")
     assert (cfg.resolved_kv_cache_dtype, cfg.kv_quant) == ("int8", "int8")
+
+
+def test_same_memory_holds_1_9x_the_tokens_and_the_worker_reports_them(tmp_path) -> None:
+    """--kv-cache-memory-gib sizes the pool in bytes: an int8 pool of a head_dim-64 model has
+    >= 1.9x the blocks (of the same 16 tokens), and the load a worker reports to the router
+    (free/total blocks, block size) says so, so the router's KV-room admission sees the room."""
+    from engine.llm_engine import LLMEngine
+    from engine.worker_api import _load_of
+    from router.workers import Worker, WorkerPool
+    from tests.utils import make_tiny_llama
+    from worker.base import load_to_proto
+
+    model = make_tiny_llama(tmp_path / "d64", hidden=128, heads=2, kv_heads=1)
+    pools = {}
+    for kv_dtype in ("auto", "int8"):
+        eng = LLMEngine(EngineConfig(model=str(model), dtype="bfloat16", kv_cache_memory_gib=0.002,
+                                     kv_cache_dtype=kv_dtype, max_model_len=256, compile=False))
+        assert eng.runner.kv[0].numel() * eng.runner.kv.element_size() == eng.runner.block_bytes
+        pools[kv_dtype] = load_to_proto(_load_of(eng), kv_dtype, eng.config.block_size)
+    bf16, int8 = pools["auto"], pools["int8"]
+    assert bf16.block_size == int8.block_size == 16
+    assert int8.total_blocks / bf16.total_blocks >= 1.9
+    prompt_blocks = bf16.free_blocks + 1  # more than the bf16 pool holds, less than int8's
+    rooms = []
+    for load in (bf16, int8):
+        pool = WorkerPool()
+        pool.workers = [Worker("d", "decode", None, None, healthy=True, load=load)]
+        rooms.append(pool.has_decode_room(prompt_blocks))
+    assert rooms == [False, True]
