@@ -140,3 +140,43 @@ def test_same_memory_holds_1_9x_the_tokens_and_the_worker_reports_them(tmp_path)
         pool.workers = [Worker("d", "decode", None, None, healthy=True, load=load)]
         rooms.append(pool.has_decode_room(prompt_blocks))
     assert rooms == [False, True]
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_int8_preemption_gives_the_unconstrained_int8_outputs(tiny_model_dir, mode) -> None:
+    """Swapped int8 blocks (codes and scales) come back as they left: the outputs of 12
+    requests in a 4-request pool equal each one run alone, with the same int8 cache."""
+    from engine.llm_engine import LLMEngine
+    from tests.engine.test_preemption import _requests
+
+    def make(**kw) -> LLMEngine:
+        return LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32",
+                                      kv_cache_dtype="int8", max_model_len=64, **kw))
+
+    alone = make(num_kv_blocks=256)
+    want = {rid: alone.generate([p], sp)[0].token_ids for rid, p, sp, _ in _requests()}
+    eng = make(num_kv_blocks=16, preemption_mode=mode, swap_space=0.01 if mode == "swap" else 0)
+    for rid, prompt, params, prio in _requests():
+        eng.add_request(prompt, params, request_id=rid, priority=prio)
+    reqs = dict(eng.requests)
+    while eng.has_unfinished():
+        eng.step()
+    assert {rid: r.output_token_ids for rid, r in reqs.items()} == want
+    assert eng.stats.preemptions.get(mode, 0) > 0
+    assert eng.stats.swap_out_bytes % eng.runner.block_bytes == 0
+    eng.leak_check()
+
+
+def test_int8_prefix_cache_hit_gives_the_same_tokens(tiny_model_dir) -> None:
+    from engine.llm_engine import LLMEngine
+
+    eng = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64,
+                                 kv_cache_dtype="int8", max_model_len=256))
+    from engine.sampling import SamplingParams
+
+    prompt = [(i * 11) % 300 + 3 for i in range(50)]
+    sp = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    cold = eng.generate([prompt], sp)[0]
+    warm = eng.generate([prompt], sp)[0]
+    assert warm.token_ids == cold.token_ids and warm.num_cached_tokens == 48
+    eng.leak_check()
