@@ -200,9 +200,10 @@ class EngineConfig:
                              f"got {name!r}")
         if name == "fp8_e4m3" and not self.device.startswith("cuda"):
             raise ValueError("--kv-cache-dtype fp8_e4m3 needs a CUDA device (--device cuda): "
-                             "on CPU there is no fp8 decode kernel, and dequantizing fp8 on "
-                             "every read is slower than bf16; use --kv-cache-dtype int8 "
-                             "(the same bytes per block) or auto")
+                             "on CPU no attention path reads fp8 in place (the decode kernel "
+                             "reads int8), so every step would dequantize a copy of every "
+                             "context; use --kv-cache-dtype int8 (the same bytes per block) "
+                             "or auto")
         compute = dtype_name(self.torch_dtype)
         if name in ("bfloat16", "float32") and name != compute:
             raise ValueError(f"--kv-cache-dtype {name} needs --dtype {name} (the compute dtype "
