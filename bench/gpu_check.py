@@ -5,6 +5,8 @@ Rows of the one table it prints:
 
 * attention: flash-attn varlen prefill and paged decode vs SDPA and the naive
   reference (max abs error, bf16), and the sdpa backend on CUDA vs naive;
+* quantized KV cache (--kv-cache-dtype int8, fp8_e4m3): flash_attn and sdpa on CUDA
+  over a quantized cache vs the naive reference with the same quantization;
 * quantized kernels on CUDA: int8 (``_weight_int8pack_mm``) and int4
   (``_weight_int4pack_mm``) vs their dequantized weights, and their time vs a bf16
   GEMM at 1 and 32 rows;
@@ -105,6 +107,30 @@ def check_attention() -> None:
             ms = cuda_time(lambda: backend.forward(0, q.cuda(), k.cuda(), v.cuda(), kv.cuda(), cu, 0.125))
             row(f"attention {name} block {block_size}", "OK" if err < 3e-2 else "FAIL",
                 f"max err vs naive {err:.2e}; {ms:.3f} ms (3 prefills + 12 decodes)")
+
+
+@guarded("quantized KV")
+def check_kv_quant() -> None:
+    from engine.attention import build_metadata, get_backend
+    from engine.attention.naive import NaiveBackend
+    from engine.kv_cache.quant import encode
+
+    for quant in ("int8", "fp8_e4m3"):
+        q, k, v, kv, meta = attention_case(16)
+        kv = encode(kv, quant)
+        args = (meta.query_lens, meta.seq_lens, meta.num_prefills, meta.block_tables, 16)
+        ref = NaiveBackend().forward(0, q, k, v, kv.clone(), build_metadata(*args, kv_quant=quant),
+                                     0.125)
+        for name in ("flash_attn", "sdpa"):
+            try:
+                backend = get_backend(name, "cuda")
+            except RuntimeError as e:
+                row(f"kv {quant} {name}", "SKIP", str(e))
+                continue
+            cu = build_metadata(*args, device="cuda", kv_quant=quant)
+            out = backend.forward(0, q.cuda(), k.cuda(), v.cuda(), kv.clone().cuda(), cu, 0.125)
+            err = (out.float().cpu() - ref.float()).abs().max().item()
+            row(f"kv {quant} {name}", "OK" if err < 3e-2 else "FAIL", f"max err vs naive {err:.2e}")
 
 
 @guarded("quantized kernels")
@@ -214,6 +240,7 @@ def main() -> int:
     t0 = time.perf_counter()
     print(f"gpu_check on {torch.cuda.get_device_name()} (torch {torch.__version__})", flush=True)
     check_attention()
+    check_kv_quant()
     check_quant()
     check_compiled(model)
     check_swap(model)

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from engine.attention.base import ATTENTION_BACKENDS
+from engine.kv_cache.layout import KV_CACHE_DTYPES, is_quantized
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,8 @@ class EngineConfig:
     model: str = ""
     """Path to a .gguf file or an HF directory (config.json + *.safetensors); empty = default model."""
     dtype: str = "auto"
-    """Compute and KV dtype: auto (bf16 where the hardware has fast bf16), float32, bfloat16."""
+    """Compute dtype (and the KV dtype under --kv-cache-dtype auto): auto (bf16 where the
+    hardware has fast bf16), float32, bfloat16."""
     device: str = "cpu"
     """torch device: cpu or cuda[:N]."""
     block_size: int = 16
@@ -102,7 +104,12 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     """KV blocks in the pool; None sizes it from kv_cache_memory_gib."""
     kv_cache_memory_gib: float = 1.0
-    """KV pool size when num_kv_blocks is not given."""
+    """KV pool size in GiB when num_kv_blocks is not given (blocks = this // the block's
+    bytes, so a quantized --kv-cache-dtype holds about twice the tokens)."""
+    kv_cache_dtype: str = "auto"
+    """How the KV cache stores K and V: auto (the compute dtype), bfloat16 | float32 (must
+    equal the compute dtype), int8 (per token and KV head scales stored in each block, about
+    half the bytes), fp8_e4m3 (the same with fp8 codes; CUDA only)."""
     max_model_len: int | None = None
     """Context window (prompt + output); None = the model's own, capped at 8192."""
     max_num_seqs: int = 64
@@ -155,7 +162,7 @@ class EngineConfig:
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"--kv-blocks must be >= 1, got {self.num_kv_blocks}")
         if self.kv_cache_memory_gib <= 0:
-            raise ValueError(f"--kv-cache-memory must be > 0 GiB, got {self.kv_cache_memory_gib}")
+            raise ValueError(f"--kv-cache-memory-gib must be > 0, got {self.kv_cache_memory_gib}")
         if self.max_num_seqs < 1:
             raise ValueError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
@@ -173,6 +180,7 @@ class EngineConfig:
                              "--preemption-mode recompute to run without a swap pool")
         ATTENTION_BACKENDS.check(self.attention_backend, extra=("auto",))
         resolve_dtype(self.dtype, self.device)
+        self._check_kv_cache_dtype()
         from engine.quant.base import METHODS  # torch-only module; keeps config import light
         if self.quantization not in METHODS:
             raise ValueError(f"--quantization must be one of {', '.join(METHODS)}; "
@@ -185,6 +193,36 @@ class EngineConfig:
         if self.quant_packed_max_rows is not None and self.quant_packed_max_rows < 0:
             raise ValueError(f"--quant-packed-max-rows must be >= 0, got {self.quant_packed_max_rows}")
 
+    def _check_kv_cache_dtype(self) -> None:
+        name = self.kv_cache_dtype
+        if name not in KV_CACHE_DTYPES:
+            raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}; "
+                             f"got {name!r}")
+        if name == "fp8_e4m3" and not self.device.startswith("cuda"):
+            raise ValueError("--kv-cache-dtype fp8_e4m3 needs a CUDA device (--device cuda): "
+                             "on CPU no attention path reads fp8 in place (the decode kernel "
+                             "reads int8), so every step would dequantize a copy of every "
+                             "context; use --kv-cache-dtype int8 (the same bytes per block) "
+                             "or auto")
+        compute = dtype_name(self.torch_dtype)
+        if name in ("bfloat16", "float32") and name != compute:
+            raise ValueError(f"--kv-cache-dtype {name} needs --dtype {name} (the compute dtype "
+                             f"is {compute}; an unquantized cache is stored in it); use "
+                             f"--kv-cache-dtype auto, int8, or --dtype {name}")
+
     @property
     def torch_dtype(self) -> torch.dtype:
         return resolve_dtype(self.dtype, self.device)
+
+    @property
+    def resolved_kv_cache_dtype(self) -> str:
+        """The KV dtype in force: the compute dtype's name under auto."""
+        if self.kv_cache_dtype == "auto":
+            return dtype_name(self.torch_dtype)
+        return self.kv_cache_dtype
+
+    @property
+    def kv_quant(self) -> str | None:
+        """The quantized KV dtype (int8, fp8_e4m3), or None for a cache in the compute dtype."""
+        name = self.resolved_kv_cache_dtype
+        return name if is_quantized(name) else None

@@ -12,7 +12,8 @@ import torch
 
 from engine.attention import build_metadata, get_backend
 from engine.config import EngineConfig
-from engine.kv_cache import kv_block_bytes
+from engine.kv_cache import kv_format_block_bytes
+from engine.kv_cache.quant import row_width, storage_dtype
 from engine.loader import LoadedCheckpoint
 from engine.loader.gguf_loader import raw_rows
 from engine.compile.decode import CompiledDecode
@@ -46,14 +47,14 @@ class ModelRunner:
         if self.quant is not None:
             select_paths(self.model, self.quant, config.quant_packed_max_rows)
         self.backend = get_backend(config.attention_backend, self.device)
+        self.kv_dtype = config.resolved_kv_cache_dtype
+        self.kv_quant = config.kv_quant
         self.num_blocks = self._num_blocks()
-        cfg = ckpt.config
-        self.kv = torch.zeros(self.num_blocks, cfg.num_layers, 2, config.block_size,
-                              cfg.num_kv_heads, cfg.head_dim, dtype=self.dtype, device=self.device)
+        self.kv = self._allocate_kv(ckpt)
         self.num_swap_blocks = int(config.swap_space * (1 << 30)) // self.block_bytes
         pin = self.device.type == "cuda"
         # empty, not zeros: a swap block is always written (swap-out) before it is read
-        self.swap_kv = torch.empty((self.num_swap_blocks, *self.kv.shape[1:]), dtype=self.dtype,
+        self.swap_kv = torch.empty((self.num_swap_blocks, *self.kv.shape[1:]), dtype=self.kv.dtype,
                                    pin_memory=pin) if self.num_swap_blocks else None
         self.sampler = Sampler()
         self._masks = None
@@ -62,9 +63,20 @@ class ModelRunner:
             self.compiled = CompiledDecode(self.model, self.device,
                                            config.compile_max_batch or config.max_num_seqs)
             self.compiled.warm_up(self._dummy_decode)
-        log.info("model loaded in %.1fs (%s, %s); attention=%s; KV pool %d blocks x %d tokens",
-                 time.perf_counter() - t0, self.dtype, self.device, self.backend.name,
-                 self.num_blocks, config.block_size)
+        log.info("model loaded in %.1fs (%s, %s); attention=%s; KV pool %d blocks x %d tokens, "
+                 "KV %s, %d bytes per block", time.perf_counter() - t0, self.dtype, self.device,
+                 self.backend.name, self.num_blocks, config.block_size, self.kv_dtype,
+                 self.block_bytes)
+
+    def _allocate_kv(self, ckpt: LoadedCheckpoint) -> torch.Tensor:
+        """The block-major cache [num_blocks, L, 2, B, Hkv, row] (engine/kv_cache/layout.py):
+        a row is head_dim values, or head_dim int8 codes and a float16 scale when quantized."""
+        cfg = ckpt.config
+        kv = torch.zeros(self.num_blocks, cfg.num_layers, 2, self.config.block_size,
+                         cfg.num_kv_heads, row_width(self.kv_dtype, cfg.head_dim),
+                         dtype=storage_dtype(self.kv_dtype, self.dtype), device=self.device)
+        assert kv[0].numel() * kv.element_size() == self.block_bytes, "one block-bytes formula"
+        return kv
 
     def _quantize(self, model: LlamaForCausalLM, ckpt: LoadedCheckpoint) -> QuantReport | None:
         """Pack the linear weights per --quantization (None: dense, as loaded)."""
@@ -109,9 +121,8 @@ class ModelRunner:
     @property
     def block_bytes(self) -> int:
         cfg = self.model_config
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return kv_block_bytes(cfg.num_layers, self.config.block_size, cfg.num_kv_heads,
-                              cfg.head_dim, itemsize)
+        return kv_format_block_bytes(self.kv_dtype, cfg.num_layers, self.config.block_size,
+                                     cfg.num_kv_heads, cfg.head_dim)
 
     def _num_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -168,7 +179,7 @@ class ModelRunner:
                 sampled.append(req)
         num_prefills = sum(1 for n in qlens if n > 1)
         meta = build_metadata(qlens, slens, num_prefills, tables, self.config.block_size,
-                              self.device)
+                              self.device, self.kv_quant)
         ctx = ForwardContext(self.kv, meta, self.backend, should_stop)
         states = [r.sampling for r in sampled]
         masks = self._submit_masks(states)
@@ -217,7 +228,7 @@ class ModelRunner:
         """One decode step of ``rows`` one-token sequences in KV block 0 (start-up only:
         the pool is empty, so nothing cached is overwritten)."""
         meta = build_metadata([1] * rows, [1] * rows, 0, [[0]] * rows, self.config.block_size,
-                              self.device)
+                              self.device, self.kv_quant)
         ctx = ForwardContext(self.kv, meta, self.backend)
         tids, tpos = self.compiled.pad([0] * rows, [0] * rows, rows)
         hidden = self.model(tids, tpos, ctx, segments, rows=rows)
@@ -228,7 +239,7 @@ class ModelRunner:
         """fp32 logits at every position of a prompt (for correctness tests)."""
         n = len(token_ids)
         meta = build_metadata([n], [n], 1 if n > 1 else 0, [table], self.config.block_size,
-                              self.device)
+                              self.device, self.kv_quant)
         ctx = ForwardContext(self.kv, meta, self.backend)
         hidden = self.model(torch.tensor(token_ids, device=self.device),
                             torch.arange(n, device=self.device), ctx)

@@ -28,7 +28,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from engine.config import ModelConfig
+from engine.config import ModelConfig, dtype_name
 from engine.kv_cache import BlockHash, KVEvent
 from engine.llm_engine import LLMEngine
 from engine.request import (DuplicateRequestError, FinishReason, RemoteReservation, Request,
@@ -54,6 +54,11 @@ class EngineInfo:
     num_blocks: int
     max_model_len: int
     block_bytes: int
+    """Bytes of one KV block, scales included (engine/kv_cache/layout.py)."""
+    kv_cache_dtype: str = ""
+    """How K/V are stored (--kv-cache-dtype, resolved: bfloat16, float32, int8, fp8_e4m3)."""
+    dtype: str = ""
+    """The compute dtype's name."""
 
 
 @dataclass(frozen=True)
@@ -265,7 +270,8 @@ class EngineWorker:
             self.kv_tensor = engine.runner.kv
             self.info = EngineInfo(engine.model_config, engine.fingerprint,
                                    engine.config.block_size, engine.kv.pool.num_blocks,
-                                   engine.max_model_len, engine.runner.block_bytes)
+                                   engine.max_model_len, engine.runner.block_bytes,
+                                   engine.runner.kv_dtype, dtype_name(engine.runner.dtype))
             self.load = _load_of(engine)
         except BaseException as e:  # noqa: BLE001 - report any build failure to start()
             self._loop.call_soon_threadsafe(_settle, ready, None, e)

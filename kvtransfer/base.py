@@ -31,8 +31,11 @@ Release was sent). ``KVLinkClient.pull`` applies that rule. Release always
 travels over the KVLink gRPC ``Release``, for every backend.
 
 The KV tensor is ``[num_blocks, num_layers, 2, block_size, num_kv_heads,
-head_dim]``, contiguous, so block ``b`` is one region of ``block_bytes`` at
-``data_ptr() + b * block_bytes``.
+row]``, contiguous, so block ``b`` is one region of ``block_bytes`` at
+``data_ptr() + b * block_bytes``. A row is head_dim values, or, for a quantized
+``kv_cache_dtype``, head_dim codes and their bfloat16 scale (``kv_scale_layout``,
+engine/kv_cache/layout.py): the scales travel inside the block, so every backend moves
+quantized blocks as they are.
 """
 from __future__ import annotations
 
@@ -44,7 +47,7 @@ from typing import Any, Callable, ClassVar, Iterator, Literal, NewType, Sequence
 
 import torch
 
-from engine.kv_cache.layout import kv_block_bytes
+from engine.kv_cache.layout import SCALE_BYTES, is_quantized, kv_format_block_bytes, scale_layout
 from engine.registry import Registry, RegistryError
 
 KV_LAYOUT = "block_major:[L,2,B,Hkv,D]"
@@ -106,35 +109,54 @@ class CompatRecord:
     model_fingerprint: str
     """Digest of architecture and weights; opaque."""
     dtype: str
-    """torch dtype name without ``torch.``, e.g. ``bfloat16``."""
+    """The engine's compute dtype, torch name without ``torch.``, e.g. ``bfloat16``."""
     block_size: int
     """Tokens per block."""
     num_layers: int
     num_kv_heads: int
     head_dim: int
     kv_layout: str = KV_LAYOUT
+    kv_cache_dtype: str = ""
+    """How K/V are stored (--kv-cache-dtype, resolved): bfloat16, float32, int8, fp8_e4m3;
+    empty (an older peer) means ``dtype``."""
+    kv_scale_layout: str = ""
+    """Where quantized rows keep their scales (layout.SCALE_LAYOUT) or ``none``; empty
+    means the layout kv_cache_dtype implies."""
+
+    def __post_init__(self) -> None:
+        if not self.kv_cache_dtype:
+            object.__setattr__(self, "kv_cache_dtype", self.dtype)
+        if not self.kv_scale_layout:
+            object.__setattr__(self, "kv_scale_layout", scale_layout(self.kv_cache_dtype))
 
     @classmethod
-    def from_kv(cls, kv: torch.Tensor, model_fingerprint: str) -> CompatRecord:
-        """The record of a block-major KV tensor ``[N, L, 2, B, Hkv, D]``."""
+    def from_kv(cls, kv: torch.Tensor, model_fingerprint: str, kv_cache_dtype: str = "",
+                dtype: str = "") -> CompatRecord:
+        """The record of a block-major KV tensor ``[N, L, 2, B, Hkv, row]``. A quantized
+        cache (kv_cache_dtype int8 | fp8_e4m3) must say so and give its compute dtype;
+        otherwise both are the tensor's dtype."""
         if kv.dim() != 6 or kv.shape[2] != 2:
             raise ValueError(f"kv must be [num_blocks, num_layers, 2, block_size, "
                              f"num_kv_heads, head_dim], got shape {tuple(kv.shape)}")
-        _, layers, _, block_size, heads, head_dim = kv.shape
-        return cls(model_fingerprint, str(kv.dtype).removeprefix("torch."), block_size,
-                   layers, heads, head_dim)
+        _, layers, _, block_size, heads, row = kv.shape
+        stored = str(kv.dtype).removeprefix("torch.")
+        kv_cache_dtype = kv_cache_dtype or stored
+        head_dim = row - SCALE_BYTES if is_quantized(kv_cache_dtype) else row
+        return cls(model_fingerprint, dtype or stored, block_size, layers, heads, head_dim,
+                   KV_LAYOUT, kv_cache_dtype)
 
     @property
     def block_bytes(self) -> int:
-        itemsize = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
-        return kv_block_bytes(self.num_layers, self.block_size, self.num_kv_heads,
-                              self.head_dim, itemsize)
+        return kv_format_block_bytes(self.kv_cache_dtype, self.num_layers, self.block_size,
+                                     self.num_kv_heads, self.head_dim)
 
     def check(self, remote: CompatRecord) -> None:
         """Raise KVCompatError naming every field that differs, with both values
         (``block_size: local 16 != remote 32``); return None when they match."""
         diffs = [f"{f.name}: local {getattr(self, f.name)!r} != remote {getattr(remote, f.name)!r}"
                  for f in fields(self) if getattr(self, f.name) != getattr(remote, f.name)]
+        if self.kv_cache_dtype != remote.kv_cache_dtype:
+            diffs.append("start prefill and decode workers with the same --kv-cache-dtype")
         if diffs:
             raise KVCompatError("incompatible KV caches: " + "; ".join(diffs))
 
@@ -142,7 +164,13 @@ class CompatRecord:
         """Raise ValueError unless ``kv`` is a contiguous tensor this record describes."""
         if not kv.is_contiguous():
             raise ValueError("kv must be contiguous (block b is one region of block_bytes)")
-        mine = CompatRecord.from_kv(kv, self.model_fingerprint)
+        quantized = is_quantized(self.kv_cache_dtype)
+        if quantized and kv.dtype != torch.int8:
+            raise ValueError(f"kv tensor does not match its compat record: a {self.kv_cache_dtype} "
+                             f"cache is stored as int8 bytes, got {kv.dtype}")
+        mine = CompatRecord.from_kv(kv, self.model_fingerprint,
+                                    self.kv_cache_dtype if quantized else "",
+                                    self.dtype if quantized else "")
         if mine != self:
             raise ValueError(f"kv tensor does not match its compat record: {mine} vs {self}")
 

@@ -40,12 +40,14 @@ LeaseEnded = Callable[[Lease], None]
 def compat_to_proto(c: CompatRecord) -> pb.CompatRecord:
     return pb.CompatRecord(model_fingerprint=c.model_fingerprint, dtype=c.dtype,
                            block_size=c.block_size, num_layers=c.num_layers,
-                           num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, kv_layout=c.kv_layout)
+                           num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, kv_layout=c.kv_layout,
+                           kv_cache_dtype=c.kv_cache_dtype, kv_scale_layout=c.kv_scale_layout)
 
 
 def compat_from_proto(m: pb.CompatRecord) -> CompatRecord:
     return CompatRecord(m.model_fingerprint, m.dtype, m.block_size, m.num_layers,
-                        m.num_kv_heads, m.head_dim, m.kv_layout)
+                        m.num_kv_heads, m.head_dim, m.kv_layout, m.kv_cache_dtype,
+                        m.kv_scale_layout)
 
 
 def info_to_proto(i: SourceInfo) -> pb.HandshakeReply:

@@ -21,7 +21,7 @@ READ_LEASE: ReadStatus
 READ_INTERNAL: ReadStatus
 
 class CompatRecord(_message.Message):
-    __slots__ = ("model_fingerprint", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "kv_layout")
+    __slots__ = ("model_fingerprint", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "kv_layout", "kv_cache_dtype", "kv_scale_layout")
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,8 @@ class CompatRecord(_message.Message):
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    KV_SCALE_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     model_fingerprint: str
     dtype: str
     block_size: int
@@ -36,7 +38,9 @@ class CompatRecord(_message.Message):
     num_kv_heads: int
     head_dim: int
     kv_layout: str
-    def __init__(self, model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., kv_layout: _Optional[str] = ...) -> None: ...
+    kv_cache_dtype: str
+    kv_scale_layout: str
+    def __init__(self, model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., kv_layout: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., kv_scale_layout: _Optional[str] = ...) -> None: ...
 
 class KVHandle(_message.Message):
     __slots__ = ("worker_id", "transfer_endpoint", "request_id", "block_ids", "lease_epoch", "lease_deadline_unix_ms", "num_tokens", "lease_token")

@@ -33,6 +33,9 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preemption-mode", choices=("auto", "swap", "recompute"), default=None,
                    help="how a full decode worker preempts (default: the workers' auto)")
     p.add_argument("--dtype", default="auto", help="auto, float32 or bfloat16 (default: auto)")
+    p.add_argument("--kv-cache-dtype", default=None,
+                   help="every worker's KV cache: auto, bfloat16, float32, int8, fp8_e4m3 "
+                        "(default: the workers' auto)")
     p.add_argument("--max-model-len", type=int, default=None, help="context window")
     p.add_argument("--local-prefill-threshold", type=int, default=32,
                    help="prompts with at most this many uncached tokens prefill on the decode "

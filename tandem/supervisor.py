@@ -114,6 +114,7 @@ class Cluster:
             cmd += [f"--kv-peer={addr}" for addr in self.prefill_addrs]
         for flag, value in (("--kv-blocks", a.kv_blocks), ("--swap-space", a.swap_space),
                             ("--preemption-mode", a.preemption_mode),
+                            ("--kv-cache-dtype", a.kv_cache_dtype),
                             ("--max-model-len", a.max_model_len)):
             if value is not None:
                 cmd += [flag, str(value)]

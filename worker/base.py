@@ -10,6 +10,7 @@ import grpc
 
 from auth.grpc_auth import ServerAuth
 from auth.secret import load_cluster_secret
+from engine.kv_cache.layout import scale_layout
 from engine.llm_engine import LLMEngine
 from engine.request import RequestOutput
 from engine.worker_api import DuplicateRequestError, EngineDead, EngineLoad, EngineWorker
@@ -57,9 +58,14 @@ class WorkerBase:
             on_step=lambda e: self.metrics.observe_engine(e, self.active_leases()),
             on_load=lambda _: self.hub.load_changed(), on_death=self._engine_died)
         await self.engine.start()
+        info = self.engine.info
+        self.metrics.set_kv_cache(info.kv_cache_dtype, scale_layout(info.kv_cache_dtype),
+                                  info.block_size, info.block_bytes)
 
     def compat(self) -> CompatRecord:
-        return CompatRecord.from_kv(self.engine.kv_tensor, self.engine.info.fingerprint)
+        info = self.engine.info
+        return CompatRecord.from_kv(self.engine.kv_tensor, info.fingerprint, info.kv_cache_dtype,
+                                    info.dtype)
 
     async def start_server(self, service_names: list[str]) -> None:
         self.health = grpc_server.add_health_and_reflection(self.server, service_names)

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
 
 FALLBACK_EVERY = 500
 """Engine-loop iterations between refreshes of tandem:engine_fallbacks."""
+KV_INFO_LABELS = ("kv_cache_dtype", "kv_scale_layout", "block_size")
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -40,6 +41,10 @@ class WorkerMetrics:
         self.kv_seconds = Histogram("tandem:kv_transfer_seconds", "Seconds per KV pull",
                                     list(labels), buckets=_LATENCY, registry=r)
         self.kv_usage = gauge("tandem:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)")
+        self.kv_block_bytes = gauge("tandem:kv_cache_block_bytes",
+                                    "Bytes of one KV block, quantization scales included")
+        self.kv_info = Gauge("tandem:kv_cache_info", "Always 1; the labels say how the KV cache "
+                             "stores its blocks", list(labels) + list(KV_INFO_LABELS), registry=r)
         self.running = gauge("tandem:num_requests_running", "Requests in the running batch")
         self.waiting = gauge("tandem:num_requests_waiting", "Requests queued")
         self.leases = gauge("tandem:kv_leases_active", "Prefill leases held")
@@ -68,7 +73,7 @@ class WorkerMetrics:
         autoscalers and their tests read names before any event happened)."""
         for metric in (self.prompt_tokens, self.generation_tokens, self.prefix_hits,
                        self.prefix_queries, self.kv_bytes, self.kv_blocks, self.kv_seconds,
-                       self.kv_usage, self.running, self.waiting, self.leases,
+                       self.kv_usage, self.kv_block_bytes, self.running, self.waiting, self.leases,
                        self.prompt_tokens_waiting, self.swap_seconds, self.preempted_seconds,
                        self.interrupted_steps):
             self.labelled(metric)
@@ -87,6 +92,13 @@ class WorkerMetrics:
     def labelled(self, metric, **extra):
         """metric.labels(...) with this worker's role and id filled in."""
         return metric.labels(**self.labels, **extra)
+
+    def set_kv_cache(self, kv_cache_dtype: str, kv_scale_layout: str, block_size: int,
+                     block_bytes: int) -> None:
+        """How this worker's KV cache stores blocks (fixed once the engine is built)."""
+        self.labelled(self.kv_info, kv_cache_dtype=kv_cache_dtype, kv_scale_layout=kv_scale_layout,
+                      block_size=str(block_size)).set(1)
+        self.labelled(self.kv_block_bytes).set(block_bytes)
 
     def count_prompt(self, prompt_tokens: int, queried_tokens: int, cached_tokens: int) -> None:
         """A prompt was admitted: queried_tokens looked up in the prefix cache, of which

@@ -6,8 +6,12 @@ cache at ``meta.slot_blocks / meta.slot_offsets`` before attending, so a token
 attends to itself and to everything cached before it.
 
 KV cache layout (block-major, the layout the KV-transfer layer ships): one tensor
-``kv`` of shape [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim];
-block b of the whole model is one contiguous region.
+``kv`` of shape [num_blocks, num_layers, 2, block_size, num_kv_heads, row];
+block b of the whole model is one contiguous region. Unquantized, a row is head_dim
+values in the compute dtype; with ``meta.kv_quant`` (int8, fp8_e4m3) it is head_dim
+one-byte codes and the row's bfloat16 scale (engine/kv_cache/quant.py): ``write_kv``
+quantizes, ``gather_blocks`` / ``gather_kv`` dequantize, so a backend that reads
+through them needs nothing else.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from typing import Literal
 import torch
 
 from engine.attention.metadata import AttentionMetadata
+from engine.kv_cache.quant import decode, encode
 from engine.registry import Registry
 
 BackendName = Literal["sdpa", "flash_attn", "naive"]
@@ -47,27 +52,38 @@ class AttentionBackend(ABC):
 
 def write_kv(layer: int, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
              meta: AttentionMetadata) -> None:
-    """Scatter the new tokens' K/V into their slots (shared by every backend)."""
+    """Scatter the new tokens' K/V into their slots (shared by every backend),
+    quantized per row first when the cache is."""
+    if meta.kv_quant is not None:
+        k, v = encode(k, meta.kv_quant), encode(v, meta.kv_quant)
     kv[meta.slot_blocks, layer, 0, meta.slot_offsets] = k
     kv[meta.slot_blocks, layer, 1, meta.slot_offsets] = v
 
 
-def gather_blocks(layer: int, kv: torch.Tensor, block_ids: torch.Tensor
+def gather_blocks(layer: int, kv: torch.Tensor, block_ids: torch.Tensor,
+                  kv_quant: str | None = None, dtype: torch.dtype | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of the given blocks at one layer, [n, B, Hkv, D] each, contiguous.
+    """K and V of the given blocks at one layer, [n, B, Hkv, D] each, contiguous; a
+    quantized cache (kv_quant) is dequantized to ``dtype``.
 
     index_select over the block dimension of the layer's K (then V) view copies one
-    contiguous [B, Hkv, D] run per block; advanced indexing (kv[ids, layer]) took 3.5x
+    contiguous [B, Hkv, row] run per block; advanced indexing (kv[ids, layer]) took 3.5x
     longer on CPU and then needed a second copy to split K from V."""
-    return kv[:, layer, 0].index_select(0, block_ids), kv[:, layer, 1].index_select(0, block_ids)
+    k = kv[:, layer, 0].index_select(0, block_ids)
+    v = kv[:, layer, 1].index_select(0, block_ids)
+    if kv_quant is None:
+        return k, v
+    return decode(k, kv_quant, dtype), decode(v, kv_quant, dtype)
 
 
-def gather_kv(layer: int, kv: torch.Tensor, table: list[int] | torch.Tensor,
-              seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence's K and V, [seq_len, Hkv, D] each, read through its block table."""
+def gather_kv(layer: int, kv: torch.Tensor, table: list[int] | torch.Tensor, seq_len: int,
+              kv_quant: str | None = None, dtype: torch.dtype | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's K and V, [seq_len, Hkv, D] each, read through its block table
+    (dequantized to ``dtype`` when kv_quant says the cache is quantized)."""
     nblocks = -(-seq_len // kv.shape[3])
     idx = torch.as_tensor(table[:nblocks], dtype=torch.long, device=kv.device)
-    k, v = gather_blocks(layer, kv, idx)
+    k, v = gather_blocks(layer, kv, idx, kv_quant, dtype)
     return k.view(-1, *k.shape[-2:])[:seq_len], v.view(-1, *v.shape[-2:])[:seq_len]
 
 

@@ -3,7 +3,9 @@
 flash-attn 2 reads a paged cache directly only when the page size is a multiple
 of 256 tokens; with smaller blocks (the default 16) we gather each sequence's
 context through its block table first and hand flash-attn dense tensors. Both
-paths are numerically the same kernel. Tested against the naive reference when
+paths are numerically the same kernel. A quantized cache (int8, fp8_e4m3 with our
+per-row scales) is dequantized as it is gathered: flash-attn 2 has no KV-dequantizing
+kernel for per-token scales, so nothing is fused here. Tested against the naive reference when
 CUDA is present (tests/engine/test_attention.py, marked gpu).
 """
 from __future__ import annotations
@@ -34,8 +36,8 @@ class FlashAttnBackend(AttentionBackend):
         out = torch.empty_like(q)
         p, ntok = meta.num_prefills, meta.num_prefill_tokens
         if p:
-            ks, vs = zip(*(gather_kv(layer, kv, meta.block_tables[i], meta.seq_lens[i])
-                           for i in range(p)))
+            ks, vs = zip(*(gather_kv(layer, kv, meta.block_tables[i], meta.seq_lens[i],
+                                     meta.kv_quant, q.dtype) for i in range(p)))
             cu_q, cu_k = meta.cached("fa_cu", lambda: _cu_seqlens(meta, q.device))
             out[:ntok] = flash_attn_varlen_func(
                 q[:ntok], torch.cat(ks), torch.cat(vs), cu_q, cu_k,
@@ -45,11 +47,12 @@ class FlashAttnBackend(AttentionBackend):
             lens = meta.seq_lens[p:]
             cache_lens = meta.cached("fa_lens", lambda: torch.tensor(
                 lens, dtype=torch.int32, device=q.device))
-            if meta.block_size % 256 == 0:
+            if meta.block_size % 256 == 0 and meta.kv_quant is None:
                 bt = meta.cached("fa_bt", lambda: _padded_tables(meta, q.device))
                 kc, vc = kv[:, layer, 0], kv[:, layer, 1]
             else:
-                pairs = [gather_kv(layer, kv, meta.block_tables[p + i], n) for i, n in enumerate(lens)]
+                pairs = [gather_kv(layer, kv, meta.block_tables[p + i], n, meta.kv_quant, q.dtype)
+                         for i, n in enumerate(lens)]
                 kc = torch.nn.utils.rnn.pad_sequence([a for a, _ in pairs], batch_first=True)
                 vc = torch.nn.utils.rnn.pad_sequence([b for _, b in pairs], batch_first=True)
                 bt = None

@@ -27,6 +27,9 @@ class AttentionMetadata:
     """[T] long: the block each new token's K/V is written to."""
     slot_offsets: torch.Tensor
     """[T] long: the row inside that block."""
+    kv_quant: str | None = None
+    """None: the KV cache holds K/V in the compute dtype; int8 | fp8_e4m3: quantized rows
+    with their scales (engine/kv_cache/quant.py), quantized on write, dequantized on read."""
     scratch: dict[str, Any] = field(default_factory=dict)
     """Derived tensors a backend builds once per step and reuses in every layer."""
 
@@ -47,7 +50,8 @@ class AttentionMetadata:
 
 def build_metadata(query_lens: list[int], seq_lens: list[int], num_prefills: int,
                    block_tables: list[list[int]], block_size: int,
-                   device: torch.device | str = "cpu") -> AttentionMetadata:
+                   device: torch.device | str = "cpu", kv_quant: str | None = None
+                   ) -> AttentionMetadata:
     """Compute the write slots of every new token from its position and block table."""
     blocks: list[int] = []
     offsets: list[int] = []
@@ -60,4 +64,5 @@ def build_metadata(query_lens: list[int], seq_lens: list[int], num_prefills: int
         block_tables=block_tables, block_size=block_size,
         slot_blocks=torch.tensor(blocks, dtype=torch.long, device=device),
         slot_offsets=torch.tensor(offsets, dtype=torch.long, device=device),
+        kv_quant=kv_quant,
     )

@@ -1,4 +1,5 @@
-"""The reference: explicit softmax(QK^T)V per sequence in fp32, GQA by repetition.
+"""The reference: explicit softmax(QK^T)V per sequence in fp32, GQA by repetition (a
+quantized cache dequantized to fp32: code * scale).
 
 Slow and obviously right; every other backend is tested against it.
 """
@@ -20,7 +21,7 @@ class NaiveBackend(AttentionBackend):
         rep = q.shape[1] // k.shape[1]
         for qlen, slen, table in zip(meta.query_lens, meta.seq_lens, meta.block_tables):
             qs = q[start:start + qlen].float()  # [Lq, Hq, D]
-            ks, vs = gather_kv(layer, kv, table, slen)
+            ks, vs = gather_kv(layer, kv, table, slen, meta.kv_quant, torch.float32)
             ks = ks.float().repeat_interleave(rep, dim=1)  # [S, Hq, D]
             vs = vs.float().repeat_interleave(rep, dim=1)
             scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale  # [Hq, Lq, S]

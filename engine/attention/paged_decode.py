@@ -1,17 +1,21 @@
 """Decode attention over the paged cache, without gathering the context first.
 
-``paged_decode(q, kv, layer, tables, lens, scale)`` -> [N, Hq, D] for N sequences
-with one query token each. On CPU, for up to KERNEL_MAX_ROWS sequences, it runs
-``torch.ops.tandem.paged_decode`` (csrc/paged_decode.cpp): K and V rows are read in
+``paged_decode(q, kv, layer, tables, lens, scale, kv_quant)`` -> [N, Hq, D] for N
+sequences with one query token each. On CPU, for up to KERNEL_MAX_ROWS sequences, it
+runs ``torch.ops.tandem.paged_decode`` (csrc/paged_decode.cpp): K and V rows are read in
 place through the block tables, one (sequence, KV head) per task, so a step copies no
-context. The extension is built on first use with the machine's compiler (about 20 s,
-cached in torch's extension directory: ~/.cache/torch_extensions).
+context; an int8 cache is dequantized inside the kernel as each row is read. The
+extension is built on first use with the machine's compiler (about 20 s, cached in
+torch's extension directory, ~/.cache/torch_extensions, under a name that carries the
+source's hash, so two versions of the source never rebuild over each other).
 
-Above KERNEL_MAX_ROWS, and elsewhere (CUDA, or no compiler: said once in the log), it
-takes the gathered path: one batched SDPA over the contexts padded to the longest.
+Above KERNEL_MAX_ROWS, and elsewhere (CUDA, an fp8 cache, or no compiler: said once in
+the log), it takes the gathered path: one batched SDPA over the contexts padded to the
+longest, a quantized cache dequantized as it is gathered.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 from pathlib import Path
@@ -42,7 +46,8 @@ def _build() -> str | None:
     try:
         from torch.utils.cpp_extension import load
 
-        load(name="tandem_paged_decode", sources=[str(_SOURCE)], is_python_module=False,
+        digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
+        load(name=f"tandem_paged_decode_{digest}", sources=[str(_SOURCE)], is_python_module=False,
              extra_cflags=["-O3", "-march=native", "-fopenmp", *_vec_flags()],
              extra_ldflags=["-fopenmp"])
         torch.library.register_fake("tandem::paged_decode")(
@@ -72,21 +77,23 @@ micro-benchmark: 1.58 vs 1.35 ms at 64 rows, 0.29 vs 0.31 at 16, 0.02 vs 0.09 at
 
 
 def paged_decode(q: torch.Tensor, kv: torch.Tensor, layer: int, tables: torch.Tensor,
-                 lens: torch.Tensor, scale: float) -> torch.Tensor:
+                 lens: torch.Tensor, scale: float, kv_quant: str | None = None) -> torch.Tensor:
     """q [N, Hq, D]; kv the whole cache; tables [N, maxb] long (padded with any block
-    id); lens [N] long -> [N, Hq, D]."""
+    id); lens [N] long; kv_quant None (kv in q's dtype) or a quantized --kv-cache-dtype
+    -> [N, Hq, D]."""
     if (kv.device.type == "cpu" and q.shape[0] <= KERNEL_MAX_ROWS
-            and kernel_unavailable() is None):
+            and kv_quant in (None, "int8") and kernel_unavailable() is None):
         return torch.ops.tandem.paged_decode(q.contiguous(), kv, layer, tables, lens, scale)
-    return gathered_decode(q, kv, layer, tables, lens, scale)
+    return gathered_decode(q, kv, layer, tables, lens, scale, kv_quant)
 
 
 def gathered_decode(q: torch.Tensor, kv: torch.Tensor, layer: int, tables: torch.Tensor,
-                    lens: torch.Tensor, scale: float) -> torch.Tensor:
+                    lens: torch.Tensor, scale: float, kv_quant: str | None = None
+                    ) -> torch.Tensor:
     """The fallback: gather each context (padded to the longest), one batched SDPA with a
     key mask (faster on CPU than an explicit matmul-softmax-matmul over the same gather)."""
     n = q.shape[0]
-    ks, vs = gather_blocks(layer, kv, tables.reshape(-1))  # [N*maxb, B, Hkv, D]
+    ks, vs = gather_blocks(layer, kv, tables.reshape(-1), kv_quant, q.dtype)  # [N*maxb, B, Hkv, D]
     ks = ks.view(n, -1, *ks.shape[-2:]).transpose(1, 2)  # [N, Hkv, S, D]
     vs = vs.view(n, -1, *vs.shape[-2:]).transpose(1, 2)
     keys = torch.arange(ks.shape[2], device=q.device)

@@ -5,7 +5,9 @@ cached prefix in front: an explicit mask when a prefix exists). On CUDA, SDPA
 dispatches to a FlashAttention kernel; on CPU to a fused kernel. Decoding
 sequences run through paged_decode.py: on CPU a kernel that reads K/V in place
 through the block tables (the CPU SDPA kernel was slow for single-token queries
-and needed every context gathered first, once per layer).
+and needed every context gathered first, once per layer). A quantized cache: the
+prefill path dequantizes the gathered context to the compute dtype; the decode kernel
+dequantizes int8 rows as it reads them (fp8 takes the gathered path).
 """
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ class SDPABackend(AttentionBackend):
         start = 0
         for i in range(meta.num_prefills):
             qlen, slen = meta.query_lens[i], meta.seq_lens[i]
-            ks, vs = gather_kv(layer, kv, meta.block_tables[i], slen)
+            ks, vs = gather_kv(layer, kv, meta.block_tables[i], slen, meta.kv_quant, q.dtype)
             qs = q[start:start + qlen].transpose(0, 1).unsqueeze(0)  # [1, Hq, Lq, D]
             mask = None if qlen == slen else meta.cached(
                 f"pmask{i}", lambda: _causal_mask(qlen, slen, q.device))
@@ -53,5 +55,5 @@ class SDPABackend(AttentionBackend):
             start += qlen
         if meta.num_decodes:
             bt, lens = meta.cached("decode", lambda: _decode_inputs(meta, q.device))
-            out[start:] = paged_decode(q[start:], kv, layer, bt, lens, scale)
+            out[start:] = paged_decode(q[start:], kv, layer, bt, lens, scale, meta.kv_quant)
         return out

@@ -2,8 +2,11 @@
 // in place from the block-major paged cache through each sequence's block table
 // (no gather copy). Parallel over (sequence, KV head); the query heads of one GQA
 // group share every K/V row load. fp32 accumulation and softmax whatever the dtype.
+// An int8 cache (--kv-cache-dtype int8) is dequantized row by row as it is read
+// (code * the row's bfloat16 scale, stored after its D codes): no dequantized copy.
 //
-// kv: [num_blocks, num_layers, 2, block_size, Hkv, D] contiguous
+// kv: [num_blocks, num_layers, 2, block_size, Hkv, R] contiguous, R = D (q's dtype) or
+//     D + 2 (int8 codes, then the row's bfloat16 scale as two bytes)
 // q:  [N, Hq, D] contiguous; block_tables: [N, max_blocks] int64; seq_lens: [N] int64
 // returns [N, Hq, D] in q's dtype.
 #include <ATen/ATen.h>
@@ -13,6 +16,7 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -30,6 +34,20 @@ inline void to_float<at::BFloat16>(const at::BFloat16* src, float* dst, int64_t 
   const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
   uint32_t* d = reinterpret_cast<uint32_t*>(dst);
   for (int64_t i = 0; i < n; ++i) d[i] = static_cast<uint32_t>(s[i]) << 16;  // vectorises
+}
+
+// One K or V row -> D floats (an int8 row: code * its scale, the scale after the codes).
+template <typename KV>
+inline void load_row(const KV* src, float* dst, int64_t d) { to_float(src, dst, d); }
+
+template <>
+inline void load_row<int8_t>(const int8_t* src, float* dst, int64_t d) {
+  uint16_t bits;
+  std::memcpy(&bits, src + d, sizeof(bits));  // the bfloat16 scale: two unaligned bytes
+  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float s;
+  std::memcpy(&s, &wide, sizeof(s));
+  for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<float>(src[i]) * s;  // vectorises
 }
 
 inline float dot(const float* a, const float* b, int64_t d) {
@@ -67,14 +85,14 @@ inline void softmax_inplace(float* sc, int64_t n) {
   for (t = 0; t < n; ++t) sc[t] *= inv;
 }
 
-template <typename T>
-void decode_kernel(const T* q, const T* kv, const int64_t* tables, const int64_t* lens, T* out,
+template <typename T, typename KV>
+void decode_kernel(const T* q, const KV* kv, const int64_t* tables, const int64_t* lens, T* out,
                    int64_t n_seq, int64_t hq, int64_t hkv, int64_t d, int64_t block_size,
                    int64_t max_blocks, int64_t layer_stride, int64_t block_stride,
-                   int64_t layer, double scale_d) {
+                   int64_t layer, double scale_d, int64_t rd) {
   const int64_t group = hq / hkv;
   const float scale = static_cast<float>(scale_d);
-  const int64_t row = hkv * d;               // one token's K (or V) at one layer
+  const int64_t row = hkv * rd;              // one token's K (or V) at one layer
   const int64_t kv_half = block_size * row;  // K part of a block at one layer
   at::parallel_for(0, n_seq * hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * d), acc(group * d), kf(d), scores;
@@ -85,17 +103,17 @@ void decode_kernel(const T* q, const T* kv, const int64_t* tables, const int64_t
       for (auto& x : qf) x *= scale;
       scores.resize(group * len);
       for (int64_t t = 0; t < len; ++t) {  // scores = q . k
-        const T* k = kv + table[t / block_size] * block_stride + layer * layer_stride +
-                     (t % block_size) * row + h * d;
-        to_float(k, kf.data(), d);
+        const KV* k = kv + table[t / block_size] * block_stride + layer * layer_stride +
+                      (t % block_size) * row + h * rd;
+        load_row(k, kf.data(), d);
         for (int64_t g = 0; g < group; ++g) scores[g * len + t] = dot(qf.data() + g * d, kf.data(), d);
       }
       for (int64_t g = 0; g < group; ++g) softmax_inplace(scores.data() + g * len, len);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < len; ++t) {  // out = p . v
-        const T* v = kv + table[t / block_size] * block_stride + layer * layer_stride +
-                     kv_half + (t % block_size) * row + h * d;
-        to_float(v, kf.data(), d);
+        const KV* v = kv + table[t / block_size] * block_stride + layer * layer_stride +
+                      kv_half + (t % block_size) * row + h * rd;
+        load_row(v, kf.data(), d);
         for (int64_t g = 0; g < group; ++g) axpy(scores[g * len + t], kf.data(), acc.data() + g * d, d);
       }
       T* o = out + (s * hq + h * group) * d;
@@ -113,18 +131,27 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv, int64_t layer
   TORCH_CHECK(q.is_contiguous() && kv.is_contiguous(), "paged_decode: contiguous inputs");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
               "paged_decode: int64 block tables and lengths");
-  TORCH_CHECK(q.scalar_type() == kv.scalar_type(), "paged_decode: q and kv dtypes differ");
+  const bool q8 = kv.scalar_type() == at::kChar;
+  TORCH_CHECK(q8 || q.scalar_type() == kv.scalar_type(), "paged_decode: q and kv dtypes differ");
   const int64_t n = q.size(0), hq = q.size(1), d = q.size(2);
-  const int64_t hkv = kv.size(4), block_size = kv.size(3);
-  TORCH_CHECK(kv.size(5) == d && hq % hkv == 0, "paged_decode: head shapes disagree");
+  const int64_t hkv = kv.size(4), block_size = kv.size(3), rd = kv.size(5);
+  TORCH_CHECK(rd == (q8 ? d + 2 : d) && hq % hkv == 0, "paged_decode: head shapes disagree");
   auto tables = block_tables.contiguous();
   auto lens = seq_lens.contiguous();
   auto out = at::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
-    decode_kernel<scalar_t>(q.data_ptr<scalar_t>(), kv.data_ptr<scalar_t>(),
-                            tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
-                            out.data_ptr<scalar_t>(), n, hq, hkv, d, block_size,
-                            tables.size(1), kv.stride(1), kv.stride(0), layer, scale);
+    if (q8)
+      decode_kernel<scalar_t, int8_t>(q.data_ptr<scalar_t>(), kv.data_ptr<int8_t>(),
+                                      tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
+                                      out.data_ptr<scalar_t>(), n, hq, hkv, d, block_size,
+                                      tables.size(1), kv.stride(1), kv.stride(0), layer, scale,
+                                      rd);
+    else
+      decode_kernel<scalar_t, scalar_t>(q.data_ptr<scalar_t>(), kv.data_ptr<scalar_t>(),
+                                        tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
+                                        out.data_ptr<scalar_t>(), n, hq, hkv, d, block_size,
+                                        tables.size(1), kv.stride(1), kv.stride(0), layer,
+                                        scale, rd);
   });
   return out;
 }
