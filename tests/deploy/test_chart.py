@@ -257,6 +257,8 @@ def test_worker_pod(rendered, role):
     assert _flag(args, "host") == "$(POD_IP)" and _flag(args, "port") == "9000"
     assert _flag(args, "metrics-port") == "9100" and _flag(args, "worker-id") == "$(POD_NAME)"
     assert _flag(args, "kv-transfer") == "$(TANDEM_KV_TRANSFER)"
+    # both pools take the KV dtype from one value: a P/D mismatch is refused at connect
+    assert _flag(args, "kv-cache-dtype") == "$(TANDEM_KV_CACHE_DTYPE)"
     assert not any(a.startswith("--device") for a in args)
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert c[probe]["grpc"] == {"port": 9000}, probe
@@ -311,6 +313,7 @@ def test_configmap_holds_the_shared_settings(rendered):
     assert data["TANDEM_MODEL"] == "/models/SmolLM2-135M-Instruct.Q4_1.gguf"
     assert data["TANDEM_BLOCK_SIZE"] == "16" and data["TANDEM_HASH_SEED"] == "0"
     assert data["TANDEM_KV_TRANSFER"] == "nixl"
+    assert data["TANDEM_KV_CACHE_DTYPE"] == "auto"
     for dep in by_kind(rendered["default"], "Deployment").values():
         assert container(dep)["envFrom"] == [{"configMapRef": {"name": f"{FULL}-config"}}]
 
@@ -521,6 +524,7 @@ def schema() -> dict[str, Any]:
     ({"prefill": {"replicas": "two"}}, "/prefill/replicas"),
     ({"decode": {"gpu": {"enabled": "yes"}}}, "/decode/gpu/enabled"),
     ({"config": {"kvTransfer": "rdma"}}, "/config/kvTransfer"),
+    ({"config": {"kvCacheDtype": "int4"}}, "/config/kvCacheDtype"),
     ({"router": {"port": 70000}}, "/router/port"),
     ({"decode": {"autoscaling": {"targetKvCacheUsage": "lots"}}}, "/decode/autoscaling/targetKvCacheUsage"),
     ({"prefill": {"tolerations": [{"key": "a", "operatr": "Exists"}]}}, "/prefill/tolerations/0"),

@@ -66,6 +66,7 @@ spec:
             - --model=$(TANDEM_MODEL)
             - --kv-transfer=$(TANDEM_KV_TRANSFER)
             - --dtype=$(TANDEM_DTYPE)
+            - --kv-cache-dtype=$(TANDEM_KV_CACHE_DTYPE)
             - --block-size=$(TANDEM_BLOCK_SIZE)
             - --hash-seed=$(TANDEM_HASH_SEED)
             {{- include "tandem.clusterSecretArgs" $root | nindent 12 }}
