@@ -6,8 +6,10 @@ runs ``torch.ops.tandem.paged_decode`` (csrc/paged_decode.cpp): K and V rows are
 place through the block tables, one (sequence, KV head) per task, so a step copies no
 context; an int8 cache is dequantized inside the kernel as each row is read. The
 extension is built on first use with the machine's compiler (about 20 s, cached in
-torch's extension directory, ~/.cache/torch_extensions, under a name that carries the
-source's hash, so two versions of the source never rebuild over each other).
+torch's extension directory, ~/.cache/torch_extensions/tandem/, under a name that
+carries the source's hash, so two versions of the source never rebuild over each other).
+Builders take an flock first (the kernel drops it when a builder dies), so a process
+killed mid-build cannot leave torch's own lock file behind to hang every later start.
 
 Above KERNEL_MAX_ROWS, and elsewhere (CUDA, an fp8 cache, or no compiler: said once in
 the log), it takes the gathered path: one batched SDPA over the contexts padded to the
@@ -15,9 +17,13 @@ longest, a quantized cache dequantized as it is gathered.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
+import os
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -42,19 +48,53 @@ def kernel_unavailable() -> str | None:
         return _state["reason"]
 
 
+BUILD_WAIT_S = 900.0
+"""How long a process waits for another one's build before taking the gathered path."""
+
+
 def _build() -> str | None:
     try:
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import get_default_build_root, load
 
-        digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
-        load(name=f"tandem_paged_decode_{digest}", sources=[str(_SOURCE)], is_python_module=False,
-             extra_cflags=["-O3", "-march=native", "-fopenmp", *_vec_flags()],
-             extra_ldflags=["-fopenmp"])
+        name = f"tandem_paged_decode_{hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]}"
+        root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+        build_dir = Path(root) / "tandem" / name
+        build_dir.mkdir(parents=True, exist_ok=True)
+        with build_lock(build_dir, BUILD_WAIT_S):
+            load(name=name, sources=[str(_SOURCE)], is_python_module=False,
+                 extra_cflags=["-O3", "-march=native", "-fopenmp", *_vec_flags()],
+                 extra_ldflags=["-fopenmp"], build_directory=str(build_dir))
         torch.library.register_fake("tandem::paged_decode")(
             lambda q, kv, layer, tables, lens, scale: torch.empty_like(q))
     except Exception as e:  # no compiler, no headers: the fallback still works
         return f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:200] if str(e) else ''}"
     return None
+
+
+@contextlib.contextmanager
+def build_lock(build_dir: Path, wait_s: float):
+    """Hold the build directory's flock (waiting up to wait_s for a live builder:
+    TimeoutError after). Holding it, any torch ``lock`` file there is stale, left by a
+    builder that died (torch's FileBaton would wait for it forever), and is removed."""
+    with open(build_dir / "tandem-build.lock", "w") as f:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"another process has been building {build_dir.name} "
+                                       f"for over {wait_s:.0f} s") from None
+                time.sleep(0.2)
+        stale = build_dir / "lock"
+        if stale.exists():
+            log.warning("removing %s, left by a build that was killed", stale)
+            stale.unlink(missing_ok=True)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _vec_flags() -> list[str]:
