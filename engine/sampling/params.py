@@ -67,6 +67,8 @@ class SamplingParams:
     """None: no logprobs; N in [0, 20]: the chosen token's logprob plus the top N."""
     include_stop_str_in_output: bool = False
     """Keep the matched stop string at the end of the output."""
+    speculate: bool = True
+    """False: this request opts out of speculative decoding (when the engine speculates)."""
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, 1)

@@ -1,0 +1,212 @@
+"""Speculative decoding (engine/spec/): outputs token-identical to plain decoding
+(greedy, and seeded sampling), distribution kept (chi-square over many seeds, and the
+test fails when acceptance is made wrong), stops inside an accepted run, preemption,
+opt-out, the prefix cache never holding a rejected token, a leak check after each."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.kv_cache.block_hash import hash_token_blocks
+from engine.llm_engine import LLMEngine
+from engine.sampling import SamplingParams
+from engine.spec import verify as verify_mod
+
+METHODS = ["ngram", "suffix", "draft:self:1"]
+
+
+def _engine(model_dir, method: str = "none", **kw) -> LLMEngine:
+    if method.startswith("draft:"):
+        kw["speculative_model"] = method.removeprefix("draft:")
+        method = "draft"
+    kw.setdefault("num_kv_blocks", 256)
+    kw.setdefault("speculative_max_batch", 0)
+    return LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", max_model_len=256,
+                                  speculative_method=method, **kw))
+
+
+def _prompts(n: int = 50) -> list[list[int]]:
+    """Half repeat a phrase (the proposers find matches), half do not."""
+    out = []
+    for i in range(n):
+        phrase = [(i * 13 + j * 7) % 300 + 3 for j in range(6 + i % 5)]
+        out.append(phrase * 3 if i % 2 == 0 else [(i * 31 + j * 17) % 311 + 3 for j in range(20)])
+    return out
+
+
+def _run(eng: LLMEngine, prompts, params) -> list[tuple[list[int], list]]:
+    """(tokens, logprobs) per prompt, from the step outputs."""
+    plist = params if isinstance(params, list) else [params] * len(prompts)
+    ids = [eng.add_request(p, sp) for p, sp in zip(prompts, plist)]
+    got = {i: ([], []) for i in ids}
+    while eng.has_unfinished():
+        for o in eng.step():
+            got[o.request_id][0].extend(o.new_token_ids)
+            got[o.request_id][1].extend(o.logprobs)
+    return [got[i] for i in ids]
+
+
+def _cache_holds_only_committed(eng: LLMEngine, sequences: list[list[int]]) -> None:
+    """Every block in the prefix cache is a block of some committed sequence."""
+    bs = eng.config.block_size
+    good = {h for s in sequences for h in hash_token_blocks(s, bs, eng.config.hash_seed)}
+    cached = set(eng.kv.pool.cached)
+    assert cached and cached <= good, f"{len(cached - good)} cached blocks hold other tokens"
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_model_dir) -> LLMEngine:
+    return _engine(tiny_model_dir)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_identical_for_50_prompts(tiny_model_dir, plain, method: str) -> None:
+    prompts = _prompts()
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    want = [t for t, _ in _run(plain, prompts, params)]
+    plain.leak_check()
+    eng = _engine(tiny_model_dir, method)
+    got = [t for t, _ in _run(eng, prompts, params)]
+    assert got == want
+    st = eng.speculator.counters.get(eng.speculator.proposer.name)
+    assert st.accepted > 0 and st.verifications > 0
+    _cache_holds_only_committed(eng, [p + t for p, t in zip(prompts, got)])
+    eng.leak_check()
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_seeded_sampling_identical_with_logprobs_and_penalties(tiny_model_dir, plain,
+                                                                method: str) -> None:
+    prompts = _prompts(12)
+    params = [SamplingParams(max_tokens=24, temperature=1.0, seed=i, ignore_eos=True,
+                             logprobs=3, repetition_penalty=1.2 if i % 3 == 0 else 1.0)
+              for i in range(len(prompts))]
+    want = _run(plain, prompts, params)
+    eng = _engine(tiny_model_dir, method)
+    got = _run(eng, prompts, params)
+    assert [t for t, _ in got] == [t for t, _ in want]
+    for (_, a), (_, b) in zip(got, want):
+        assert [x.token_id for x in a] == [x.token_id for x in b]
+        # the same raw-model logprobs; the verify pass scores through the prefill path,
+        # whose fp32 rounding differs from the decode kernel's by ~1e-6
+        assert torch.allclose(torch.tensor([x.logprob for x in a]),
+                              torch.tensor([x.logprob for x in b]), atol=1e-4)
+        assert [[t for t, _ in x.top] for x in a] == [[t for t, _ in x.top] for x in b]
+    assert eng.speculator.counters.get(method).accepted > 0
+    eng.leak_check()
+    plain.leak_check()
+
+
+def test_stops_inside_an_accepted_run(tiny_model_dir, plain) -> None:
+    """A stop token id, max_tokens and a stop string end the request at the same token
+    as plain decoding, although the verify pass had accepted tokens beyond it."""
+    prompts = _prompts(8)[::2]
+    free = [t for t, _ in _run(plain, prompts, SamplingParams(max_tokens=30, temperature=0,
+                                                              ignore_eos=True))]
+    eng = _engine(tiny_model_dir, "ngram")
+    for prompt, toks in zip(prompts, free):
+        stop_id = toks[9]
+        cut = toks.index(stop_id) + 1
+        text = plain.tokenizer.decode(toks[4:7])
+        for params in (SamplingParams(max_tokens=30, temperature=0, ignore_eos=True,
+                                      stop_token_ids=(stop_id,)),
+                       SamplingParams(max_tokens=7, temperature=0, ignore_eos=True),
+                       SamplingParams(max_tokens=30, temperature=0, ignore_eos=True,
+                                      stop=(text,))):
+            a = plain.generate([prompt], params)[0]
+            b = eng.generate([prompt], params)[0]
+            assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text,
+                                                              a.finish_reason)
+        assert eng.generate([prompt], SamplingParams(
+            max_tokens=30, temperature=0, ignore_eos=True,
+            stop_token_ids=(stop_id,)))[0].token_ids == toks[:cut]
+    eng.leak_check()
+    plain.leak_check()
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_preemption_mid_way_keeps_outputs(tiny_model_dir, plain, mode: str) -> None:
+    prompts = _prompts(12)
+    params = [SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.0 if i % 2 else 0.9,
+                             seed=i) for i in range(len(prompts))]
+    want = [t for t, _ in _run(plain, prompts, params)]
+    eng = _engine(tiny_model_dir, "ngram", num_kv_blocks=24, preemption_mode=mode)
+    got = [t for t, _ in _run(eng, prompts, params)]
+    assert sum(eng.stats.preemptions.values()) > 0
+    assert got == want
+    assert eng.speculator.counters.get("ngram").accepted > 0
+    eng.leak_check()
+
+
+def test_opt_out_and_large_batches_do_not_speculate(tiny_model_dir) -> None:
+    prompts = _prompts(4)[::2]
+    eng = _engine(tiny_model_dir, "ngram")
+    eng.generate(prompts, SamplingParams(max_tokens=16, temperature=0, speculate=False))
+    assert eng.speculator.counters.get("ngram").verifications == 0
+    small = _engine(tiny_model_dir, "ngram", speculative_max_batch=1)
+    small.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    assert small.speculator.counters.get("ngram").verifications == 0
+    small.generate(prompts[:1], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    assert small.speculator.counters.get("ngram").verifications > 0
+    eng.leak_check()
+    small.leak_check()
+
+
+# -- the distribution -------------------------------------------------------------------
+
+CONTEXTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [40, 41, 40, 41, 40, 41, 40], [9, 9, 9, 9, 9, 9]]
+SEEDS = 400
+
+
+def chi_square_p(a: list[int], b: list[int]) -> float:
+    """p-value of a two-sample chi-square test of homogeneity (categories with fewer than
+    10 draws in both samples are pooled)."""
+    cats = sorted(set(a) | set(b))
+    ca = torch.tensor([a.count(c) for c in cats], dtype=torch.float64)
+    cb = torch.tensor([b.count(c) for c in cats], dtype=torch.float64)
+    big = (ca + cb) >= 10
+    ca = torch.cat([ca[big], ca[~big].sum().view(1)])
+    cb = torch.cat([cb[big], cb[~big].sum().view(1)])
+    keep = (ca + cb) > 0
+    ca, cb = ca[keep], cb[keep]
+    if len(ca) < 2:
+        return 1.0
+    tot = ca + cb
+    ea, eb = tot * ca.sum() / tot.sum(), tot * cb.sum() / tot.sum()
+    stat = (((ca - ea) ** 2) / ea + ((cb - eb) ** 2) / eb).sum()
+    df = torch.tensor((len(ca) - 1) / 2, dtype=torch.float64)
+    return float(torch.special.gammaincc(df, stat / 2))
+
+
+def _next_tokens(eng: LLMEngine, ctx: list[int], seeds: range, position: int) -> list[int]:
+    params = [SamplingParams(max_tokens=position + 1, temperature=1.0, top_k=8, seed=s,
+                             ignore_eos=True) for s in seeds]
+    return [c.token_ids[position] for c in eng.generate([ctx] * len(seeds), params)]
+
+
+def _speculative_draws(tiny_model_dir, plain):
+    """(plain draws, speculative draws) of the 2nd and 3rd output tokens (the first
+    ones that can be guessed), from disjoint seeds."""
+    eng = _engine(tiny_model_dir, "ngram", num_speculative_tokens=3)
+    out = []
+    for ctx in CONTEXTS:
+        for pos in (1, 2):
+            out.append((_next_tokens(plain, ctx, range(SEEDS), pos),
+                        _next_tokens(eng, ctx, range(SEEDS, 2 * SEEDS), pos)))
+    eng.leak_check()
+    return out, eng.speculator.counters.get("ngram")
+
+
+def test_sampled_distribution_is_kept(tiny_model_dir, plain) -> None:
+    draws, st = _speculative_draws(tiny_model_dir, plain)
+    assert st.proposed > SEEDS and 0 < st.accepted < st.proposed  # guesses were rejected
+    for a, b in draws:
+        assert chi_square_p(a, b) > 0.01
+
+
+def test_distribution_test_fails_when_acceptance_is_wrong(tiny_model_dir, plain,
+                                                         monkeypatch) -> None:
+    monkeypatch.setattr(verify_mod, "ACCEPT_ALL", True)
+    ps = [chi_square_p(a, b) for a, b in _speculative_draws(tiny_model_dir, plain)[0]]
+    assert min(ps) < 0.01, ps
