@@ -199,7 +199,7 @@ class EngineConfig:
         self._check_speculative()
 
     def _check_speculative(self) -> None:
-        from engine.spec.base import PROPOSERS  # torch-free registry
+        from engine.spec.registry import PROPOSERS  # torch-free
         PROPOSERS.check(self.speculative_method, extra=("none",))
         if self.speculative_method == "none":
             return

@@ -91,6 +91,8 @@ class LLMEngine:
         self.stats = EngineStats()
         self.speculator = Speculator.create(config, self.runner, self.tokenizer,
                                             self.max_model_len)
+        if self.speculator is not None:
+            self.speculator.proposer.bind(self.kv.tables)
         eos = set(ckpt.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)

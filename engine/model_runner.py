@@ -42,6 +42,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, ckpt: LoadedCheckpoint, max_model_len: int) -> None:
         self.config = config
         self.model_config = ckpt.config
+        self.max_model_len = max_model_len
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
         if config.num_threads:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from engine.kv_cache.block_hash import BlockHash
 from engine.sampling import SamplingParams, SamplingState, TokenLogprobs
-from engine.spec.base import SpecState
+from engine.spec.state import SpecState
 
 
 class RequestStatus(enum.Enum):

@@ -19,7 +19,8 @@ def sampling_from_proto(m: common.SamplingParams) -> SamplingParams:
         presence_penalty=m.presence_penalty, frequency_penalty=m.frequency_penalty,
         seed=m.seed if m.HasField("seed") else None, stop=tuple(m.stop),
         stop_token_ids=tuple(m.stop_token_ids), ignore_eos=m.ignore_eos,
-        logprobs=m.logprobs if m.HasField("logprobs") else None)
+        logprobs=m.logprobs if m.HasField("logprobs") else None,
+        speculate=m.speculate if m.HasField("speculate") else True)
 
 
 def sampling_to_proto(p: SamplingParams) -> common.SamplingParams:
@@ -32,6 +33,8 @@ def sampling_to_proto(p: SamplingParams) -> common.SamplingParams:
         m.seed = p.seed
     if p.logprobs is not None:
         m.logprobs = p.logprobs
+    if not p.speculate:
+        m.speculate = False
     return m
 
 

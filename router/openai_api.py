@@ -2,7 +2,7 @@
 
 Unknown fields are rejected (extra="forbid") so a typo is a 400 naming the field,
 not a silently ignored option. Tandem extensions: priority, top_k, min_p,
-repetition_penalty, ignore_eos.
+repetition_penalty, ignore_eos, speculate (false opts out of speculative decoding).
 """
 from __future__ import annotations
 
@@ -42,6 +42,8 @@ class _Common(BaseModel):
     priority: int = Field(default=0, ge=PRIORITY_MIN, le=PRIORITY_MAX)
     """Lower = more important (Tandem extension; also the x-priority header)."""
     ignore_eos: bool = False
+    speculate: bool = True
+    """False: no speculative decoding for this request (Tandem extension)."""
 
     def sampling(self, default_max_tokens: int, logprobs: int | None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
@@ -50,7 +52,7 @@ class _Common(BaseModel):
             top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, seed=self.seed, stop=tuple(stop),
-            ignore_eos=self.ignore_eos, logprobs=logprobs)
+            ignore_eos=self.ignore_eos, logprobs=logprobs, speculate=self.speculate)
 
 
 class CompletionRequest(_Common):

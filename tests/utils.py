@@ -46,7 +46,7 @@ def _byte_level_tokenizer_json(vocab_size: int) -> dict:
 
 def make_tiny_llama(root: Path, *, layers: int = 2, hidden: int = 64, heads: int = 4,
                     kv_heads: int = 2, vocab: int = 320, seed: int = 0,
-                    tie: bool = True, max_pos: int = 512) -> Path:
+                    tie: bool = True, max_pos: int = 512, embed_scale: float = 0.5) -> Path:
     """Write a random tiny Llama as an HF directory and return its path."""
     from safetensors.torch import save_file
 
@@ -64,7 +64,7 @@ def make_tiny_llama(root: Path, *, layers: int = 2, hidden: int = 64, heads: int
     def rnd(*shape: int, scale: float = 0.08) -> torch.Tensor:
         return torch.randn(*shape, generator=g) * scale
 
-    t = {"model.embed_tokens.weight": rnd(vocab, hidden, scale=0.5),
+    t = {"model.embed_tokens.weight": rnd(vocab, hidden, scale=embed_scale),
          "model.norm.weight": 1 + rnd(hidden, scale=0.1)}
     if not tie:
         t["lm_head.weight"] = rnd(vocab, hidden)

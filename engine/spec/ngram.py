@@ -54,8 +54,9 @@ def continuation(tokens: Sequence[int], hay: bytes, n: int, k: int) -> list[int]
 class NgramProposer(Proposer):
     name = "ngram"
 
-    def __init__(self, max_ngram: int = MAX_NGRAM, min_ngram: int = MIN_NGRAM) -> None:
-        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+    def __init__(self, max_ngram: int | None = None, min_ngram: int | None = None) -> None:
+        self.max_ngram = max_ngram or MAX_NGRAM
+        self.min_ngram = min_ngram or MIN_NGRAM
 
     def propose(self, reqs: list[Request], ks: list[int]) -> list[list[int]]:
         out = []

@@ -14,7 +14,9 @@ import logging
 
 from engine.config import EngineConfig
 from engine.request import Request, RequestStatus
-from engine.spec.base import PROPOSERS, Proposer, SpecCounters, SpecState
+from engine.spec.base import Proposer
+from engine.spec.registry import PROPOSERS
+from engine.spec.state import SpecCounters, SpecState
 
 log = logging.getLogger(__name__)
 PENDING = -1

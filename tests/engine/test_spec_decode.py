@@ -11,12 +11,19 @@ from engine.config import EngineConfig
 from engine.kv_cache.block_hash import hash_token_blocks
 from engine.llm_engine import LLMEngine
 from engine.sampling import SamplingParams
+from engine.spec import ngram as ngram_mod
 from engine.spec import verify as verify_mod
+from tests.utils import make_tiny_llama
 
-METHODS = ["ngram", "suffix", "draft:self:1"]
+METHODS = ["ngram", "suffix", "draft:self:1", "draft:tiny"]
+
+
+_DRAFT_DIR: list = []
 
 
 def _engine(model_dir, method: str = "none", **kw) -> LLMEngine:
+    if method == "draft:tiny":  # a separate one-layer model with the same tokenizer
+        method = f"draft:{_DRAFT_DIR[0]}"
     if method.startswith("draft:"):
         kw["speculative_model"] = method.removeprefix("draft:")
         method = "draft"
@@ -56,16 +63,24 @@ def _cache_holds_only_committed(eng: LLMEngine, sequences: list[list[int]]) -> N
 
 
 @pytest.fixture(scope="module")
-def plain(tiny_model_dir) -> LLMEngine:
+def plain(tiny_model_dir, tmp_path_factory) -> LLMEngine:
+    _DRAFT_DIR[:] = [make_tiny_llama(tmp_path_factory.mktemp("draft"), layers=1, seed=1)]
     return _engine(tiny_model_dir)
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_greedy_identical_for_50_prompts(tiny_model_dir, plain, method: str) -> None:
-    prompts = _prompts()
-    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
-    want = [t for t, _ in _run(plain, prompts, params)]
+GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def greedy_plain(plain) -> list[list[int]]:
+    want = [t for t, _ in _run(plain, _prompts(), GREEDY)]
     plain.leak_check()
+    return want
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_identical_for_50_prompts(tiny_model_dir, greedy_plain, method: str) -> None:
+    prompts, params, want = _prompts(), GREEDY, greedy_plain
     eng = _engine(tiny_model_dir, method)
     got = [t for t, _ in _run(eng, prompts, params)]
     assert got == want
@@ -155,8 +170,9 @@ def test_opt_out_and_large_batches_do_not_speculate(tiny_model_dir) -> None:
 
 # -- the distribution -------------------------------------------------------------------
 
-CONTEXTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [40, 41, 40, 41, 40, 41, 40], [9, 9, 9, 9, 9, 9]]
-SEEDS = 400
+CONTEXTS = [[40, 41, 40, 41, 40, 41, 40], [100, 200, 100, 200, 100],
+            [3, 4, 5, 3, 4, 5, 3, 4], [250, 17, 250, 17, 250]]
+SEEDS = 300
 
 
 def chi_square_p(a: list[int], b: list[int]) -> float:
@@ -179,34 +195,85 @@ def chi_square_p(a: list[int], b: list[int]) -> float:
     return float(torch.special.gammaincc(df, stat / 2))
 
 
-def _next_tokens(eng: LLMEngine, ctx: list[int], seeds: range, position: int) -> list[int]:
-    params = [SamplingParams(max_tokens=position + 1, temperature=1.0, top_k=8, seed=s,
-                             ignore_eos=True) for s in seeds]
-    return [c.token_ids[position] for c in eng.generate([ctx] * len(seeds), params)]
+def _outputs(eng: LLMEngine, ctx: list[int], seeds: range) -> list[list[int]]:
+    params = [SamplingParams(max_tokens=4, temperature=1.0, top_k=8, seed=s, ignore_eos=True)
+              for s in seeds]
+    return [c.token_ids for c in eng.generate([ctx] * len(seeds), params)]
 
 
-def _speculative_draws(tiny_model_dir, plain):
+@pytest.fixture(scope="module")
+def flat_model_dir(tmp_path_factory):
+    """A tiny model whose next-token distributions are spread (several likely tokens)."""
+    return make_tiny_llama(tmp_path_factory.mktemp("flat"), embed_scale=0.25)
+
+
+def _speculative_draws(model_dir, monkeypatch):
     """(plain draws, speculative draws) of the 2nd and 3rd output tokens (the first
-    ones that can be guessed), from disjoint seeds."""
-    eng = _engine(tiny_model_dir, "ngram", num_speculative_tokens=3)
+    ones that can be guessed), from disjoint seeds. Single-token matches are allowed, so
+    nearly every row gets guesses, and most are rejected (this model tends to repeat)."""
+    monkeypatch.setattr(ngram_mod, "MIN_NGRAM", 1)
+    plain = _engine(model_dir)
+    eng = _engine(model_dir, "ngram", num_speculative_tokens=3)
     out = []
     for ctx in CONTEXTS:
+        a, b = _outputs(plain, ctx, range(SEEDS)), _outputs(eng, ctx, range(SEEDS, 2 * SEEDS))
         for pos in (1, 2):
-            out.append((_next_tokens(plain, ctx, range(SEEDS), pos),
-                        _next_tokens(eng, ctx, range(SEEDS, 2 * SEEDS), pos)))
+            out.append(([t[pos] for t in a], [t[pos] for t in b]))
     eng.leak_check()
+    plain.leak_check()
     return out, eng.speculator.counters.get("ngram")
 
 
-def test_sampled_distribution_is_kept(tiny_model_dir, plain) -> None:
-    draws, st = _speculative_draws(tiny_model_dir, plain)
+def test_sampled_distribution_is_kept(flat_model_dir, monkeypatch) -> None:
+    draws, st = _speculative_draws(flat_model_dir, monkeypatch)
     assert st.proposed > SEEDS and 0 < st.accepted < st.proposed  # guesses were rejected
     for a, b in draws:
         assert chi_square_p(a, b) > 0.01
 
 
-def test_distribution_test_fails_when_acceptance_is_wrong(tiny_model_dir, plain,
-                                                         monkeypatch) -> None:
+def test_distribution_test_fails_when_acceptance_is_wrong(flat_model_dir, monkeypatch) -> None:
     monkeypatch.setattr(verify_mod, "ACCEPT_ALL", True)
-    ps = [chi_square_p(a, b) for a, b in _speculative_draws(tiny_model_dir, plain)[0]]
+    ps = [chi_square_p(a, b) for a, b in _speculative_draws(flat_model_dir, monkeypatch)[0]]
     assert min(ps) < 0.01, ps
+
+
+# -- bad input: a start-up error naming the flag ------------------------------------------
+
+@pytest.mark.parametrize("kw, flag", [
+    ({"speculative_method": "ngram", "num_speculative_tokens": 0}, "--num-speculative-tokens"),
+    ({"speculative_method": "ngram", "num_speculative_tokens": 256, "max_model_len": 256},
+     "--num-speculative-tokens"),
+    ({"speculative_method": "medusa"}, "--speculative-method"),
+    ({"speculative_method": "draft"}, "--speculative-model"),
+    ({"speculative_method": "ngram", "speculative_model": "self:1"}, "--speculative-model"),
+])
+def test_bad_config_names_the_flag(kw, flag: str) -> None:
+    with pytest.raises(ValueError, match=flag):
+        EngineConfig(model="x", **kw)
+
+
+def test_k_beyond_the_models_context_names_the_flag(tiny_model_dir) -> None:
+    with pytest.raises(ValueError, match="--num-speculative-tokens"):
+        LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64,
+                               speculative_method="ngram", num_speculative_tokens=600))
+
+
+@pytest.mark.parametrize("spec", ["self:0", "self:2", "self:x"])
+def test_self_draft_layers_outside_range(tiny_model_dir, spec: str) -> None:
+    with pytest.raises(ValueError, match=r"--speculative-model self:N needs N in \[1, 2\)"):
+        _engine(tiny_model_dir, f"draft:{spec}")
+
+
+def test_draft_with_another_vocabulary_or_tokenizer(tiny_model_dir, tmp_path) -> None:
+    import json
+
+    other = make_tiny_llama(tmp_path / "vocab", layers=1, vocab=352)
+    with pytest.raises(ValueError, match="--speculative-model .*vocabulary of 352"):
+        _engine(tiny_model_dir, f"draft:{other}")
+    same = make_tiny_llama(tmp_path / "tok", layers=1)
+    tok = json.loads((same / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    vocab["<renamed>"] = vocab.pop("<extra_300>")
+    (same / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(ValueError, match="--speculative-model .*tokenizer differs"):
+        _engine(tiny_model_dir, f"draft:{same}")
