@@ -277,3 +277,47 @@ def test_draft_with_another_vocabulary_or_tokenizer(tiny_model_dir, tmp_path) ->
     (same / "tokenizer.json").write_text(json.dumps(tok))
     with pytest.raises(ValueError, match="--speculative-model .*tokenizer differs"):
         _engine(tiny_model_dir, f"draft:{same}")
+
+
+@pytest.mark.slow
+def test_real_model_greedy_identical_for_50_prompts_fp32(model_path) -> None:
+    """The embedded SmolLM2 in fp32: 50 chat prompts (half ask to repeat their input),
+    greedy, with and without n-gram speculation."""
+    def engine(method: str) -> LLMEngine:
+        return LLMEngine(EngineConfig(model=str(model_path), dtype="float32", max_model_len=512,
+                                      num_kv_blocks=1024, speculative_method=method,
+                                      speculative_max_batch=0))
+    plain_eng = engine("none")
+    tok = plain_eng.tokenizer
+    topics = ["rivers", "bread", "chess", "rain", "trains", "owls", "glass", "maps", "tea",
+              "bees"]
+    texts = [f"Repeat this sentence twice: the {t} of the north are old and quiet."
+             if i % 2 == 0 else f"Write one sentence about {t}." for i, t in
+             enumerate(topics * 5)]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": f"{t} ({i})"}],
+                                       tokenize=True) for i, t in enumerate(texts)]
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    want = [c.token_ids for c in plain_eng.generate(prompts, params)]
+    plain_eng.leak_check()
+    del plain_eng
+    eng = engine("ngram")
+    got = [c.token_ids for c in eng.generate(prompts, params)]
+    assert got == want
+    assert eng.speculator.counters.get("ngram").accepted > 0
+    eng.leak_check()
+
+
+def test_adaptive_length_grows_shrinks_and_switches_off() -> None:
+    from engine.spec.state import SpecState
+
+    st = SpecState(k=2, max_k=4)
+    st.update(2, 2)
+    assert st.want() == 3  # all accepted: one more
+    st.update(3, 1)
+    assert st.want() == 2  # one accepted: propose what was accepted plus one
+    for _ in range(3):  # the moving acceptance rate falls below 25%
+        st.update(1, 0)
+    assert [st.want() for _ in range(5)] == [0, 0, 0, 0, 1]  # off for 4 steps, a probe
+    st.update(1, 0)
+    st.update(1, 0)
+    assert [st.want() for _ in range(9)] == [0] * 8 + [1]  # rejected again: the pause doubles
