@@ -102,6 +102,7 @@ def chat_ids(eng: LLMEngine, text: str) -> list[int]:
 
 def run_method(args, method: str) -> dict:
     eng = engine_for(args.model, method, args.k)
+    eng.generate([chat_ids(eng, "Say hello.")], SamplingParams(max_tokens=8))  # warm-up
     res: dict = {"method": method}
     for group, prompts in (("grounded", GROUNDED), ("chat", CHAT)):
         for name, text in prompts.items():
