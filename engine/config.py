@@ -155,6 +155,18 @@ class EngineConfig:
     TANDEM_COMPILE=0 in the environment makes --no-compile the default (the test suite's)."""
     compile_max_batch: int | None = None
     """Largest compiled decode batch (bigger decode batches run eagerly); None = max_num_seqs."""
+    speculative_method: str = "none"
+    """Speculative decoding: none, ngram (prompt lookup), suffix (suffix match over the
+    context and recent outputs), or draft (a draft model: --speculative-model). Proposals
+    are verified in one forward pass; outputs are exactly those of plain decoding."""
+    speculative_model: str = ""
+    """--speculative-method draft: a smaller model sharing the tokenizer (a .gguf file or
+    an HF directory), or self:N (the target's own first N layers and its LM head)."""
+    num_speculative_tokens: int = 4
+    """Most tokens proposed per request per step (K); each step verifies K+1 positions."""
+    speculative_max_batch: int = 8
+    """Speculation is off in steps with more decode rows than this (verifying costs more
+    than it saves once the batch fills the matmuls); 0 = no limit."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -192,6 +204,26 @@ class EngineConfig:
                              f"got {self.quant_group_size}")
         if self.quant_packed_max_rows is not None and self.quant_packed_max_rows < 0:
             raise ValueError(f"--quant-packed-max-rows must be >= 0, got {self.quant_packed_max_rows}")
+        self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        from engine.spec.registry import PROPOSERS  # torch-free
+        PROPOSERS.check(self.speculative_method, extra=("none",))
+        if self.speculative_method == "none":
+            return
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"--num-speculative-tokens must be >= 1 with "
+                             f"--speculative-method {self.speculative_method}, "
+                             f"got {self.num_speculative_tokens}")
+        if self.max_model_len is not None and self.num_speculative_tokens >= self.max_model_len:
+            raise ValueError(f"--num-speculative-tokens {self.num_speculative_tokens} is beyond "
+                             f"the context window (--max-model-len {self.max_model_len})")
+        if self.speculative_max_batch < 0:
+            raise ValueError(f"--speculative-max-batch must be >= 0, "
+                             f"got {self.speculative_max_batch}")
+        if (self.speculative_method == "draft") != bool(self.speculative_model):
+            raise ValueError("--speculative-model is required by --speculative-method draft "
+                             "and only used by it")
 
     def _check_kv_cache_dtype(self) -> None:
         name = self.kv_cache_dtype

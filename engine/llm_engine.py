@@ -29,6 +29,7 @@ from engine.request import (DuplicateRequestError, FinishReason, RemoteAdmission
 from engine.sampling import SamplingParams
 from engine.kv_cache.swap import SwapPool
 from engine.scheduler import PreemptionPolicy, Scheduler
+from engine.spec.speculator import Speculator
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,10 @@ class LLMEngine:
                                    PreemptionPolicy(config.preemption_mode),
                                    config.priority_batch_cap)
         self.stats = EngineStats()
+        self.speculator = Speculator.create(config, self.runner, self.tokenizer,
+                                            self.max_model_len)
+        if self.speculator is not None:
+            self.speculator.proposer.bind(self.kv.tables)
         eos = set(ckpt.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -190,6 +195,8 @@ class LLMEngine:
         error output; the engine goes on serving the rest."""
         self._urgent = None  # announced requests were queued before this step began
         try:
+            if self.speculator is not None:
+                self.speculator.prepare(self.scheduler.running)
             batch = self.scheduler.schedule()
             self.apply_preemptions(batch)
         except Exception as e:  # noqa: BLE001 - the barrier: fail requests, not the engine
@@ -209,17 +216,23 @@ class LLMEngine:
         return results
 
     def _run_batch(self, batch, results: list[RequestOutput]) -> None:
-        """Forward, commit, sample; appends each output to results as it is made."""
+        """(Draft,) forward, commit, sample; appends each output to results as it is made."""
+        if self.speculator is not None:
+            batch.entries = self.speculator.fill(batch.entries)
         tables = [self.kv.table(req.request_id) for req, _ in batch.entries]
         best = min(req.priority for req, _ in batch.entries)
-        sampled, out = self.runner.execute(
+        step = self.runner.execute(
             batch.entries, tables, lambda: self._urgent is not None and self._urgent < best)
         for req, n in batch.entries:
-            req.num_computed_tokens += n
             self.num_computed_tokens_total += n
-            self.kv.cache_computed(req)
-        for i, req in enumerate(sampled):
-            result = self.outputs.append(req, out.token_ids[i], out.logprobs[i])
+            if not req.draft:
+                req.num_computed_tokens += n
+                self.kv.cache_computed(req)
+        for req, tokens, logprobs in zip(step.requests, step.tokens, step.logprobs):
+            if req.draft:
+                result = self._commit_verified(req, tokens, logprobs)
+            else:
+                result = self.outputs.append(req, tokens[0], logprobs[0])
             if req.prefill_only and not result.finished:
                 result.finished = True  # handed off: finish_reason stays None
                 req.status = RequestStatus.FINISHED
@@ -227,6 +240,20 @@ class LLMEngine:
             if result.finished:
                 result.held_blocks = self._release(req)
             results.append(result)
+
+    def _commit_verified(self, req: Request, tokens: list[int], logprobs: list) -> RequestOutput:
+        """A speculating row: commit the emitted tokens up to the first that finishes the
+        request. Every kept token but the last now has its K/V computed (the verify pass
+        wrote them); slots past that held rejected guesses: blocks beyond the context are
+        returned, and only computed (accepted) tokens ever reach the prefix cache."""
+        result = self.outputs.append_many(req, tokens, logprobs)
+        kept = len(result.new_token_ids)
+        req.num_computed_tokens += kept
+        self.kv.cache_computed(req)
+        self.kv.trim(req, len(req.token_ids))
+        self.speculator.record(req, len(tokens), kept)
+        req.draft = []
+        return result
 
     def fail_all(self, error: str) -> list[RequestOutput]:
         """Finish every request with an error (its blocks freed), except those a pull is

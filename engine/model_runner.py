@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -23,15 +24,27 @@ from engine.quant.apply import QuantReport, quantize_model, select_paths
 from engine.quant.base import resolve_method
 from engine.models import MODELS
 from engine.request import Request
-from engine.sampling import Sampler, SamplerOutput
+from engine.sampling import Sampler, TokenLogprobs
+from engine.spec.verify import verify
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepTokens:
+    """What a forward pass produced: per sampled request, its new tokens (one, or the
+    accepted guesses plus one for a speculating row) and their logprobs."""
+
+    requests: list[Request]
+    tokens: list[list[int]]
+    logprobs: list[list[TokenLogprobs | None]]
 
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, ckpt: LoadedCheckpoint, max_model_len: int) -> None:
         self.config = config
         self.model_config = ckpt.config
+        self.max_model_len = max_model_len
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
         if config.num_threads:
@@ -158,39 +171,46 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, entries: list[tuple[Request, int]], tables: list[list[int]],
-                should_stop: Callable[[], bool] | None = None
-                ) -> tuple[list[Request], SamplerOutput | None]:
+                should_stop: Callable[[], bool] | None = None) -> StepTokens:
         """Run one forward pass; return the requests that were sampled and their tokens.
         should_stop is asked between layers (StepInterrupted when it says True).
 
         entries: (request, new tokens) with prefill-path entries (more than one token)
-        first; tables: each request's block table."""
+        first; tables: each request's block table. A decode row with proposed tokens
+        (``req.draft``) runs its last token and the k guesses (n = 1 + k) and is verified
+        (engine/spec/verify.py): it may get up to k + 1 tokens."""
         ids: list[int] = []
         pos: list[int] = []
-        qlens, slens, sample_rows, sampled = [], [], [], []
+        qlens, slens, rows, sampled = [], [], [], []
         for req, n in entries:
             start = req.num_computed_tokens
             ids.extend(req.token_ids[start:start + n])
+            if req.draft:
+                ids.extend(req.draft)
             pos.extend(range(start, start + n))
             qlens.append(n)
             slens.append(start + n)
-            if start + n == len(req.token_ids):  # reached the end: next token is due
-                sample_rows.append(len(ids) - 1)
+            if req.draft:
+                rows.append(range(len(ids) - n, len(ids)))
+                sampled.append(req)
+            elif start + n == len(req.token_ids):  # reached the end: next token is due
+                rows.append(range(len(ids) - 1, len(ids)))
                 sampled.append(req)
         num_prefills = sum(1 for n in qlens if n > 1)
         meta = build_metadata(qlens, slens, num_prefills, tables, self.config.block_size,
                               self.device, self.kv_quant)
         ctx = ForwardContext(self.kv, meta, self.backend, should_stop)
-        states = [r.sampling for r in sampled]
-        masks = self._submit_masks(states)
+        no_prompt = all(n == 1 or req.draft for req, n in entries)
+        plain = [i for i, r in enumerate(sampled) if not r.draft]  # guided rows never draft
+        masks = self._submit_masks([sampled[i].sampling for i in plain])
         try:
-            hidden = self._forward(ids, pos, ctx, decode_only=num_prefills == 0)
+            hidden = self._forward(ids, pos, ctx, decode_only=no_prompt)
             if not sampled:
-                return [], None
-            logits = self.model.compute_logits(hidden[sample_rows])  # [N, V] fp32
+                return StepTokens([], [], [])
+            logits = self.model.compute_logits(hidden[[i for r in rows for i in r]])  # [N, V] fp32
         finally:  # the masks are done before anything else touches their matchers
             banned = self.masks.result(masks) if masks is not None else None
-        return sampled, self.sampler(logits, states, banned)
+        return self._sample(sampled, rows, logits, plain, banned)
 
     @property
     def masks(self):
@@ -205,6 +225,29 @@ class ModelRunner:
         if not any(s.guide is not None for s in states):
             return None  # unconstrained batches pay nothing
         return self.masks.submit([s.guide for s in states], self.model_config.vocab_size)
+
+    def _sample(self, sampled: list[Request], rows: list[range], logits: torch.Tensor,
+                plain: list[int], banned: torch.Tensor | None) -> StepTokens:
+        """Plain rows in one sampler call (banned: their grammars' masks); speculating
+        rows verified one by one."""
+        starts, at = [], 0
+        for r in rows:
+            starts.append(at)
+            at += len(r)
+        tokens: list[list[int]] = [[] for _ in sampled]
+        logprobs: list[list] = [[] for _ in sampled]
+        if plain:
+            idx = torch.tensor([starts[i] for i in plain], device=logits.device)
+            out = self.sampler(logits.index_select(0, idx), [sampled[i].sampling for i in plain],
+                               banned)
+            for j, i in enumerate(plain):
+                tokens[i], logprobs[i] = [out.token_ids[j]], [out.logprobs[j]]
+        for i, req in enumerate(sampled):
+            if req.draft:
+                tokens[i], logprobs[i] = verify(self.sampler,
+                                                logits[starts[i]:starts[i] + len(rows[i])],
+                                                req.draft, req.sampling)
+        return StepTokens(sampled, tokens, logprobs)
 
     def _forward(self, ids: list[int], pos: list[int], ctx: ForwardContext,
                  decode_only: bool) -> torch.Tensor:

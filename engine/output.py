@@ -42,21 +42,38 @@ class OutputProcessor:
         self.text.pop(request_id, None)
 
     def append(self, req: Request, token: int, logprobs: TokenLogprobs | None) -> RequestOutput:
-        req.token_ids.append(token)
-        req.sampling.append(token)
+        return self.append_many(req, [token], [logprobs])
+
+    def append_many(self, req: Request, tokens: list[int],
+                    logprobs: list[TokenLogprobs | None]) -> RequestOutput:
+        """Commit tokens one by one, stopping at the first that finishes the request (the
+        rest of a speculative run is dropped); one output for all of them."""
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
+        out = RequestOutput(req.request_id, [], "", False, None, [], req.num_prompt_tokens,
+                            0, req.num_cached_tokens)
+        for token, lp in zip(tokens, logprobs):
+            delta, reason = self._commit(req, token)
+            out.new_token_ids.append(token)
+            out.text += delta
+            if lp is not None:
+                out.logprobs.append(lp)
+            if reason is not None:
+                out.finished, out.finish_reason = True, reason
+                if reason is FinishReason.ERROR:
+                    out.error = f"constrained decoding failed: {req.sampling.guide.error}"
+                out.text += self._close(req, reason)
+                break
+        out.num_output_tokens = req.num_output_tokens
+        return out
+
+    def _commit(self, req: Request, token: int) -> tuple[str, FinishReason | None]:
+        """Append one token; its new text and the reason it finishes the request, if any."""
+        req.token_ids.append(token)
+        req.sampling.append(token)
         text = self.text.get(req.request_id)
         delta, hit = text.add([token]) if text is not None else ("", False)
-        reason = self._reason(req, token, hit)
-        out = RequestOutput(req.request_id, [token], delta, reason is not None, reason,
-                            [logprobs] if logprobs is not None else [], req.num_prompt_tokens,
-                            req.num_output_tokens, req.num_cached_tokens)
-        if reason is FinishReason.ERROR:
-            out.error = f"constrained decoding failed: {req.sampling.guide.error}"
-        if reason is not None:
-            out.text += self._close(req, reason)
-        return out
+        return delta, self._reason(req, token, hit)
 
     def _reason(self, req: Request, token: int, hit: bool) -> FinishReason | None:
         p, guide = req.params, req.sampling.guide

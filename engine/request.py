@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from engine.kv_cache.block_hash import BlockHash
 from engine.sampling import SamplingParams, SamplingState, TokenLogprobs
+from engine.spec.state import SpecState
 
 
 class RequestStatus(enum.Enum):
@@ -81,6 +82,11 @@ class Request:
     """Set when the prompt's KV arrives from a prefill worker (see Scheduler.add)."""
     admitted: bool = False
     """Queued by LLMEngine.admit (its id was free)."""
+    draft: list[int] = field(default_factory=list)
+    """Tokens proposed for this step (speculative decoding); the verify pass scores them
+    after the last token and commits only the accepted ones. Empty outside a step."""
+    spec: SpecState | None = None
+    """Adaptive speculation state (engine/spec/base.py), when the engine speculates."""
     abort_pending: bool = False
     """An abort arrived while a pull writes into this request's blocks: it finishes
     (and its blocks are freed) when the pull ends, not before."""

@@ -3,7 +3,9 @@ priority order, with preemption by swap-to-host or recompute.
 
 One step, in this order:
 1. decodes: every running request whose prompt is done gets its next token,
-   most important first (priority, then arrival). When the KV pool cannot grow,
+   most important first (priority, then arrival); a request with proposed tokens
+   (``Request.draft``, speculative decoding) gets slots for them too, as far as the
+   budget and the free blocks allow. When the KV pool cannot grow,
    the least important running request is preempted (never a more important
    one while a less important runs);
 2. swap-ins: preempted requests come back, most important first, when their
@@ -130,6 +132,7 @@ class Scheduler:
             self._swap_ins(batch)
             self._prefills(batch, budget)
         batch.entries.sort(key=lambda e: e[1] == 1)  # prefill path first, decodes last
+        # (a speculating row verifies 1 + k positions: it takes the prefill path)
         return batch
 
     def _decodes(self, batch: ScheduledBatch, budget: int) -> int:
@@ -144,6 +147,11 @@ class Scheduler:
                 continue  # still prefilling: step 3
             if allowed is not None and req.priority > best and req.request_id not in allowed:
                 continue  # capped: protects the best class's inter-token latency
+            if req.draft and not self._speculate(req, batch, budget):
+                req.draft = []
+            if req.draft:
+                budget -= 1 + len(req.draft)
+                continue
             while not self.kv.allocate(req, 1):
                 victim = self.running[-1]
                 self._preempt(victim, batch)
@@ -153,6 +161,16 @@ class Scheduler:
                 batch.entries.append((req, 1))
                 budget -= 1
         return budget
+
+    def _speculate(self, req: Request, batch: ScheduledBatch, budget: int) -> bool:
+        """Schedule a decode row with its proposed tokens (req.draft, trimmed to the
+        budget): slots for all of them, never preempting for them (no room: False, the
+        row decodes plainly). Verification commits only the accepted ones."""
+        del req.draft[max(0, budget - 1):]
+        if not req.draft or not self.kv.allocate(req, 1 + len(req.draft)):
+            return False
+        batch.entries.append((req, 1 + len(req.draft)))
+        return True
 
     def _capped_rows(self, best: int) -> set[str] | None:
         """The decode rows less important than ``best`` that may run this step (at most
@@ -279,6 +297,7 @@ class Scheduler:
     def _preempt(self, req: Request, batch: ScheduledBatch) -> None:
         self.running.remove(req)
         batch.entries = [(r, n) for r, n in batch.entries if r is not req]
+        req.draft = []  # its guesses were for this step
         req.num_preemptions += 1
         req.preempted_at = time.monotonic()
         mode = self._mode(req)

@@ -21,7 +21,8 @@ def sampling_from_proto(m: common.SamplingParams) -> SamplingParams:
         seed=m.seed if m.HasField("seed") else None, stop=tuple(m.stop),
         stop_token_ids=tuple(m.stop_token_ids), ignore_eos=m.ignore_eos,
         logprobs=m.logprobs if m.HasField("logprobs") else None,
-        guided=GuidedSpec(m.guided.kind, m.guided.text) if m.HasField("guided") else None)
+        guided=GuidedSpec(m.guided.kind, m.guided.text) if m.HasField("guided") else None,
+        speculate=m.speculate if m.HasField("speculate") else True)
 
 
 def sampling_to_proto(p: SamplingParams) -> common.SamplingParams:
@@ -36,6 +37,8 @@ def sampling_to_proto(p: SamplingParams) -> common.SamplingParams:
         m.logprobs = p.logprobs
     if p.guided is not None:
         m.guided.kind, m.guided.text = p.guided.kind, p.guided.text
+    if not p.speculate:
+        m.speculate = False
     return m
 
 

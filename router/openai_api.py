@@ -2,10 +2,10 @@
 
 Unknown fields are rejected (extra="forbid") so a typo is a 400 naming the field,
 not a silently ignored option. Tandem extensions: priority, top_k, min_p,
-repetition_penalty, ignore_eos. Structured outputs: OpenAI's response_format and
-tools/tool_choice/parallel_tool_calls, and vLLM's guided_json, guided_regex,
-guided_choice, guided_grammar and structured_outputs (router/structured.py turns
-them into one constraint).
+repetition_penalty, ignore_eos, speculate (false opts out of speculative decoding).
+Structured outputs: OpenAI's response_format and tools/tool_choice/parallel_tool_calls,
+and vLLM's guided_json, guided_regex, guided_choice, guided_grammar and
+structured_outputs (router/structured.py turns them into one constraint).
 """
 from __future__ import annotations
 
@@ -84,6 +84,8 @@ class _Common(_Strict):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: StructuredOutputs | None = None
+    speculate: bool = True
+    """False: no speculative decoding for this request (Tandem extension)."""
 
     def sampling(self, default_max_tokens: int, logprobs: int | None,
                  guided: GuidedSpec | None = None) -> SamplingParams:
@@ -93,7 +95,8 @@ class _Common(_Strict):
             top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, seed=self.seed, stop=tuple(stop),
-            ignore_eos=self.ignore_eos, logprobs=logprobs, guided=guided)
+            ignore_eos=self.ignore_eos, logprobs=logprobs, guided=guided,
+            speculate=self.speculate)
 
 
 class CompletionRequest(_Common):

@@ -64,6 +64,7 @@ class WorkerMetrics:
                                "(quantization: linears left dense; compile; paged_decode): "
                                "the number of reasons; the log says which",
                                list(labels) + ["kind"], registry=r)
+        self._spec_metrics(counter)
         self._ticks = 0
         self._last = None  # EngineStats seen at the previous refresh
         self._create_series()
@@ -89,6 +90,38 @@ class WorkerMetrics:
         for kind in ("quantization", "compile", "paged_decode"):
             self.labelled(self.fallbacks, kind=kind)
 
+    def _spec_metrics(self, counter) -> None:
+        r, names = self.registry, list(self.labels) + ["proposer"]
+        self.spec_drafts = counter("tandem:spec_decode_num_drafts", "Speculating rows verified "
+                                   "(one per request per step)", ("proposer",))
+        self.spec_proposed = counter("tandem:spec_decode_num_draft_tokens", "Tokens proposed",
+                                     ("proposer",))
+        self.spec_accepted = counter("tandem:spec_decode_num_accepted_tokens",
+                                     "Proposed tokens the target accepted", ("proposer",))
+        self.spec_emitted = counter("tandem:spec_decode_num_emitted_tokens", "Tokens verified "
+                                    "rows produced (accepted ones plus the target's own)",
+                                    ("proposer",))
+        self.spec_rate = Gauge("tandem:spec_decode_acceptance_rate", "Accepted / proposed "
+                               "tokens since start", names, registry=r)
+        self.spec_length = Gauge("tandem:spec_decode_mean_accepted_length", "Tokens per "
+                                 "verified row since start (1 = no guess accepted)", names,
+                                 registry=r)
+        self._spec_last: dict[str, tuple[int, int, int, int]] = {}
+
+    def _count_spec(self, engine: LLMEngine) -> None:
+        if engine.speculator is None:
+            return
+        for name, st in engine.speculator.counters.by_proposer.items():
+            now = (st.verifications, st.proposed, st.accepted, st.emitted)
+            last = self._spec_last.get(name, (0, 0, 0, 0))
+            for metric, a, b in zip((self.spec_drafts, self.spec_proposed, self.spec_accepted,
+                                     self.spec_emitted), now, last):
+                if a > b or name not in self._spec_last:
+                    self.labelled(metric, proposer=name).inc(a - b)
+            self.labelled(self.spec_rate, proposer=name).set(st.acceptance_rate)
+            self.labelled(self.spec_length, proposer=name).set(st.mean_accepted_length)
+            self._spec_last[name] = now
+
     def labelled(self, metric, **extra):
         """metric.labels(...) with this worker's role and id filled in."""
         return metric.labels(**self.labels, **extra)
@@ -110,6 +143,7 @@ class WorkerMetrics:
     def observe_engine(self, engine: LLMEngine, active_leases: int = 0) -> None:
         """Refresh the gauges and add the engine counters' growth (called after steps)."""
         self._count_stats(engine.stats)
+        self._count_spec(engine)
         self._ticks += 1
         if self._ticks % FALLBACK_EVERY == 1:  # cheap, but not per step
             for kind, reasons in engine.runner.fallbacks().items():

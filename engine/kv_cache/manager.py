@@ -92,6 +92,15 @@ class KVCacheManager:
             self.pool.cache(table[i], hashes[i], req.token_ids[i * bs:(i + 1) * bs])
         self._num_cached[req.request_id] = full
 
+    def trim(self, req: Request, num_tokens: int) -> None:
+        """Return the table's blocks beyond the first num_tokens tokens (slots of rejected
+        speculative tokens: never computed, so never in the prefix cache)."""
+        table = self.tables.get(req.request_id)
+        keep = self.blocks_needed(num_tokens)
+        if table is not None and len(table) > keep:
+            self.pool.free(list(reversed(table[keep:])))
+            del table[keep:]
+
     def free(self, req: Request) -> None:
         """Release every block of req exactly once (idempotent per request)."""
         table = self.tables.pop(req.request_id, None)

@@ -162,14 +162,17 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
-                seg: Segments = EAGER, rows: int | None = None) -> torch.Tensor:
+                seg: Segments = EAGER, rows: int | None = None,
+                num_layers: int | None = None) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, H]. With ``rows`` < T the
         last T - rows tokens are padding: they never reach attention or the KV cache.
-        ctx.should_stop is asked before every layer but the first."""
+        ctx.should_stop is asked before every layer but the first. ``num_layers`` runs
+        only the first layers, then the final norm (a self-draft, engine/spec/draft.py)."""
         n = input_ids.shape[0] if rows is None else rows
         pad = input_ids.shape[0] - n
+        layers = self.layers if num_layers is None else self.layers[:num_layers]
         x, cos, sin, q, k, v = seg.first(self, input_ids, positions)
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(layers):
             if i and ctx.should_stop is not None and ctx.should_stop():
                 raise StepInterrupted
             if pad:
@@ -177,9 +180,9 @@ class LlamaModel(nn.Module):
             o = layer.self_attn.attend(q, k, v, ctx)  # [n, Hq * D]
             if pad:
                 o = F.pad(o, (0, 0, 0, pad))
-            if i + 1 < len(self.layers):
-                x, q, k, v = seg.middle(layer, self.layers[i + 1], x, o, cos, sin)
-        return seg.last(self.layers[-1], self.norm, x, o)
+            if i + 1 < len(layers):
+                x, q, k, v = seg.middle(layer, layers[i + 1], x, o, cos, sin)
+        return seg.last(layers[-1], self.norm, x, o)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -195,8 +198,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids, positions, ctx: ForwardContext, seg: Segments = EAGER,
-                rows: int | None = None) -> torch.Tensor:
-        return self.model(input_ids, positions, ctx, seg, rows)
+                rows: int | None = None, num_layers: int | None = None) -> torch.Tensor:
+        return self.model(input_ids, positions, ctx, seg, rows, num_layers)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] -> fp32 logits [N, V] (only the rows the sampler needs)."""

@@ -72,6 +72,8 @@ class SamplingParams:
     """What the output must match (JSON Schema, regex, choice, grammar); None: free text.
     The grammar decides where the output ends: EOS is allowed only where it is complete,
     and ignore_eos does not apply."""
+    speculate: bool = True
+    """False: this request opts out of speculative decoding (when the engine speculates)."""
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, 1)

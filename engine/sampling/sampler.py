@@ -183,6 +183,11 @@ class Sampler:
         token_ids = tokens.tolist()
         return SamplerOutput(token_ids, _logprobs(logits, token_ids, states))
 
+    def logprobs_of(self, logits: torch.Tensor, token_ids: list[int],
+                    states: Sequence[SamplingState]) -> SamplerOutput:
+        """Given tokens and their raw-model logprobs (rows that asked), no sampling."""
+        return SamplerOutput(list(token_ids), _logprobs(logits, token_ids, states))
+
     def _sample(self, x: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
         """Temperature, truncation and the exponential-race draw for non-greedy rows."""
         params = [s.params for s in states]

@@ -1,0 +1,101 @@
+"""What the engine calls around each step to speculate (--speculative-method).
+
+Before scheduling, ``prepare`` sets ``Request.draft`` on every decode row that may
+speculate this step: none when the step has more decode rows than
+--speculative-max-batch, none for a request that opted out (SamplingParams.speculate),
+whose output is constrained (SamplingParams.guided: it decodes under its grammar's
+masks, one token a step) or whose recent guesses were mostly rejected (SpecState), and
+never more than its max_tokens or the context window leave room for. The scheduler
+then gives those rows slots for their guesses; ``fill`` runs an in-step proposer (a draft model) in those
+slots; the runner verifies; ``record`` counts what was accepted.
+"""
+from __future__ import annotations
+
+import logging
+
+from engine.config import EngineConfig
+from engine.request import Request, RequestStatus
+from engine.spec.base import Proposer
+from engine.spec.registry import PROPOSERS
+from engine.spec.state import SpecCounters, SpecState
+
+log = logging.getLogger(__name__)
+PENDING = -1
+"""Placeholder guess of an in-step proposer between scheduling and ``fill``."""
+
+
+class Speculator:
+    def __init__(self, config: EngineConfig, proposer: Proposer, max_model_len: int) -> None:
+        self.proposer = proposer
+        self.k = config.num_speculative_tokens
+        self.max_batch = config.speculative_max_batch
+        self.max_model_len = max_model_len
+        self.counters = SpecCounters()
+        self.counters.get(proposer.name)  # the series exist from the start
+
+    @classmethod
+    def create(cls, config: EngineConfig, runner, tokenizer, max_model_len: int
+               ) -> Speculator | None:
+        if config.speculative_method == "none":
+            return None
+        if config.num_speculative_tokens >= max_model_len:
+            raise ValueError(f"--num-speculative-tokens {config.num_speculative_tokens} is "
+                             f"beyond the context window ({max_model_len} tokens)")
+        proposer = PROPOSERS.load(config.speculative_method).create(config, runner, tokenizer)
+        log.info("speculative decoding: %s, up to %d tokens per step, off above %s decode "
+                 "rows", proposer.name, config.num_speculative_tokens,
+                 config.speculative_max_batch or "no limit of")
+        return cls(config, proposer, max_model_len)
+
+    def prepare(self, running: list[Request]) -> None:
+        decodes = []
+        for req in running:
+            req.draft = []
+            if (req.status is RequestStatus.RUNNING and not req.prefill_only
+                    and len(req.token_ids) - req.num_computed_tokens == 1):
+                decodes.append(req)
+        if self.max_batch and len(decodes) > self.max_batch:
+            return
+        cands, ks = [], []
+        for req in decodes:
+            if not req.params.speculate or req.params.guided is not None:
+                continue  # opted out, or a grammar: its tokens are sampled under masks
+            if req.spec is None:
+                req.spec = SpecState(self.k, self.k)
+            room = min(req.params.max_tokens - req.num_output_tokens,
+                       self.max_model_len - len(req.token_ids)) - 1
+            k = min(req.spec.want(), room)
+            if k > 0:
+                cands.append(req)
+                ks.append(k)
+        if not cands:
+            return
+        if self.proposer.in_step:
+            for req, k in zip(cands, ks):
+                req.draft = [PENDING] * k
+            return
+        for req, draft in zip(cands, self.proposer.propose(cands, ks)):
+            req.draft = draft
+
+    def fill(self, entries: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
+        """Run an in-step proposer over the scheduled rows that reserved slots; returns
+        the entries with each row's length matching its guesses."""
+        rows = [req for req, _ in entries if req.draft]
+        if not self.proposer.in_step or not rows:
+            return entries
+        for req, draft in zip(rows, self.proposer.propose(rows, [len(r.draft) for r in rows])):
+            req.draft = draft
+        ids = {id(r) for r in rows}
+        return [(req, 1 + len(req.draft) if id(req) in ids else n) for req, n in entries]
+
+    def record(self, req: Request, emitted: int, kept: int) -> None:
+        """A verified row: ``emitted`` tokens came out of it, ``kept`` of them were
+        committed (fewer when the request finished inside the run)."""
+        proposed = len(req.draft)
+        accepted = emitted - 1
+        st = self.counters.get(self.proposer.name)
+        st.verifications += 1
+        st.proposed += proposed
+        st.accepted += accepted
+        st.emitted += kept
+        req.spec.update(proposed, accepted)
