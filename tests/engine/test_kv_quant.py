@@ -136,7 +136,7 @@ def test_same_memory_holds_1_9x_the_tokens_and_the_worker_reports_them(tmp_path)
     prompt_blocks = bf16.free_blocks + 1  # more than the bf16 pool holds, less than int8's
     rooms = []
     for load in (bf16, int8):
-        pool = WorkerPool()
+        pool = WorkerPool(b"kv-quant-test-cluster-secret")
         pool.workers = [Worker("d", "decode", None, None, healthy=True, load=load)]
         rooms.append(pool.has_decode_room(prompt_blocks))
     assert rooms == [False, True]
