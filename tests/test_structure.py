@@ -43,3 +43,17 @@ def test_no_function_outside_bench_is_longer_than_60_lines() -> None:
                 if n > MAX_FUNCTION_LINES:
                     long.append(f"{rel}:{node.lineno} {node.name} ({n} lines)")
     assert not long, long
+
+
+def test_every_package_is_installed() -> None:
+    """A top-level package missing from pyproject's package list works from a checkout
+    (the current directory is on sys.path) but not from the installed `tandem` command:
+    `auth/` was left out, and `.venv/bin/tandem up` died with "No module named 'auth'"."""
+    import fnmatch
+    import tomllib
+    include = tomllib.loads((ROOT / "pyproject.toml").read_text())[
+        "tool"]["setuptools"]["packages"]["find"]["include"]
+    packages = sorted(p.parent.name for p in ROOT.glob("*/__init__.py")
+                      if p.parent.name not in ("tests", "tools", "bench"))
+    missing = [p for p in packages if not any(fnmatch.fnmatch(p, pat) for pat in include)]
+    assert missing == [], f"packages missing from pyproject.toml's include: {missing}"
