@@ -403,8 +403,10 @@ def _wait_router_back(cluster: UpCluster, timeout_s: float = 60) -> None:
 
 def run_load(cluster: UpCluster, cases: list[Case], refs: dict[int, str], seconds: float,
              faults: list[Fault], clients: int = 6, seed: int = 1,
-             on_tick=None) -> ChaosReport:
-    """Drive the load for `seconds` while the faults happen; then audit everything."""
+             on_tick=None, min_ok: int = 0, max_extra_s: float = 0.0) -> ChaosReport:
+    """Drive the load for `seconds` while the faults happen, then on until `min_ok`
+    requests were answered right (for at most `max_extra_s` more: a slow, shared box
+    gets there later, a stuck cluster never); then audit everything."""
     report = ChaosReport()
     load = Load(cluster.url, cases, refs, report, seed)
     threads = [threading.Thread(target=load.run_client, args=(i,), daemon=True)
@@ -416,10 +418,14 @@ def run_load(cluster: UpCluster, cases: list[Case], refs: dict[int, str], second
     fault_thread = threading.Thread(target=run_faults,
                                     args=(cluster, faults, t0, report, fault_stop), daemon=True)
     fault_thread.start()
-    while time.monotonic() - t0 < seconds:
+    while True:
         time.sleep(1.0)
+        elapsed = time.monotonic() - t0
         if on_tick is not None:
-            on_tick(time.monotonic() - t0, report)
+            on_tick(elapsed, report)
+        if elapsed >= seconds and (report.counts().get("ok", 0) >= min_ok
+                                   or elapsed >= seconds + max_extra_s):
+            break
     load.stop.set()
     fault_stop.set()
     for t in threads:

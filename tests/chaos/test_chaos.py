@@ -11,6 +11,7 @@ from tandem.process import free_port
 
 LOAD_S = 45.0
 FAULTS = [Fault(8, "prefill"), Fault(18, "decode"), Fault(28, "router")]
+MIN_OK = 30
 
 
 @pytest.mark.slow
@@ -23,13 +24,15 @@ def test_no_fault_or_client_strands_a_block_or_a_request(tiny_model_dir) -> None
         "--kv-transfer", "tcp", "--decode-arg=--max-num-seqs=8"])
     try:
         cluster.wait_ready()
-        report = run_load(cluster, cases, refs, LOAD_S, FAULTS, clients=6)
+        # on a loaded box the load runs on past LOAD_S until MIN_OK answers came back
+        report = run_load(cluster, cases, refs, LOAD_S, FAULTS, clients=6, min_ok=MIN_OK,
+                          max_extra_s=180.0)
     finally:
         cluster.stop()
     print(report.summary())
     counts = report.counts()
     assert report.faults_done == ["prefill@8s", "decode@18s", "router@28s"]
-    assert counts.get("ok", 0) >= 30, report.summary()
+    assert counts.get("ok", 0) >= MIN_OK, report.summary()
     assert not report.wrong, report.wrong[:5]
     assert not report.late, report.late[:5]
     assert not report.unclear, report.unclear[:5]
