@@ -54,11 +54,10 @@ BUILD_WAIT_S = 900.0
 
 def _build() -> str | None:
     try:
-        from torch.utils.cpp_extension import get_default_build_root, load
+        from torch.utils.cpp_extension import load
 
-        name = f"tandem_paged_decode_{hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]}"
-        root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
-        build_dir = Path(root) / "tandem" / name
+        build_dir = build_directory()
+        name = build_dir.name
         build_dir.mkdir(parents=True, exist_ok=True)
         with build_lock(build_dir, BUILD_WAIT_S):
             load(name=name, sources=[str(_SOURCE)], is_python_module=False,
@@ -69,6 +68,16 @@ def _build() -> str | None:
     except Exception as e:  # no compiler, no headers: the fallback still works
         return f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:200] if str(e) else ''}"
     return None
+
+
+def build_directory() -> Path:
+    """Where the kernel is built: torch's extension root, tandem/, a name carrying the
+    source's hash."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    name = f"tandem_paged_decode_{hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]}"
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    return Path(root) / "tandem" / name
 
 
 @contextlib.contextmanager

@@ -18,20 +18,10 @@ PROBE = ("import logging, sys; logging.basicConfig(level=logging.WARNING)\n"
          "sys.exit(0 if p.kernel_unavailable() is None else 3)")
 
 
-def _build_dir() -> Path:
-    from torch.utils.cpp_extension import get_default_build_root
-    import hashlib
-    import os
-    name = ("tandem_paged_decode_"
-            + hashlib.sha256(paged_decode._SOURCE.read_bytes()).hexdigest()[:12])
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
-    return Path(root) / "tandem" / name
-
-
 def test_a_stale_build_lock_does_not_hang_the_next_start() -> None:
     if paged_decode.kernel_unavailable() is not None:
         pytest.skip(f"no kernel here: {paged_decode.kernel_unavailable()}")
-    stale = _build_dir() / "lock"
+    stale = paged_decode.build_directory() / "lock"
     stale.touch()  # what a builder killed with SIGKILL leaves
     r = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, capture_output=True,
                        text=True, timeout=300)
