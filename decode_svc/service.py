@@ -221,6 +221,10 @@ class DecodeService(WorkerBase, pb_grpc.DecodeServicer):
             if out.finished:
                 chunk.finish_reason = out.finish_reason.value if out.finish_reason else "error"
                 self.count_finish(out)
+                if out.spec is not None:
+                    chunk.spec.CopyFrom(pb.SpecTrace(proposed_tokens=out.spec.proposed,
+                                                     accepted_tokens=out.spec.accepted,
+                                                     verifications=out.spec.verifications))
             if first:
                 if local:
                     trace.local_cached_tokens = out.num_cached_tokens

@@ -239,6 +239,7 @@ class LLMEngine:
                 self.outputs.forget(req.request_id)
             if result.finished:
                 result.held_blocks = self._release(req)
+                result.spec = req.spec.summary() if req.spec is not None else None
             results.append(result)
 
     def _commit_verified(self, req: Request, tokens: list[int], logprobs: list) -> RequestOutput:
@@ -282,7 +283,9 @@ class LLMEngine:
     def _finish(self, req: Request, reason: FinishReason, error: str | None = None) -> RequestOutput:
         self.requests.pop(req.request_id, None)
         self.scheduler.remove(req)
-        return self.outputs.finish(req, reason, error)
+        out = self.outputs.finish(req, reason, error)
+        out.spec = req.spec.summary() if req.spec is not None else None
+        return out
 
     def _release(self, req: Request) -> list[int] | None:
         """A request finished: free it, or (a finished prefill_only request) keep its

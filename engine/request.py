@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from engine.kv_cache.block_hash import BlockHash
 from engine.sampling import SamplingParams, SamplingState, TokenLogprobs
-from engine.spec.state import SpecState
+from engine.spec.state import SpecState, SpecSummary
 
 
 class RequestStatus(enum.Enum):
@@ -133,6 +133,8 @@ class RequestOutput:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    spec: SpecSummary | None = None
+    """On the last output of a request that speculated: its proposed and accepted totals."""
     held_blocks: list[int] | None = None
     """A prefill_only request's block table, now held for a KV handoff (finish_reason
     None): the caller leases these blocks and frees them with release_held."""

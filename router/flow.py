@@ -90,6 +90,10 @@ class Trace:
     fallback: str = ""
     retries: int = 0
     """Workers replaced after a failure (prefill before its first token, decode mid-stream)."""
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_verifications: int = 0
+    """Speculative decoding on the decode workers (summed over attempts)."""
     queue_seconds: float = 0.0
     ttft_seconds: float = 0.0
     e2e_seconds: float = 0.0
@@ -208,6 +212,10 @@ class RequestFlow:
                 if chunk.HasField("trace"):
                     _absorb(trace, chunk.trace)
                     req.held.forget_role("prefill")  # the decode worker released the lease
+                if chunk.HasField("spec"):
+                    trace.spec_proposed_tokens += chunk.spec.proposed_tokens
+                    trace.spec_accepted_tokens += chunk.spec.accepted_tokens
+                    trace.spec_verifications += chunk.spec.verifications
                 tops = [top_from_proto(t) for t in chunk.top_logprobs]
                 yield list(chunk.token_ids), chunk.finish_reason or None, [
                     (lp, tops[i] if i < len(tops) else []) for i, lp in enumerate(chunk.logprobs)]

@@ -25,6 +25,9 @@ class SpecState:
     """A draft model with its own KV: leading tokens whose draft KV is written."""
     draft_preemptions: int = 0
 
+    def summary(self) -> SpecSummary:
+        return SpecSummary(self.proposed, self.accepted, self.verifies)
+
     def want(self) -> int:
         """Tokens to propose this step (0: speculation off for now)."""
         if self.off_steps > 0:
@@ -45,6 +48,16 @@ class SpecState:
             self.rate = 0.5  # the probe after the pause starts from a neutral estimate
         elif self.rate >= 0.5:
             self.backoff = 4
+
+
+@dataclass(frozen=True)
+class SpecSummary:
+    """One request's speculation, as its trace reports it when it finishes."""
+
+    proposed: int
+    accepted: int
+    verifications: int
+    """Steps that verified guesses of this request."""
 
 
 LOW_ACCEPTANCE = 0.25

@@ -4,6 +4,7 @@ retried, so one poison request cannot mark every worker down."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import grpc
@@ -12,7 +13,7 @@ import pytest
 from engine.sampling import SamplingParams
 from proto import common_pb2, decode_pb2
 from router.config import RouterConfig
-from router.flow import RequestFlow
+from router.flow import RequestFlow, Trace
 from router.outcomes import WorkerError
 from router.prefix_index import PrefixIndex
 from router.workers import Worker
@@ -87,4 +88,27 @@ def test_unknown_is_not_retried() -> None:
             await _collect(flow, time.monotonic() + 10)
         assert e.value.code == grpc.StatusCode.UNKNOWN
         assert second.timeouts == [] and flow.pool.down == []
+    asyncio.run(body())
+
+
+class SpeculatingDecode(FakeDecode):
+    """Two chunks, the last with the worker's speculation figures for the request."""
+
+    async def _stream(self, req):
+        yield decode_pb2.GenerateChunk(token_ids=[5, 6, 7], trace=decode_pb2.KVTrace())
+        yield decode_pb2.GenerateChunk(
+            token_ids=[8], finished=True, finish_reason="length",
+            spec=decode_pb2.SpecTrace(proposed_tokens=6, accepted_tokens=2, verifications=2))
+
+
+def test_the_trace_carries_the_decode_workers_speculation() -> None:
+    async def body():
+        flow, _ = _flow(SpeculatingDecode(None))
+        trace = Trace("rid")
+        out = [d async for d in flow.run([1, 2, 3], SamplingParams(max_tokens=4), 0, "rid",
+                                         trace=trace, deadline=time.monotonic() + 10)]
+        assert out[-1].finished
+        got = json.loads(trace.json())
+        assert (got["spec_proposed_tokens"], got["spec_accepted_tokens"],
+                got["spec_verifications"]) == (6, 2, 2)
     asyncio.run(body())

@@ -32,9 +32,17 @@ def test_decode_pool_speculates_with_identical_tokens(tiny_model_dir, reference)
             def count(metric) -> float:
                 return m.labelled(metric, proposer="ngram")._value.get()
             assert count(m.spec_accepted) > 0
+            # each request's last chunk says what it proposed and had accepted: together
+            # exactly the worker's counters
+            lasts = [chunks[-1] for _, chunks in got]
+            assert sum(c.spec.proposed_tokens for c in lasts) == count(m.spec_proposed)
+            assert sum(c.spec.accepted_tokens for c in lasts) == count(m.spec_accepted)
+            assert sum(c.spec.verifications for c in lasts) == count(m.spec_drafts)
+            assert all(c.spec.accepted_tokens <= c.spec.proposed_tokens for c in lasts)
             assert p.metrics.labelled(p.metrics.spec_drafts, proposer="ngram")._value.get() == 0
             seen = count(m.spec_drafts)
-            await disagg(ps, ds, "off", prompts[0], sampling(24, speculate=False))
+            _, chunks = await disagg(ps, ds, "off", prompts[0], sampling(24, speculate=False))
             assert count(m.spec_drafts) == seen
+            assert chunks[-1].spec.proposed_tokens == 0
             await leak_check(p, d)
     asyncio.run(body())
