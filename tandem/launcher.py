@@ -70,6 +70,9 @@ def run_up(args: argparse.Namespace) -> int:
     model = resolve_model(args)
     cluster = Cluster(args, model)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt))
+    # Ctrl-C stops the cluster even where the shell started us with SIGINT ignored (a
+    # background job of a script): Python leaves an inherited SIG_IGN in place
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         return cluster.run()
     except KeyboardInterrupt:

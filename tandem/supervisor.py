@@ -5,11 +5,14 @@ group, with a port fixed at start-up, so a restarted child comes back where its
 peers look for it. The supervisor polls the children; one that exits is restarted
 (unless --no-restart) and one that exits MAX_RESTARTS times within RESTART_WINDOW_S
 stops the cluster with status 1. Stopping sends SIGTERM to every child (workers then
-drain) and SIGKILL to what is left after STOP_GRACE_S.
+drain) and SIGKILL to what is left after STOP_GRACE_S. On Linux each child also gets
+SIGTERM from the kernel when the supervisor dies, however it dies (SIGKILL, a crash),
+so no service outlives `tandem up` holding its port and memory.
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import signal
 import subprocess
@@ -41,7 +44,8 @@ class Child:
     def start(self) -> None:
         if self.ready_file is not None:
             self.ready_file.unlink(missing_ok=True)
-        self.proc = subprocess.Popen(self.cmd, start_new_session=True)
+        self.proc = subprocess.Popen(self.cmd, start_new_session=True,
+                                     preexec_fn=_die_with_parent())
         if self.cores:
             os.sched_setaffinity(self.proc.pid, self.cores)
 
@@ -55,6 +59,24 @@ class Child:
                 os.killpg(self.proc.pid, sig)
             except ProcessLookupError:
                 pass
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent():
+    """A preexec_fn (Linux; None elsewhere): the child gets SIGTERM when this process
+    dies (prctl PR_SET_PDEATHSIG), and exits at once if it already has."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved before the fork
+    parent = os.getpid()
+
+    def arm() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:  # the supervisor died between fork and prctl
+            os._exit(1)
+    return arm
 
 
 def plan_cores(n_workers: int) -> list[set[int] | None]:
