@@ -10,9 +10,15 @@ Everything runs in process on the embedded GGUF (Q4_1 kept packed, the default
     --new-tokens tokens, both free-running (two greedy runs side by side: after the first
     near-tie they part and share little) and teacher-forced (the int8 engine's greedy
     pick after the bf16 run's own prefix, at every position: per-token fidelity);
-  - long context: a ~2,000-token document (topics text) with a fact in its first
-    sentence, asked about at the end as a completion ("Answer: the secret code word
-    is"); the greedy answer is checked for the word.
+  - the floor of that free-running figure: the bf16-KV engine against itself with the
+    same prompts in another batch arrangement (5 batches of 10): bf16 matmuls round
+    differently per batch shape, so greedy runs part at near-ties with no KV change at
+    all. With --fp32-agreement the agreement is also measured in fp32 compute (int8 KV
+    against fp32 KV), where batch shape changes nothing and only the KV format differs;
+  - long context: pass-key retrieval (the long-context papers' test): "The pass key is
+    71432. Remember it. 71432 is the pass key." then ~--doc-tokens tokens of
+    documentation (three different stretches of it), then "What is the pass key? The
+    pass key is"; each greedy answer is checked for the number.
 * speed (``--part speed``): decode tok/s at --context tokens of context, batch --batch
   (the in-place paged decode kernel serves up to 16 rows; int8 rows are dequantized in
   it). One --context prompt is prefilled and its blocks copied to every row, so each row
@@ -43,8 +49,12 @@ from engine.sampling import SamplingParams  # noqa: E402
 from tandem.fetch_model import default_model_path  # noqa: E402
 
 KV_DTYPES = ("bfloat16", "int8")
-FACT = "The secret code word of this manual is pineapple."
-QUESTION = "Question: what is the secret code word of this manual?\nAnswer: the secret code word is"
+FACT = ("There is an important pass key hidden in this text. The pass key is 71432. "
+        "Remember it. 71432 is the pass key.")
+QUESTION = "What is the pass key? The pass key is"
+ANSWER = "71432"
+FILLERS = (20000, 60000, 100000)
+"""Where in the documentation text each long-context document's filler starts."""
 
 
 def engine(args, kv_dtype: str, **kw) -> LLMEngine:
@@ -54,12 +64,12 @@ def engine(args, kv_dtype: str, **kw) -> LLMEngine:
     return LLMEngine(EngineConfig(**base))
 
 
-def long_context_prompt(eng: LLMEngine, doc_tokens: int) -> list[int]:
-    """The fact, ~doc_tokens of documentation, then the question with its answer begun
-    (a completion: the 135M model does not answer it through the chat template even
-    at 150 tokens, with either KV dtype)."""
+def long_context_prompt(eng: LLMEngine, doc_tokens: int, offset: int) -> list[int]:
+    """The pass key, ~doc_tokens of documentation from ``offset`` on, then the question
+    with its answer begun (a completion: the 135M model does not follow the chat
+    template's question at this length)."""
     tok = eng.tokenizer
-    filler = tok.decode(tok.encode(fixed_text()[20000:])[:doc_tokens])
+    filler = tok.decode(tok.encode(fixed_text()[offset:])[:doc_tokens])
     return tok.encode(f"{FACT}\n\n{filler}\n\n{QUESTION}")
 
 
@@ -73,11 +83,14 @@ def quality(args) -> None:
         prompts = [eng.tokenizer.encode(topics[k])[:24] for k in sorted(topics)[: args.prompts]]
         ppl = perplexity(eng, ids)
         toks = greedy(eng, prompts, args.new_tokens)
-        lc = long_context_prompt(eng, args.doc_tokens)
-        answer = eng.tokenizer.decode(greedy(eng, [lc], 16)[0])
-        row = {"ppl": ppl, "answer": answer, "doc": len(lc)}
+        answers = []
+        for offset in FILLERS:
+            lc = long_context_prompt(eng, args.doc_tokens, offset)
+            answers.append((len(lc), eng.tokenizer.decode(greedy(eng, [lc], 8)[0])))
+        row = {"ppl": ppl, "answers": answers}
         if ref is None:
             ref = (ppl, toks, prompts)
+            row["floor"] = agreement(rearranged(eng, prompts, args.new_tokens), toks)
         else:
             row["free"] = agreement(toks, ref[1])
             row["forced"] = forced_agreement(eng, ref[2], ref[1])
@@ -88,12 +101,34 @@ def quality(args) -> None:
           f"agreement with bf16 KV over {args.prompts} prompts x {args.new_tokens} tokens")
     for name, r in rows.items():
         extra = (f"  vs bf16 {r['rel']:+.2%}; greedy equal: free-running {r['free']:.1%}, "
-                 f"teacher-forced {r['forced']:.1%}" if "rel" in r else "")
+                 f"teacher-forced {r['forced']:.1%}" if "rel" in r else
+                 f"  (bf16 against itself, other batches: free-running {r['floor']:.1%})")
         print(f"  KV {name:9s} ppl {r['ppl']:.3f}{extra}")
     for name, r in rows.items():
-        ok = "pineapple" in r["answer"].lower()
-        print(f"  long context ({r['doc']} prompt tokens, fact in the first sentence), KV {name}: "
-              f"{'RIGHT' if ok else 'WRONG'}: {r['answer']!r}")
+        for offset, (n, answer) in zip(FILLERS, r["answers"]):
+            ok = ANSWER in answer
+            print(f"  pass key at {n} prompt tokens (filler from {offset}), KV {name}: "
+                  f"{'RIGHT' if ok else 'WRONG'}: {answer!r}")
+    if args.fp32_agreement:
+        fp32_agreement(args, prompts)
+
+
+def rearranged(eng: LLMEngine, prompts: list[list[int]], new: int) -> list[list[int]]:
+    """The same greedy runs with the prompts in batches of 10 instead of all at once."""
+    return [t for i in range(0, len(prompts), 10) for t in greedy(eng, prompts[i:i + 10], new)]
+
+
+def fp32_agreement(args, prompts: list[list[int]]) -> None:
+    """int8 KV against fp32 KV with fp32 compute: only the KV format differs."""
+    ref_eng = engine(args, "auto", dtype="float32", max_model_len=2560, num_kv_blocks=4096)
+    ref = greedy(ref_eng, prompts, args.new_tokens)
+    floor = agreement(rearranged(ref_eng, prompts, args.new_tokens), ref)
+    del ref_eng
+    eng = engine(args, "int8", dtype="float32", max_model_len=2560, num_kv_blocks=4096)
+    free = agreement(greedy(eng, prompts, args.new_tokens), ref)
+    forced = forced_agreement(eng, prompts, ref)
+    print(f"  fp32 compute: int8 KV against fp32 KV: free-running {free:.1%}, teacher-forced "
+          f"{forced:.1%} (fp32 KV against itself, other batches: {floor:.1%})")
 
 
 def decode_speed(args, kv_dtype: str) -> float:
@@ -173,6 +208,8 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=50)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--doc-tokens", type=int, default=1900)
+    ap.add_argument("--fp32-agreement", action=argparse.BooleanOptionalAction, default=True,
+                    help="also measure agreement in fp32 compute (about 4 more minutes)")
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--steps", type=int, default=16)

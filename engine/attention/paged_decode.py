@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.base import gather_blocks
+from engine.kv_cache.quant import rotation
 
 log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
@@ -132,8 +133,21 @@ def paged_decode(q: torch.Tensor, kv: torch.Tensor, layer: int, tables: torch.Te
     -> [N, Hq, D]."""
     if (kv.device.type == "cpu" and q.shape[0] <= KERNEL_MAX_ROWS
             and kv_quant in (None, "int8") and kernel_unavailable() is None):
-        return torch.ops.tandem.paged_decode(q.contiguous(), kv, layer, tables, lens, scale)
+        return kernel_decode(q, kv, layer, tables, lens, scale, kv_quant)
     return gathered_decode(q, kv, layer, tables, lens, scale, kv_quant)
+
+
+def kernel_decode(q: torch.Tensor, kv: torch.Tensor, layer: int, tables: torch.Tensor,
+                  lens: torch.Tensor, scale: float, kv_quant: str | None = None) -> torch.Tensor:
+    """The in-place kernel. An int8 cache holds rotated rows (engine/kv_cache/quant.py):
+    the kernel gets the rotated query (q . k is unchanged) and its output, a weighted sum
+    of rotated values, is rotated back."""
+    if kv_quant is None:
+        return torch.ops.tandem.paged_decode(q.contiguous(), kv, layer, tables, lens, scale)
+    r = rotation(q.shape[-1], q.device)
+    qr = (q.float() @ r).to(q.dtype).contiguous()
+    out = torch.ops.tandem.paged_decode(qr, kv, layer, tables, lens, scale)
+    return (out.float() @ r).to(q.dtype)
 
 
 def gathered_decode(q: torch.Tensor, kv: torch.Tensor, layer: int, tables: torch.Tensor,

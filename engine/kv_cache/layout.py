@@ -21,8 +21,9 @@ QUANTIZED_KV_DTYPES = ("int8", "fp8_e4m3")
 SCALE_BYTES = 2
 """One bfloat16 scale per quantized row."""
 
-SCALE_LAYOUT = "per_token_head:bfloat16@row_end"
-"""The compatibility record's name for where quantized rows keep their scales."""
+SCALE_LAYOUT = "per_token_head:bfloat16@row_end;block_hadamard"
+"""The compatibility record's name for where quantized rows keep their scales, and the
+rotation their values are stored in (engine/kv_cache/quant.py)."""
 
 NO_SCALES = "none"
 

@@ -57,7 +57,7 @@ def test_int8_disagg_equals_colocated_and_moves_half_the_bytes_plus_scales(tiny_
             assert d.engine.info.block_bytes == per_block
             [(labels, one)] = _sample(text, "tandem:kv_cache_info")
             assert one == 1 and 'kv_cache_dtype="int8"' in labels
-            assert 'kv_scale_layout="per_token_head:bfloat16@row_end"' in labels
+            assert 'kv_scale_layout="per_token_head:bfloat16@row_end;block_hadamard"' in labels
             assert _sample(text, "tandem:kv_cache_block_bytes")[0][1] == per_block
             await leak_check(p, d)
     asyncio.run(body())
