@@ -140,23 +140,23 @@ def decode_speed(args, kv_dtype: str) -> float:
     params = SamplingParams(max_tokens=args.steps + 4, temperature=0, ignore_eos=True)
     tables = [list(range(i * per, (i + 1) * per)) for i in range(args.batch)]
     first = eng.make_request(prompt, params)
-    _, out = run.execute([(first, args.context)], tables[:1])
+    out = run.execute([(first, args.context)], tables[:1])
     filled = blocks_for(args.context, 16)
     src = run.kv[tables[0][:filled]]
     reqs = []
     for t in tables:
         run.kv[t[:filled]] = src  # each row reads its own copy of the context
         r = eng.make_request(prompt, params)
-        r.token_ids.append(out.token_ids[0])
+        r.token_ids.append(out.tokens[0][0])
         r.num_computed_tokens = args.context
         reqs.append(r)
     t0 = 0.0
     for step in range(args.steps + 2):
         if step == 2:
             t0 = time.perf_counter()
-        sampled, got = run.execute([(r, 1) for r in reqs], tables)
-        for r, tok in zip(sampled, got.token_ids):
-            r.token_ids.append(tok)
+        got = run.execute([(r, 1) for r in reqs], tables)
+        for r, toks in zip(got.requests, got.tokens):
+            r.token_ids.append(toks[0])
             r.num_computed_tokens += 1
     return args.batch * args.steps / (time.perf_counter() - t0)
 

@@ -1,88 +1,330 @@
 // Paged decode attention on CPU: one query token per sequence, keys and values read
 // in place from the block-major paged cache through each sequence's block table
-// (no gather copy). Parallel over (sequence, KV head); the query heads of one GQA
-// group share every K/V row load. fp32 accumulation and softmax whatever the dtype.
-// An int8 cache (--kv-cache-dtype int8) is dequantized row by row as it is read
-// (code * the row's bfloat16 scale, stored after its D codes): no dequantized copy.
+// (no gather copy). fp32 accumulation and softmax whatever the dtype.
+//
+// Parallel over (sequence, range of its tokens): a task takes every head of one
+// sequence over one range, so it reads each block's K, then V, rows of all KV heads in
+// memory order (the query heads of one GQA group share every row). With few sequences
+// a context is split into ranges (kMinSplit tokens at least) so every thread has work;
+// each range leaves a softmax state (max, sum, unnormalised output) per query head, and
+// the states are merged at the end (flash-decoding style).
+//
+// Within a task the range is walked in tiles of kTile (16) tokens, with an online
+// softmax (running max and sum per query head, the accumulator rescaled when the max
+// grows), the next tile's rows prefetched while one runs. Per KV head and tile:
+//  - the K rows are widened once into a float tile (ATen Vectorized conversions),
+//    shared by the group's heads;
+//  - each head's 16 scores come out as one vector: per token the dot product is left
+//    as a vector of partial sums, and one transpose-and-add tree (AVX-512) reduces
+//    the 16 of them together, instead of a horizontal reduce per (token, head);
+//  - V rows are widened chunk by chunk straight from the cache into up to kHeads
+//    heads' accumulators held in registers.
+// An int8 cache (--kv-cache-dtype int8) is never multiplied by its scale element-wise:
+// a row is D int8 codes then its bfloat16 scale s, and s is folded into the per-token
+// scalars instead: score_t = s_t * (q . codes_t), and V's weight p_t * s_t, so
+// acc += (p_t * s_t) * codes_t. No dequantized copy is made.
 //
 // kv: [num_blocks, num_layers, 2, block_size, Hkv, R] contiguous, R = D (q's dtype) or
 //     D + 2 (int8 codes, then the row's bfloat16 scale as two bytes)
 // q:  [N, Hq, D] contiguous; block_tables: [N, max_blocks] int64; seq_lens: [N] int64
-// returns [N, Hq, D] in q's dtype.
+// returns [N, Hq, D] in q's dtype (zeros for a sequence of length 0).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kW = Vec::size();  // floats per vector
+constexpr int kTile = 16;             // tokens per tile: one AVX-512 vector of scores
+constexpr int kHeads = 4;             // query heads whose V accumulators live in registers
 
-template <typename T>
-inline void to_float(const T* src, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
-
-template <>
-inline void to_float<at::BFloat16>(const at::BFloat16* src, float* dst, int64_t n) {
-  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
-  uint32_t* d = reinterpret_cast<uint32_t*>(dst);
-  for (int64_t i = 0; i < n; ++i) d[i] = static_cast<uint32_t>(s[i]) << 16;  // vectorises
-}
-
-// One K or V row -> D floats (an int8 row: code * its scale, the scale after the codes).
 template <typename KV>
-inline void load_row(const KV* src, float* dst, int64_t d) { to_float(src, dst, d); }
+constexpr bool kQuant = std::is_same_v<KV, int8_t>;
 
-template <>
-inline void load_row<int8_t>(const int8_t* src, float* dst, int64_t d) {
+// kW elements of a row -> floats (int8: the codes themselves, unscaled).
+inline Vec load_chunk(const float* p) { return Vec::loadu(p); }
+inline Vec load_chunk(const at::BFloat16* p) {
+  Vec v;
+  at::vec::load_fp32_from_bf16(p, v);
+  return v;
+}
+inline Vec load_chunk(const at::Half* p) {
+  Vec v;
+  at::vec::load_fp32_from_fp16(p, v);
+  return v;
+}
+inline Vec load_chunk(const int8_t* p) {
+  return at::vec::convert<float>(at::vec::Vectorized<int8_t>::loadu_one_fourth(p));
+}
+inline Vec load_chunk(const double* p) {
+  float f[kW];
+  for (int64_t i = 0; i < kW; ++i) f[i] = static_cast<float>(p[i]);
+  return Vec::loadu(f);
+}
+
+inline float row_scale(const int8_t* row, int64_t d) {  // the bfloat16 after the codes
   uint16_t bits;
-  std::memcpy(&bits, src + d, sizeof(bits));  // the bfloat16 scale: two unaligned bytes
+  std::memcpy(&bits, row + d, sizeof(bits));  // two unaligned bytes
   const uint32_t wide = static_cast<uint32_t>(bits) << 16;
   float s;
   std::memcpy(&s, &wide, sizeof(s));
-  for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<float>(src[i]) * s;  // vectorises
+  return s;
 }
 
-inline float dot(const float* a, const float* b, int64_t d) {
-  Vec acc(0.f);
-  int64_t i = 0;
-  for (; i + Vec::size() <= d; i += Vec::size())
-    acc = at::vec::fmadd(Vec::loadu(a + i), Vec::loadu(b + i), acc);
-  float out = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc);
-  for (; i < d; ++i) out += a[i] * b[i];
-  return out;
-}
-
-inline void axpy(float p, const float* x, float* y, int64_t d) {  // y += p * x
-  const Vec pv(p);
-  int64_t i = 0;
-  for (; i + Vec::size() <= d; i += Vec::size())
-    at::vec::fmadd(pv, Vec::loadu(x + i), Vec::loadu(y + i)).store(y + i);
-  for (; i < d; ++i) y[i] += p * x[i];
-}
-
-inline void softmax_inplace(float* sc, int64_t n) {
-  float mx = -std::numeric_limits<float>::infinity();
-  for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sc[t]);
-  const Vec mv(mx);
-  Vec sum_v(0.f);
-  int64_t t = 0;
-  for (; t + Vec::size() <= n; t += Vec::size()) {
-    Vec e = (Vec::loadu(sc + t) - mv).exp_u20();
-    e.store(sc + t);
-    sum_v = sum_v + e;
+// A tile's n K rows -> kt [kTile][dp] floats, zero past d and past row n (so every
+// score lane is finite); ks[i] = row i's scale.
+template <typename KV>
+void load_k_tile(const KV* const* rows, int n, int64_t d, int64_t dp, float* kt, float* ks) {
+  const int64_t full = d / kW * kW;
+  for (int i = 0; i < n; ++i) {
+    float* dst = kt + i * dp;
+    for (int64_t c = 0; c < full; c += kW) load_chunk(rows[i] + c).store(dst + c);
+    for (int64_t c = full; c < dp; ++c) dst[c] = c < d ? static_cast<float>(rows[i][c]) : 0.f;
+    if constexpr (kQuant<KV>) ks[i] = row_scale(rows[i], d);
   }
-  float sum = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, sum_v);
-  for (; t < n; ++t) { sc[t] = std::exp(sc[t] - mx); sum += sc[t]; }
-  const float inv = 1.f / sum;
-  for (t = 0; t < n; ++t) sc[t] *= inv;
+  std::fill(kt + n * dp, kt + kTile * dp, 0.f);
+  if constexpr (kQuant<KV>) std::fill(ks + n, ks + kTile, 0.f);
+}
+
+// sc[t] = the sum of part[t]'s lanes, t < kTile.
+inline void sum_lanes(const Vec* part, float* sc) {
+#if defined(CPU_CAPABILITY_AVX512)
+  // Transpose-and-add: each level halves the vectors and doubles the tokens per vector.
+  __m512 b[8], c[4], e[2];
+  for (int i = 0; i < 8; ++i) {  // 128-bit lane j: [t0 t1 t0 t1] over lane j's halves
+    const __m512 x = part[2 * i], y = part[2 * i + 1];
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y));
+  }
+  for (int i = 0; i < 4; ++i) {  // 128-bit lane j: [t0 t1 t2 t3] summed over lane j
+    const __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
+    c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int i = 0; i < 2; ++i)  // [t0-3 t0-3 t4-7 t4-7], each a half of the lanes
+    e[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
+  _mm512_storeu_ps(sc, _mm512_add_ps(_mm512_shuffle_f32x4(e[0], e[1], 0x88),
+                                     _mm512_shuffle_f32x4(e[0], e[1], 0xDD)));
+#else
+  for (int t = 0; t < kTile; ++t)
+    sc[t] = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, part[t]);
+#endif
+}
+
+// sc[t] = q . kt[t] for the tile's rows: one vector of partial sums per token, all
+// kTile of them in registers across the chunks, then summed lane-wise together.
+inline void tile_scores(const float* q, const float* kt, int64_t dp, float* sc) {
+  Vec part[kTile];
+  for (int t = 0; t < kTile; ++t) part[t] = Vec(0.f);
+  for (int64_t c = 0; c < dp; c += kW) {
+    const Vec qc = Vec::loadu(q + c);
+    for (int t = 0; t < kTile; ++t)
+      part[t] = at::vec::fmadd(qc, Vec::loadu(kt + t * dp + c), part[t]);
+  }
+  sum_lanes(part, sc);
+}
+
+inline void scale_tile(float* x, const float* s) {  // x[t] *= s[t], t < kTile
+  for (int t = 0; t < kTile; t += kW) (Vec::loadu(x + t) * Vec::loadu(s + t)).store(x + t);
+}
+
+// Lane t of lane_mask(n, t0) is set where t0 + t < n (all-ones bits, else zero).
+inline Vec lane_mask(int n, int t0) {
+  alignas(64) static const uint32_t bits[2 * kTile] = {
+      ~0u, ~0u, ~0u, ~0u, ~0u, ~0u, ~0u, ~0u, ~0u, ~0u, ~0u, ~0u, ~0u, ~0u, ~0u, ~0u};
+  float f[kW];
+  std::memcpy(f, bits + kTile - std::clamp(n - t0, 0, kTile), sizeof(f));
+  return Vec::loadu(f);
+}
+
+// One head's online-softmax step over a tile: sc (scores, n valid) becomes the
+// unnormalised weights exp(sc - m') (0 past n); m (running max) and l (running sum)
+// are updated; returns the factor exp(m - m') the head's accumulator must be scaled by.
+inline float softmax_step(float* sc, int n, float& m, float& l) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  Vec mx_v(m);
+  for (int t = 0; t < kTile; t += kW)
+    mx_v = at::vec::maximum(mx_v, Vec::blendv(Vec(ninf), Vec::loadu(sc + t), lane_mask(n, t)));
+  const float mx = at::vec::vec_reduce_all<float>(
+      [](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, mx_v);
+  Vec sum_v(0.f);
+  for (int t = 0; t < kTile; t += kW) {
+    const Vec e = (Vec::loadu(sc + t) - Vec(mx)).exp_u20();
+    const Vec p = Vec::blendv(Vec(0.f), e, lane_mask(n, t));
+    p.store(sc + t);
+    sum_v = sum_v + p;
+  }
+  const float alpha = mx == m ? 1.f : m == ninf ? 0.f : std::exp(m - mx);
+  m = mx;
+  l = l * alpha + at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, sum_v);
+  return alpha;
+}
+
+// acc[h][:d] += sum_t w[h][t] * v_t over NH heads (w [NH][kTile], acc [NH][dp]); each
+// kW-wide chunk of the NH accumulators stays in registers across the tile's rows.
+template <int NH, typename KV>
+void accumulate_v(const KV* const* rows, int n, int64_t d, int64_t dp, const float* w,
+                  float* acc) {
+  const int64_t full = d / kW * kW;
+  for (int64_t c = 0; c < full; c += kW) {
+    Vec a[NH];
+    for (int h = 0; h < NH; ++h) a[h] = Vec::loadu(acc + h * dp + c);
+    for (int t = 0; t < n; ++t) {
+      const Vec v = load_chunk(rows[t] + c);
+      for (int h = 0; h < NH; ++h) a[h] = at::vec::fmadd(Vec(w[h * kTile + t]), v, a[h]);
+    }
+    for (int h = 0; h < NH; ++h) a[h].store(acc + h * dp + c);
+  }
+  for (int64_t c = full; c < d; ++c)
+    for (int t = 0; t < n; ++t) {
+      const float v = static_cast<float>(rows[t][c]);
+      for (int h = 0; h < NH; ++h) acc[h * dp + c] += w[h * kTile + t] * v;
+    }
+}
+
+template <typename KV>
+void accumulate_v_heads(const KV* const* rows, int n, int64_t d, int64_t dp, const float* w,
+                        float* acc, int64_t heads) {
+  for (int64_t h0 = 0; h0 < heads; h0 += kHeads) {  // kHeads at a time: fits in registers
+    const float* wh = w + h0 * kTile;
+    float* ah = acc + h0 * dp;
+    switch (std::min<int64_t>(heads - h0, kHeads)) {
+      case 1: accumulate_v<1>(rows, n, d, dp, wh, ah); break;
+      case 2: accumulate_v<2>(rows, n, d, dp, wh, ah); break;
+      case 3: accumulate_v<3>(rows, n, d, dp, wh, ah); break;
+      default: accumulate_v<4>(rows, n, d, dp, wh, ah); break;
+    }
+  }
+}
+
+// Where one sequence's K rows live (KV head 0; head h is h * rd further on, its V row
+// v_offset further on).
+template <typename KV>
+struct RowMap {
+  const KV* base;  // kv at this layer
+  const int64_t* table;
+  int64_t block_size, block_stride, row, v_offset;
+  // K rows of tokens t0 .. t0 + n - 1 (one division per tile, not per token).
+  void k_rows(int64_t t0, int n, const KV** rows) const {
+    int64_t blk = t0 / block_size, off = t0 % block_size;
+    for (int t = 0; t < n; ++t) {
+      rows[t] = base + table[blk] * block_stride + off * row;
+      if (++off == block_size) off = 0, ++blk;
+    }
+  }
+};
+
+// Asks for the cache lines of [p, p + bytes) ahead of their use.
+inline void prefetch(const void* p, int64_t bytes) {
+  const uintptr_t first = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63};
+  const uintptr_t last = reinterpret_cast<uintptr_t>(p) + bytes - 1;
+  for (uintptr_t line = first; line <= last; line += 64)
+    __builtin_prefetch(reinterpret_cast<const void*>(line));
+}
+
+// Scratch for one task, reused across the tasks of one thread.
+struct Scratch {
+  std::vector<float> q, acc, kt, w, m, l;
+  Scratch(int64_t hq, int64_t group, int64_t dp)
+      : q(hq * dp), acc(hq * dp), kt(kTile * dp), w(group * kTile), m(hq), l(hq) {}
+};
+
+// One KV head's group over one tile (n rows): scores, online softmax, V.
+template <typename KV>
+void head_tile(const KV* const* krows, const KV* const* vrows, int n, int64_t group,
+               int64_t d, int64_t dp, const float* q, float* acc, float* m, float* l,
+               Scratch& s) {
+  float ks[kTile] = {}, vs[kTile] = {};  // int8 row scales (0 past the tile's rows)
+  if constexpr (kQuant<KV>)
+    for (int t = 0; t < n; ++t) vs[t] = row_scale(vrows[t], d);
+  load_k_tile(krows, n, d, dp, s.kt.data(), ks);
+  for (int64_t g = 0; g < group; ++g) {
+    float* sc = s.w.data() + g * kTile;
+    tile_scores(q + g * dp, s.kt.data(), dp, sc);
+    if constexpr (kQuant<KV>) scale_tile(sc, ks);
+    const float alpha = softmax_step(sc, n, m[g], l[g]);
+    if (alpha != 1.f)
+      for (int64_t c = 0; c < dp; ++c) acc[g * dp + c] *= alpha;
+    if constexpr (kQuant<KV>) scale_tile(sc, vs);
+  }
+  accumulate_v_heads(vrows, n, d, dp, s.w.data(), acc, group);
+}
+
+// One task: every head of one sequence over its tokens [t_begin, t_end), tile by tile
+// (a tile's K, then V, rows of all KV heads are contiguous in a block: read in order),
+// leaving in s the softmax state (running max m, sum l, unnormalised acc) per query
+// head; s.q holds the sequence's queries already scaled, [hq][dp] zero-padded.
+template <typename KV>
+void decode_task(const RowMap<KV>& map, int64_t t_begin, int64_t t_end, int64_t hkv,
+                 int64_t group, int64_t d, int64_t dp, int64_t rd, Scratch& s) {
+  std::fill(s.acc.begin(), s.acc.end(), 0.f);
+  std::fill(s.m.begin(), s.m.end(), -std::numeric_limits<float>::infinity());
+  std::fill(s.l.begin(), s.l.end(), 0.f);
+  const KV* base[kTile];
+  const KV* next[kTile];
+  const KV* krows[kTile];
+  const KV* vrows[kTile];
+  const int64_t row_bytes = map.row * static_cast<int64_t>(sizeof(KV));
+  if (t_begin < t_end)
+    map.k_rows(t_begin, static_cast<int>(std::min<int64_t>(kTile, t_end - t_begin)), next);
+  for (int64_t t0 = t_begin; t0 < t_end; t0 += kTile) {
+    const int n = static_cast<int>(std::min<int64_t>(kTile, t_end - t0));
+    std::copy(next, next + n, base);
+    if (t0 + kTile < t_end) {  // the next tile's rows start coming in while this one runs
+      const int n_next = static_cast<int>(std::min<int64_t>(kTile, t_end - t0 - kTile));
+      map.k_rows(t0 + kTile, n_next, next);
+      for (int t = 0; t < n_next; ++t) {
+        prefetch(next[t], row_bytes);
+        prefetch(next[t] + map.v_offset, row_bytes);
+      }
+    }
+    for (int64_t h = 0; h < hkv; ++h) {
+      for (int t = 0; t < n; ++t) {
+        krows[t] = base[t] + h * rd;
+        vrows[t] = krows[t] + map.v_offset;
+      }
+      const int64_t q0 = h * group;
+      head_tile(krows, vrows, n, group, d, dp, s.q.data() + q0 * dp, s.acc.data() + q0 * dp,
+                s.m.data() + q0, s.l.data() + q0, s);
+    }
+  }
+}
+
+// How many token ranges each sequence is split into: about 8 tasks a thread when there
+// are few sequences (batch 1 would leave a thread idle), each at least kMinSplit tokens.
+constexpr int64_t kMinSplit = 256;
+inline int64_t splits_for(int64_t n_seq, int64_t max_len) {
+  const int64_t want = (8 * at::get_num_threads() + n_seq - 1) / n_seq;
+  return std::max<int64_t>(1, std::min(want, max_len / kMinSplit));
+}
+
+// out = sum_i acc_i e^(m_i - M) / sum_i l_i e^(m_i - M) over one head's splits
+// (M = max_i m_i); state rows are [m, l, acc[dp]], one per split.
+template <typename T>
+void merge_splits(const float* state, int64_t splits, int64_t stride, int64_t d, T* o) {
+  float mx = -std::numeric_limits<float>::infinity(), l = 0.f;
+  for (int64_t i = 0; i < splits; ++i) mx = std::max(mx, state[i * stride]);
+  std::vector<float> acc(d, 0.f);
+  for (int64_t i = 0; i < splits; ++i) {
+    const float* st = state + i * stride;
+    if (st[1] == 0.f) continue;  // an empty range
+    const float f = std::exp(st[0] - mx);
+    l += st[1] * f;
+    for (int64_t c = 0; c < d; ++c) acc[c] += st[2 + c] * f;
+  }
+  const float inv = l > 0.f ? 1.f / l : 0.f;  // length 0: zeros
+  for (int64_t c = 0; c < d; ++c) o[c] = static_cast<T>(acc[c] * inv);
 }
 
 template <typename T, typename KV>
@@ -90,36 +332,34 @@ void decode_kernel(const T* q, const KV* kv, const int64_t* tables, const int64_
                    int64_t n_seq, int64_t hq, int64_t hkv, int64_t d, int64_t block_size,
                    int64_t max_blocks, int64_t layer_stride, int64_t block_stride,
                    int64_t layer, double scale_d, int64_t rd) {
-  const int64_t group = hq / hkv;
+  const int64_t group = hq / hkv, dp = (d + kW - 1) / kW * kW, stride = 2 + dp;
   const float scale = static_cast<float>(scale_d);
-  const int64_t row = hkv * rd;              // one token's K (or V) at one layer
-  const int64_t kv_half = block_size * row;  // K part of a block at one layer
-  at::parallel_for(0, n_seq * hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * d), acc(group * d), kf(d), scores;
+  const int64_t row = hkv * rd;  // one token's K (or V) at one layer
+  const int64_t splits = splits_for(n_seq, *std::max_element(lens, lens + n_seq));
+  std::vector<float> state(n_seq * hq * splits * stride);  // [seq, head, split]
+  at::parallel_for(0, n_seq * splits, 1, [&](int64_t begin, int64_t end) {
+    Scratch s(hq, group, dp);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t s = item / hkv, h = item % hkv, len = lens[s];
-      const int64_t* table = tables + s * max_blocks;
-      to_float(q + (s * hq + h * group) * d, qf.data(), group * d);  // the group's heads
-      for (auto& x : qf) x *= scale;
-      scores.resize(group * len);
-      for (int64_t t = 0; t < len; ++t) {  // scores = q . k
-        const KV* k = kv + table[t / block_size] * block_stride + layer * layer_stride +
-                      (t % block_size) * row + h * rd;
-        load_row(k, kf.data(), d);
-        for (int64_t g = 0; g < group; ++g) scores[g * len + t] = dot(qf.data() + g * d, kf.data(), d);
+      const int64_t seq = item / splits, part = item % splits;
+      const int64_t span = (lens[seq] + splits - 1) / splits;  // whole tiles per split
+      const int64_t chunk = (span + kTile - 1) / kTile * kTile;
+      for (int64_t h = 0; h < hq; ++h)
+        for (int64_t c = 0; c < dp; ++c)
+          s.q[h * dp + c] = c < d ? static_cast<float>(q[(seq * hq + h) * d + c]) * scale : 0.f;
+      const RowMap<KV> map{kv + layer * layer_stride, tables + seq * max_blocks, block_size,
+                           block_stride, row, block_size * row};
+      decode_task(map, std::min(lens[seq], part * chunk), std::min(lens[seq], (part + 1) * chunk),
+                  hkv, group, d, dp, rd, s);
+      for (int64_t h = 0; h < hq; ++h) {
+        float* st = state.data() + ((seq * hq + h) * splits + part) * stride;
+        st[0] = s.m[h];
+        st[1] = s.l[h];
+        std::copy(s.acc.begin() + h * dp, s.acc.begin() + (h + 1) * dp, st + 2);
       }
-      for (int64_t g = 0; g < group; ++g) softmax_inplace(scores.data() + g * len, len);
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < len; ++t) {  // out = p . v
-        const KV* v = kv + table[t / block_size] * block_stride + layer * layer_stride +
-                      kv_half + (t % block_size) * row + h * rd;
-        load_row(v, kf.data(), d);
-        for (int64_t g = 0; g < group; ++g) axpy(scores[g * len + t], kf.data(), acc.data() + g * d, d);
-      }
-      T* o = out + (s * hq + h * group) * d;
-      for (int64_t i = 0; i < group * d; ++i) o[i] = static_cast<T>(acc[i]);
     }
   });
+  for (int64_t head = 0; head < n_seq * hq; ++head)
+    merge_splits(state.data() + head * splits * stride, splits, stride, d, out + head * d);
 }
 
 }  // namespace
