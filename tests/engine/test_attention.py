@@ -168,6 +168,6 @@ def test_paged_decode_kernel_long_contexts(kind: str, d: int) -> None:
         bt = torch.tensor([t + [0] * (width - len(t)) for t in tables])
         q = torch.randn(len(lens), 9, d, dtype=dtype)
         quant = "int8" if kind == "int8" else None
-        out = torch.ops.tandem.paged_decode(q, kv, 1, bt, torch.tensor(lens), 0.125)
+        out = pd.kernel_decode(q, kv, 1, bt, torch.tensor(lens), 0.125, quant)
         ref = pd.gathered_decode(q, kv, 1, bt, torch.tensor(lens), 0.125, quant)
         torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
