@@ -3,7 +3,11 @@
 For each (kind, N, K, group, dtype) the packed kernel and the dense GEMM are timed
 at 1, 2, 4, ... rows (the best of a few calls after a warm-up) until the dense
 GEMM has won twice in a row; ``packed_max_rows`` is the largest row count up to
-which the packed kernel won every time. In fp32 the CPU int kernels have no
+which the packed kernel won every time. Each timed call runs every layer of that
+shape in turn, as a model step does: timing one layer over and over would keep its
+weight in cache, where the dense GEMM's 2-4x more bytes cost nothing. With the
+weights streamed from memory (on the embedded model, 30 layers of each shape) the
+packed kernels keep winning to about twice the rows. In fp32 the CPU int kernels have no
 vectorised path and lose at every size, so fp32 models run dense (with the
 quantized values) unless ``quant_packed_max_rows`` forces the packed kernels.
 """
@@ -23,15 +27,17 @@ def _best_us(fn) -> float:
 
 
 @torch.inference_mode()
-def measure(layer: QuantLinear) -> tuple[int, list[tuple[int, float, float]]]:
-    """-> (packed_max_rows, [(rows, packed us, dense us)])."""
-    w, packed = layer.weight, layer.packed
+def measure(layers: list[QuantLinear]) -> tuple[int, list[tuple[int, float, float]]]:
+    """layers: all of one shape -> (packed_max_rows, [(rows, packed us, dense us)]), the
+    times per layer of a pass over all of them."""
+    w = layers[0].weight
+    pairs = [(layer.packed, layer.weight) for layer in layers]
     table: list[tuple[int, float, float]] = []
     best_rows, losses = 0, 0
     for m in ROWS:
-        x = torch.randn(m, layer.in_features, dtype=w.dtype, device=w.device)
-        tp = _best_us(lambda: packed.matmul(x))
-        td = _best_us(lambda: F.linear(x, w))
+        x = torch.randn(m, layers[0].in_features, dtype=w.dtype, device=w.device)
+        tp = _best_us(lambda: [p.matmul(x) for p, _ in pairs]) / len(pairs)
+        td = _best_us(lambda: [F.linear(x, d) for _, d in pairs]) / len(pairs)
         table.append((m, tp, td))
         if tp < td and losses == 0:
             best_rows = m
@@ -44,14 +50,17 @@ def measure(layer: QuantLinear) -> tuple[int, list[tuple[int, float, float]]]:
 
 def choose_paths(layers: list[QuantLinear], forced: int | None) -> dict[tuple, tuple]:
     """Set every layer's packed_max_rows; returns {shape key: (rows, table)} measured."""
-    measured: dict[tuple, tuple] = {}
-    for layer in layers:
-        if forced is not None:
+    if forced is not None:
+        for layer in layers:
             layer.packed_max_rows = forced
-            continue
+        return {}
+    groups: dict[tuple, list[QuantLinear]] = {}
+    for layer in layers:
         key = (layer.kind, layer.out_features, layer.in_features, layer.group_size,
                layer.weight.dtype, layer.weight.device.type)
-        if key not in measured:
-            measured[key] = measure(layer)
-        layer.packed_max_rows = measured[key][0]
+        groups.setdefault(key, []).append(layer)
+    measured = {key: measure(group) for key, group in groups.items()}
+    for key, group in groups.items():
+        for layer in group:
+            layer.packed_max_rows = measured[key][0]
     return measured

@@ -144,3 +144,26 @@ def test_gguf_tensor_that_cannot_stay_packed_falls_back_with_a_log(caplog) -> No
                                 "Q4_0, Q4_1, Q8_0)"]
     assert "1.weight: GGUF type F16" in caplog.text and "dequantized" in caplog.text
 
+
+
+def test_kernel_choice_is_timed_over_every_layer_of_a_shape(monkeypatch) -> None:
+    """The packed-or-dense choice is timed the way a step runs: every layer of one shape
+    in turn (weights streamed from memory), not one layer over and over (its weight hot
+    in cache); one decision per shape, applied to all of its layers."""
+    from engine.quant import select
+
+    def layer(n: int) -> QuantLinear:
+        dense = torch.nn.Linear(128, n, bias=False).bfloat16()
+        packed, _ = get_method("int8").pack("w", dense.weight.float(), torch.bfloat16)
+        return QuantLinear(dense, packed, "int8")
+
+    layers = [layer(48) for _ in range(3)] + [layer(64)]
+    calls = []
+    orig = torch.nn.functional.linear
+    monkeypatch.setattr(select.F, "linear", lambda x, w: calls.append(id(w)) or orig(x, w))
+    measured = select.choose_paths(layers, None)
+    assert len(measured) == 2  # two shapes
+    first_shape = {id(lr.weight) for lr in layers[:3]}
+    assert first_shape <= set(calls)  # a dense pass touched each of the three layers
+    assert len({lr.packed_max_rows for lr in layers[:3]}) == 1
+    assert select.choose_paths(layers, 5) == {} and all(lr.packed_max_rows == 5 for lr in layers)
