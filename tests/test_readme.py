@@ -40,6 +40,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.cluster.launch import alive, descendants
 from tests.utils import real_model_path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -248,29 +249,6 @@ class Server:
 
 def tails(servers: list[Server]) -> str:
     return "\n".join(s.tail() for s in servers)
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below pid (tandem up's services run in their own sessions, so
-    killing its process group does not reach them)."""
-    parent: dict[int, int] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            parent[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-    out, todo = [], [pid]
-    while todo:
-        up = todo.pop()
-        kids = [child for child, ppid in parent.items() if ppid == up]
-        out += kids
-        todo += kids
-    return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def kill_group(pid: int, sig: int) -> None:

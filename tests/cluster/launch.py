@@ -157,3 +157,26 @@ def interrupt(proc: subprocess.Popen, timeout: float = 30) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below pid (tandem up's services run in their own sessions, so
+    killing its process group does not reach them)."""
+    parent: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            parent[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+    out, todo = [], [pid]
+    while todo:
+        up = todo.pop()
+        kids = [child for child, ppid in parent.items() if ppid == up]
+        out += kids
+        todo += kids
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False

@@ -5,6 +5,7 @@ import asyncio
 import contextlib
 from dataclasses import replace
 
+import grpc
 import pytest
 
 from auth.grpc_auth import channel as auth_channel
@@ -77,6 +78,19 @@ async def disagg(pstub, dstub, rid: str, prompt: list[int], sp) -> tuple[list[in
     r = await pstub.Prefill(prefill_pb2.PrefillRequest(request_id=rid, token_ids=prompt,
                                                        sampling=sp))
     return await generate(dstub, rid, prompt, [r.first_token], sp, r.kv_handle)
+
+
+async def refused_handoff(pstub, dstub, rid: str, prompt: list[int]) -> str:
+    """Prefill, then a Generate that the decode worker must refuse at connect time
+    (FAILED_PRECONDITION); the router's Abort then drops the prefill side's lease.
+    Returns the refusal's details."""
+    r = await pstub.Prefill(prefill_pb2.PrefillRequest(request_id=rid, token_ids=prompt,
+                                                       sampling=sampling()))
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await generate(dstub, rid, prompt, [r.first_token], sampling(), r.kv_handle)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    await pstub.Abort(common_pb2.AbortRequest(request_id=rid))
+    return e.value.details()
 
 
 @pytest.fixture(scope="session")

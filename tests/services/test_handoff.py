@@ -9,7 +9,8 @@ import pytest
 
 from kvtransfer.link import KVLinkClient
 from proto import common_pb2, prefill_pb2
-from tests.services.conftest import disagg, generate, leak_check, sampling, services
+from tests.services.conftest import (disagg, generate, leak_check, refused_handoff, sampling,
+                                     services)
 
 def run(coro):
     return asyncio.run(coro)
@@ -65,16 +66,8 @@ def test_expired_lease_makes_decode_recompute(tiny_model_dir, reference) -> None
 def test_compat_mismatch_fails_at_connect_naming_the_field(tiny_model_dir) -> None:
     async def body():
         async with services(tiny_model_dir, decode_engine={"block_size": 32}) as (p, d, ps, ds):
-            prompt = _prompt(40, 5)
-            r = await ps.Prefill(prefill_pb2.PrefillRequest(request_id="m", token_ids=prompt,
-                                                            sampling=sampling()))
-            with pytest.raises(grpc.aio.AioRpcError) as e:
-                await generate(ds, "m", prompt, [r.first_token], sampling(), r.kv_handle)
-            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-            assert "block_size" in e.value.details()
-            # the prefill side still holds the lease: the router's abort drops it
-            await ps.Abort(common_pb2.AbortRequest(request_id="m"))
-            await leak_check(p, d)
+            assert "block_size" in await refused_handoff(ps, ds, "m", _prompt(40, 5))
+            await leak_check(p, d)  # the abort dropped the prefill side's lease
     run(body())
 
 

@@ -6,13 +6,10 @@ from __future__ import annotations
 import asyncio
 import re
 
-import grpc
-import pytest
 from prometheus_client import generate_latest
 
 from engine.config import EngineConfig
-from proto import common_pb2, prefill_pb2
-from tests.services.conftest import disagg, generate, leak_check, sampling, services
+from tests.services.conftest import disagg, leak_check, refused_handoff, sampling, services
 
 INT8 = {"dtype": "bfloat16", "kv_cache_dtype": "int8"}
 
@@ -67,14 +64,8 @@ def test_kv_cache_dtype_mismatch_fails_at_connect_naming_it(tiny_model_dir) -> N
     async def body():
         async with services(tiny_model_dir, prefill_engine=INT8,
                             decode_engine={"dtype": "bfloat16"}) as (p, d, ps, ds):
-            prompt = _prompt(40, 2)
-            r = await ps.Prefill(prefill_pb2.PrefillRequest(request_id="m", token_ids=prompt,
-                                                            sampling=sampling()))
-            with pytest.raises(grpc.aio.AioRpcError) as e:
-                await generate(ds, "m", prompt, [r.first_token], sampling(), r.kv_handle)
-            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-            assert "kv_cache_dtype: local 'bfloat16' != remote 'int8'" in e.value.details()
-            assert "--kv-cache-dtype" in e.value.details()
-            await ps.Abort(common_pb2.AbortRequest(request_id="m"))
+            details = await refused_handoff(ps, ds, "m", _prompt(40, 2))
+            assert "kv_cache_dtype: local 'bfloat16' != remote 'int8'" in details
+            assert "--kv-cache-dtype" in details
             await leak_check(p, d)
     asyncio.run(body())
