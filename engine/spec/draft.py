@@ -46,8 +46,10 @@ class DraftProposer(Proposer):
     in_step = True
 
     def __init__(self, model, kv: torch.Tensor, backend, block_size: int, device,
-                 num_layers: int | None, name: str) -> None:
+                 num_layers: int | None, name: str, kv_quant: str | None = None) -> None:
         self.model, self.kv, self.backend = model, kv, backend
+        self.kv_quant = kv_quant
+        """How ``kv`` stores rows (--kv-cache-dtype int8: quantized, as the target's)."""
         self.block_size, self.device = block_size, device
         self.num_layers = num_layers
         """self-draft: layers of the target to run; None: a separate draft model."""
@@ -59,12 +61,12 @@ class DraftProposer(Proposer):
         n = parse_self_layers(config.speculative_model, runner.model_config.num_layers)
         if n is not None:
             return cls(runner.model, runner.kv, runner.backend, config.block_size,
-                       runner.device, n, "self_draft")
+                       runner.device, n, "self_draft", runner.kv_quant)
         draft = _load_draft(config, runner, tokenizer)
         log.info("draft model %s: %d layers", config.speculative_model,
                  draft.model_config.num_layers)
         return cls(draft.model, draft.kv, draft.backend, config.block_size, runner.device,
-                   None, "draft")
+                   None, "draft", draft.kv_quant)
 
     def bind(self, tables: dict[str, list[int]]) -> None:
         self.tables = tables
@@ -111,7 +113,7 @@ class DraftProposer(Proposer):
             tables.append(self.tables[reqs[i].request_id])
             last.append(len(ids) - 1)
         meta = build_metadata(qlens, slens, sum(1 for q in qlens if q > 1), tables,
-                              self.block_size, self.device)
+                              self.block_size, self.device, self.kv_quant)
         ctx = ForwardContext(self.kv, meta, self.backend)
         hidden = self.model(torch.tensor(ids, device=self.device),
                             torch.tensor(pos, device=self.device), ctx,

@@ -321,3 +321,15 @@ def test_adaptive_length_grows_shrinks_and_switches_off() -> None:
     st.update(1, 0)
     st.update(1, 0)
     assert [st.want() for _ in range(9)] == [0] * 8 + [1]  # rejected again: the pause doubles
+
+
+@pytest.mark.parametrize("method", ["draft:self:1", "draft:tiny"])
+def test_draft_models_read_an_int8_cache(tiny_model_dir, plain, method: str) -> None:
+    """With --kv-cache-dtype int8 a draft reads (self:N) or keeps (its own cache) int8
+    rows too: greedy output equals plain int8 decoding's, and guesses are accepted."""
+    prompts = _prompts(12)
+    want = [t for t, _ in _run(_engine(tiny_model_dir, kv_cache_dtype="int8"), prompts, GREEDY)]
+    eng = _engine(tiny_model_dir, method, kv_cache_dtype="int8")
+    assert [t for t, _ in _run(eng, prompts, GREEDY)] == want
+    assert eng.speculator.counters.get(eng.speculator.proposer.name).accepted > 0
+    eng.leak_check()
