@@ -58,7 +58,9 @@ def _gguf_fields(source: Any) -> dict[str, Any]:
     """The tokenizer.* metadata of a GGUF as plain Python values."""
     import gguf
 
-    reader = source if isinstance(source, gguf.GGUFReader) else gguf.GGUFReader(os.fspath(source), "r")
+    from engine.gguf_file import open_gguf
+
+    reader = source if isinstance(source, gguf.GGUFReader) else open_gguf(source)
     return {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
 
 

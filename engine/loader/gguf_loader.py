@@ -16,6 +16,7 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 
 from engine.config import ModelConfig
+from engine.gguf_file import open_gguf
 from engine.loader.base import LoadedCheckpoint
 from engine.loader.fingerprint import weights_fingerprint
 
@@ -132,7 +133,7 @@ def _weight_digest(path: Path, config: ModelConfig) -> str:
 
 def load_gguf(path: Path) -> LoadedCheckpoint:
     try:
-        reader = GGUFReader(path)
+        reader = open_gguf(path)
     except Exception as e:  # the gguf package raises bare ValueErrors on bad magic
         raise ValueError(f"{path}: not a readable GGUF file ({e})") from e
     config = gguf_config(reader, path)

@@ -2,7 +2,7 @@
 
 For each (kind, N, K, group, dtype) the packed kernel and the dense GEMM are timed
 at 1, 2, 4, ... rows (the best of a few calls after a warm-up) until the dense
-GEMM has won twice in a row; ``packed_max_rows`` is the largest row count up to
+GEMM has won twice in a row, or once by a clear margin (``CLEAR_LOSS``); ``packed_max_rows`` is the largest row count up to
 which the packed kernel won every time. Each timed call runs every layer of that
 shape in turn, as a model step does: timing one layer over and over would keep its
 weight in cache, where the dense GEMM's 2-4x more bytes cost nothing. With the
@@ -20,6 +20,8 @@ from engine.quant.linear import QuantLinear
 from engine.timing import best_seconds
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)
+CLEAR_LOSS = 1.5
+"""A packed kernel this many times slower than the dense GEMM has lost for good."""
 
 
 def _best_us(fn) -> float:
@@ -43,7 +45,9 @@ def measure(layers: list[QuantLinear]) -> tuple[int, list[tuple[int, float, floa
             best_rows = m
         else:
             losses += 1
-            if losses == 2:
+            # a clear loss ends it at once: the packed kernels' cost grows faster with the
+            # rows than the dense GEMM's (fp32 on CPU: 8-10x slower from the first row)
+            if losses == 2 or tp >= CLEAR_LOSS * td:
                 break
     return best_rows, table
 

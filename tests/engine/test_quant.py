@@ -167,3 +167,19 @@ def test_kernel_choice_is_timed_over_every_layer_of_a_shape(monkeypatch) -> None
     assert first_shape <= set(calls)  # a dense pass touched each of the three layers
     assert len({lr.packed_max_rows for lr in layers[:3]}) == 1
     assert select.choose_paths(layers, 5) == {} and all(lr.packed_max_rows == 5 for lr in layers)
+
+
+def test_a_clear_loss_ends_the_kernel_timing(monkeypatch) -> None:
+    """A packed kernel 1.5x slower than the dense GEMM at one row is not timed at more
+    rows (an fp32 start-up spent 4 s timing int kernels that lose 8-10x everywhere); a
+    narrow loss is timed once more before the dense GEMM is chosen."""
+    from engine.quant import select
+
+    dense = torch.nn.Linear(64, 32, bias=False)
+    packed, _ = get_method("int8").pack("w", dense.weight.float(), torch.float32)
+    layers = [QuantLinear(dense, packed, "int8")]
+    for packed_us, want_rows in ((10.0, [1]), (1.2, [1, 2])):
+        times = iter([packed_us, 1.0] * len(select.ROWS))
+        monkeypatch.setattr(select, "_best_us", lambda fn: next(times))
+        best, table = select.measure(layers)
+        assert best == 0 and [m for m, _, _ in table] == want_rows
