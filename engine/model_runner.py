@@ -175,29 +175,39 @@ class ModelRunner:
         """Run one forward pass; return the requests that were sampled and their tokens.
         should_stop is asked between layers (StepInterrupted when it says True).
 
-        entries: (request, new tokens) with prefill-path entries (more than one token)
-        first; tables: each request's block table. A decode row with proposed tokens
-        (``req.draft``) runs its last token and the k guesses (n = 1 + k) and is verified
-        (engine/spec/verify.py): it may get up to k + 1 tokens."""
+        entries: (request, new tokens) with prefill-path entries (more than one token,
+        no guesses) first; tables: each request's block table. A decode row with proposed
+        tokens (``req.draft``) runs its last token and the k guesses (n = 1 + k) and is
+        verified (engine/spec/verify.py): it may get up to k + 1 tokens. Its n positions
+        reach attention as n one-token decode queries over its block table, query j
+        seeing start + j + 1 tokens (all n K/V rows are written before any is read):
+        causal attention through the decode kernel, which rounds as plain decoding does."""
         ids: list[int] = []
         pos: list[int] = []
-        qlens, slens, rows, sampled = [], [], [], []
-        for req, n in entries:
+        qlens, slens, qtables, rows, sampled = [], [], [], [], []
+        for (req, n), table in zip(entries, tables):
             start = req.num_computed_tokens
             ids.extend(req.token_ids[start:start + n])
             if req.draft:
                 ids.extend(req.draft)
             pos.extend(range(start, start + n))
-            qlens.append(n)
-            slens.append(start + n)
             if req.draft:
+                qlens.extend([1] * n)
+                slens.extend(range(start + 1, start + n + 1))
+                qtables.extend([table] * n)
                 rows.append(range(len(ids) - n, len(ids)))
                 sampled.append(req)
-            elif start + n == len(req.token_ids):  # reached the end: next token is due
+                continue
+            qlens.append(n)
+            slens.append(start + n)
+            qtables.append(table)
+            if start + n == len(req.token_ids):  # reached the end: next token is due
                 rows.append(range(len(ids) - 1, len(ids)))
                 sampled.append(req)
         num_prefills = sum(1 for n in qlens if n > 1)
-        meta = build_metadata(qlens, slens, num_prefills, tables, self.config.block_size,
+        if any(n > 1 for n in qlens[num_prefills:]):
+            raise ValueError("execute: a prefill entry after a decode or speculating row")
+        meta = build_metadata(qlens, slens, num_prefills, qtables, self.config.block_size,
                               self.device, self.kv_quant)
         ctx = ForwardContext(self.kv, meta, self.backend, should_stop)
         no_prompt = all(n == 1 or req.draft for req, n in entries)

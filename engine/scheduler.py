@@ -36,7 +36,8 @@ from engine.request import RemoteReservation, Request, RequestStatus
 
 @dataclass
 class ScheduledBatch:
-    """One step's work: (request, new tokens), prefill-path entries first."""
+    """One step's work: (request, new tokens), prefill-path entries first (speculating
+    rows, which verify 1 + k tokens, count as decodes)."""
 
     entries: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[tuple[Request, str]] = field(default_factory=list)
@@ -131,8 +132,9 @@ class Scheduler:
         if not batch.preempted:
             self._swap_ins(batch)
             self._prefills(batch, budget)
-        batch.entries.sort(key=lambda e: e[1] == 1)  # prefill path first, decodes last
-        # (a speculating row verifies 1 + k positions: it takes the prefill path)
+        # prefill path first, decodes last; a speculating row's 1 + k positions run as
+        # 1 + k decode queries (ModelRunner.execute), so it goes with the decodes
+        batch.entries.sort(key=lambda e: e[1] == 1 or bool(e[0].draft))
         return batch
 
     def _decodes(self, batch: ScheduledBatch, budget: int) -> int:

@@ -333,3 +333,46 @@ def test_draft_models_read_an_int8_cache(tiny_model_dir, plain, method: str) -> 
     assert [t for t, _ in _run(eng, prompts, GREEDY)] == want
     assert eng.speculator.counters.get(eng.speculator.proposer.name).accepted > 0
     eng.leak_check()
+
+
+def test_a_verify_row_attends_as_decode_queries(tiny_model_dir, monkeypatch) -> None:
+    """A speculating row's 1 + k positions reach attention as 1 + k one-token decode
+    queries over its block table (query j sees start + j + 1 tokens), after any real
+    prefill, and its logits are the causal ones: each equals the logits a prompt of
+    that length gives at its last position."""
+    eng = _engine(tiny_model_dir, "ngram")
+    run = eng.runner
+    prompt = [(j * 7) % 300 + 3 for j in range(21)]
+    other = [(j * 11) % 300 + 3 for j in range(9)]
+    a = eng.make_request(prompt[:-1], GREEDY)
+    b = eng.make_request(other, GREEDY)
+    ta = eng.kv.pool.allocate(eng.kv.blocks_needed(len(prompt) + 4))
+    tb = eng.kv.pool.allocate(eng.kv.blocks_needed(len(other)))
+    run.execute([(a, len(prompt) - 1)], [ta])
+    a.num_computed_tokens = len(prompt) - 1
+    a.token_ids.append(prompt[-1])
+    guesses = [5, 9, 14]
+    a.draft = list(guesses)
+    seen = []
+    forward = run.backend.forward
+    monkeypatch.setattr(run.backend, "forward", lambda layer, q, k, v, kv, meta, scale:
+                        seen.append(meta) or forward(layer, q, k, v, kv, meta, scale))
+    captured = {}
+    monkeypatch.setattr(run, "_sample", lambda sampled, rows, logits, plain, banned:
+                        captured.update(rows=rows, logits=logits.clone()))
+    run.execute([(b, len(other)), (a, 1 + len(guesses))], [tb, ta])
+    meta = seen[0]
+    n = len(prompt)
+    assert (meta.num_prefills, meta.query_lens) == (1, [len(other)] + [1] * 4)
+    assert meta.seq_lens == [len(other), n, n + 1, n + 2, n + 3]
+    verify_logits = captured["logits"][1:]
+    monkeypatch.undo()
+    full = prompt + guesses
+    for j in range(4):
+        t = eng.kv.pool.allocate(eng.kv.blocks_needed(n + j))
+        want = run.prompt_logits(full[:n + j], t)[-1]
+        torch.testing.assert_close(verify_logits[j], want, rtol=1e-4, atol=1e-4)
+        eng.kv.pool.free(t)
+    a.draft = []
+    for t in (ta, tb):
+        eng.kv.pool.free(t)
