@@ -70,10 +70,16 @@ def _generate_run(args: argparse.Namespace) -> int:
 
 
 # -- prefill / decode workers ---------------------------------------------------------
-def _worker_setup(p: argparse.ArgumentParser) -> None:
+def _prefill_setup(p: argparse.ArgumentParser) -> None:
     from tandem.worker_cli import add_worker_args
 
-    add_worker_args(p)
+    add_worker_args(p, "prefill")
+
+
+def _decode_setup(p: argparse.ArgumentParser) -> None:
+    from tandem.worker_cli import add_worker_args
+
+    add_worker_args(p, "decode")
 
 
 def _prefill_run(args: argparse.Namespace) -> int:
@@ -136,9 +142,9 @@ COMMANDS = {
            "start a local cluster (router + prefill + decode workers) on 127.0.0.1:8000"),
     "router": (_router_setup, _router_run,
                "run the router: OpenAI HTTP API over prefill and decode workers"),
-    "prefill": (_worker_setup, _prefill_run,
+    "prefill": (_prefill_setup, _prefill_run,
                 "run a prefill worker (gRPC): chunked prefill, first token, KV under a lease"),
-    "decode": (_worker_setup, _decode_run,
+    "decode": (_decode_setup, _decode_run,
                "run a decode worker (gRPC): pull KV, continuous batching, stream tokens"),
     "bench": (_bench_setup, _bench_run,
               "load an OpenAI-compatible endpoint; report TTFT, TPOT, ITL, throughput, goodput"),

@@ -46,16 +46,20 @@ def _optional(tp: type) -> Any:
 
 
 def add_config_args(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = (),
-                    flag_names: dict[str, str] | None = None) -> None:
+                    flag_names: dict[str, str] | None = None,
+                    defaults: dict[str, Any] | None = None) -> None:
+    """``defaults``: this command's own defaults for some fields (shown in --help)."""
     hints = typing.get_type_hints(cls)
     docs = field_docs(cls)
     flag_names = flag_names or {}
+    defaults = defaults or {}
     for f in dataclasses.fields(cls):
         if f.name in skip:
             continue
         tp, optional = _base_type(hints[f.name])
         flag = "--" + flag_names.get(f.name, f.name.replace("_", "-"))
         default = f.default if f.default is not dataclasses.MISSING else None
+        default = defaults.get(f.name, default)
         help_ = f"{docs.get(f.name, '')} (default: {default})"
         if tp is bool:
             parser.add_argument(flag, dest=f.name, default=default, help=help_,

@@ -1,0 +1,36 @@
+"""`tandem prefill` and `tandem decode` share the engine's flags; a prefill worker has
+its own default token budget (its steps carry no decode rows), and --help says so."""
+from __future__ import annotations
+
+from engine.config import EngineConfig
+from tandem.cli import build_parser
+from tandem.worker_cli import PREFILL_DEFAULTS, worker_config
+
+MODEL = ["--model", "/nonexistent/model.gguf"]
+
+
+def _config(*argv: str):
+    args = build_parser().parse_args(list(argv))
+    args.model = MODEL[1]  # resolve_model would fetch; the flag is what is tested
+    return args
+
+
+def test_a_prefill_worker_runs_larger_chunks_by_default(monkeypatch) -> None:
+    import tandem.worker_cli as wc
+
+    monkeypatch.setattr(wc, "resolve_model", lambda args: args.model)
+    prefill = worker_config(_config("prefill", *MODEL)).engine
+    decode = worker_config(_config("decode", *MODEL)).engine
+    assert prefill.max_num_batched_tokens == PREFILL_DEFAULTS["max_num_batched_tokens"] == 2048
+    assert decode.max_num_batched_tokens == EngineConfig.max_num_batched_tokens == 512
+    override = worker_config(_config("prefill", *MODEL, "--max-num-batched-tokens", "256"))
+    assert override.engine.max_num_batched_tokens == 256
+
+
+def test_help_shows_each_roles_default() -> None:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    for role, want in (("prefill", "2048"), ("decode", "512")):
+        action = next(a for a in sub.choices[role]._actions
+                      if a.dest == "max_num_batched_tokens")
+        assert action.help.endswith(f"(default: {want})") and str(action.default) == want
