@@ -34,6 +34,11 @@ from engine.timing import best_seconds
 log = logging.getLogger(__name__)
 
 
+SLOWER_MARGIN = 1.05
+"""A bucket runs eagerly only when its compiled step timed more than 5% slower than the
+eager one at start-up: a tie (within the host's noise) keeps the compiled step."""
+
+
 def decode_buckets(max_rows: int) -> list[int]:
     """1, 2, 4, ... up to the first power of two >= max_rows."""
     out = [1]
@@ -63,7 +68,8 @@ class CompiledDecode:
         self.disabled: str | None = None
         self.compile_seconds = 0.0
         self.slower: set[int] = set()
-        """Buckets whose compiled step measured slower than the eager one at start-up."""
+        """Buckets whose compiled step measured clearly slower than the eager one at
+        start-up (they run eagerly)."""
         self.timings: dict[int, tuple[float, float]] = {}
         """bucket -> (compiled ms, eager ms) of a dummy step, measured at start-up."""
         try:
@@ -91,7 +97,8 @@ class CompiledDecode:
     def warm_up(self, run_bucket: Callable[[int, Segments], None]) -> None:
         """Compile every bucket now (``run_bucket(b, segments)`` runs one dummy step of b
         rows), printing a progress line per bucket, then time it against the eager step
-        (best of 3 each) and keep whichever is faster. A failure disables compiled steps,
+        (best of 3 each) and keep the compiled one unless it is clearly slower
+        (``SLOWER_MARGIN``). A failure disables compiled steps,
         logged."""
         t0 = time.perf_counter()
         for i, b in enumerate(self.buckets if self.disabled is None else ()):
@@ -105,11 +112,12 @@ class CompiledDecode:
             compiled = best_seconds(lambda: run_bucket(b, self.segments)) * 1e3
             eager = best_seconds(lambda: run_bucket(b, EAGER)) * 1e3
             self.timings[b] = (compiled, eager)
-            if compiled >= eager:
+            slower = compiled > eager * SLOWER_MARGIN
+            if slower:
                 self.slower.add(b)
             log.info("compiled decode step %d/%d (batch %d) in %.1fs: %.1f ms vs %.1f ms eager%s",
                      i + 1, len(self.buckets), b, time.perf_counter() - t, compiled, eager,
-                     " (slower: this batch runs eagerly)" if compiled >= eager else "")
+                     " (slower: this batch runs eagerly)" if slower else "")
         self.compile_seconds = time.perf_counter() - t0
         log.info("compiled decode steps for batches %s in %.1fs (--no-compile skips this)",
                  ",".join(map(str, self.buckets)), self.compile_seconds)

@@ -2,8 +2,9 @@
 
 For each (kind, N, K, group, dtype) the packed kernel and the dense GEMM are timed
 at 1, 2, 4, ... rows (the best of a few calls after a warm-up) until the dense
-GEMM has won twice in a row, or once by a clear margin (``CLEAR_LOSS``); ``packed_max_rows`` is the largest row count up to
-which the packed kernel won every time. Each timed call runs every layer of that
+GEMM has won twice in a row, or once by a clear margin (``CLEAR_LOSS``);
+``packed_max_rows`` is the largest row count up to which the packed kernel won
+every time. Each timed call runs every layer of that
 shape in turn, as a model step does: timing one layer over and over would keep its
 weight in cache, where the dense GEMM's 2-4x more bytes cost nothing. With the
 weights streamed from memory (on the embedded model, 30 layers of each shape) the

@@ -6,6 +6,7 @@ import logging
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine.compile.decode import CompiledDecode, decode_buckets
 from engine.config import EngineConfig
@@ -121,3 +122,18 @@ def test_constrained_rows_in_a_compiled_step(compiled: LLMEngine, tiny_model_dir
         assert out.finish_reason.value == "stop", (name, out.text)
         assert_valid(name, out.text)
     compiled.leak_check()
+
+
+def test_a_tie_at_start_up_keeps_the_compiled_step(monkeypatch) -> None:
+    """A bucket runs eagerly only when its compiled step timed clearly slower (more than
+    SLOWER_MARGIN) than the eager one; equal timings, which the host's noise makes of two
+    equally fast steps, keep the compiled step."""
+    from engine.compile import decode as cd
+
+    c = cd.CompiledDecode(torch.nn.Linear(1, 1), torch.device("cpu"), max_rows=4)
+    # per bucket 1, 2, 4: (compiled, eager) seconds
+    times = iter([1.0, 1.0, 1.03, 1.0, 1.2, 1.0])
+    monkeypatch.setattr(cd, "best_seconds", lambda fn: next(times))
+    c.warm_up(lambda rows, segments: None)
+    assert c.disabled is None and c.slower == {4}
+    assert (c.bucket(1), c.bucket(2), c.bucket(3)) == (1, 2, None)
