@@ -2,10 +2,11 @@
 
 ``paged_decode(q, kv, layer, tables, lens, scale, kv_quant)`` -> [N, Hq, D] for N
 sequences with one query token each. On CPU (up to KERNEL_MAX_ROWS sequences: any
-batch the engine runs) it runs ``torch.ops.tandem.paged_decode`` (csrc/paged_decode.cpp): K and V rows are read in
-place through the block tables, one sequence (or, with few sequences, one range of its
-tokens) per task, so a step copies no context; an int8 cache is read as codes, its row
-scales folded into the scores and the softmax weights (no dequantized copy). The
+batch the engine runs) it runs ``torch.ops.tandem.paged_decode``
+(csrc/paged_decode.cpp): K and V rows are read in place through the block tables, one
+sequence (or, with few sequences, one range of its tokens) per task, so a step copies
+no context; an int8 cache is read as codes, its row scales folded into the scores and
+the softmax weights (no dequantized copy). The
 extension is built on first use with the machine's compiler (about 20 s, cached in
 torch's extension directory, ~/.cache/torch_extensions/tandem/, under a name that
 carries the source's hash, so two versions of the source never rebuild over each other).

@@ -4,13 +4,13 @@ For each (kind, N, K, group, dtype) the packed kernel and the dense GEMM are tim
 at 1, 2, 4, ... rows (the best of a few calls after a warm-up) until the dense
 GEMM has won twice in a row, or once by a clear margin (``CLEAR_LOSS``);
 ``packed_max_rows`` is the largest row count up to which the packed kernel won
-every time. Each timed call runs every layer of that
-shape in turn, as a model step does: timing one layer over and over would keep its
-weight in cache, where the dense GEMM's 2-4x more bytes cost nothing. With the
-weights streamed from memory (on the embedded model, 30 layers of each shape) the
-packed kernels keep winning to about twice the rows. In fp32 the CPU int kernels have no
-vectorised path and lose at every size, so fp32 models run dense (with the
-quantized values) unless ``quant_packed_max_rows`` forces the packed kernels.
+every time. Each timed call runs every layer of that shape in turn, as a model step
+does: timing one layer over and over would keep its weight in cache, where the dense
+GEMM's 2-4x more bytes cost nothing. With the weights streamed from memory (on the
+embedded model, 30 layers of each shape) the packed kernels keep winning to about
+twice the rows. In fp32 the CPU int kernels have no vectorised path and lose at every
+size, so fp32 models run dense (with the quantized values) unless
+``quant_packed_max_rows`` forces the packed kernels.
 """
 from __future__ import annotations
 

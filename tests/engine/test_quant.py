@@ -145,7 +145,6 @@ def test_gguf_tensor_that_cannot_stay_packed_falls_back_with_a_log(caplog) -> No
     assert "1.weight: GGUF type F16" in caplog.text and "dequantized" in caplog.text
 
 
-
 def test_kernel_choice_is_timed_over_every_layer_of_a_shape(monkeypatch) -> None:
     """The packed-or-dense choice is timed the way a step runs: every layer of one shape
     in turn (weights streamed from memory), not one layer over and over (its weight hot

@@ -10,14 +10,13 @@ MODEL = ["--model", "/nonexistent/model.gguf"]
 
 
 def _config(*argv: str):
-    args = build_parser().parse_args(list(argv))
-    args.model = MODEL[1]  # resolve_model would fetch; the flag is what is tested
-    return args
+    return build_parser().parse_args(list(argv))
 
 
 def test_a_prefill_worker_runs_larger_chunks_by_default(monkeypatch) -> None:
     import tandem.worker_cli as wc
 
+    # resolve_model would check the file (or fetch the default): the flags are tested
     monkeypatch.setattr(wc, "resolve_model", lambda args: args.model)
     prefill = worker_config(_config("prefill", *MODEL)).engine
     decode = worker_config(_config("decode", *MODEL)).engine
