@@ -1,6 +1,8 @@
 """Which matmul kernel is fastest at which batch size, on this machine: the weight-only
-int8 and int4 kernels against the dense bf16 (and fp32) GEMM, for the embedded model's
-weight shapes, at 1 to 256 rows. The engine makes the same measurement at start-up
+int8 and int4 kernels (ours where it builds, and PyTorch's: "int4 aten") against the
+dense bf16 (and fp32) GEMM, for the embedded model's weight shapes, at 1 to 256 rows.
+Each call multiplies one weight over and over (cached), unlike the engine's start-up
+timing, which streams every layer's weight of a shape. The engine makes the same measurement at start-up
 (engine/quant/select.py) and this prints it in full.
 
     .venv/bin/python bench/quant_kernels.py [--threads 2] [--rows 1,2,4,8,16,32,64,256]
@@ -17,6 +19,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 from engine.quant.base import get_method  # noqa: E402
+from engine.quant.packed import pack_int4  # noqa: E402
+from engine.quant.quantize import int4_codes  # noqa: E402
 
 # SmolLM2-135M: fused qkv, o, fused gate/up, down, the (tied) LM head. [N, K]
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
@@ -42,12 +46,14 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     rows = [int(r) for r in args.rows.split(",")]
     print(f"us per call, best of repeats, {args.threads} threads; * = fastest")
-    print(f"{'shape':16s} {'rows':>5s} {'bf16':>9s} {'int8':>9s} {'int4/g32':>9s} {'fp32':>9s}")
+    kinds = ("bf16", "int8", "int4", "int4 aten")
+    print(f"{'shape':16s} {'rows':>5s} " + " ".join(f"{c:>9s}" for c in kinds) + f" {'fp32':>9s}")
     with torch.inference_mode():
         for name, (n, k) in SHAPES.items():
             w = torch.randn(n, k) * 0.05
             i8, _ = get_method("int8").pack(name, w, torch.bfloat16)
             i4, _ = get_method("int4").pack(name, w, torch.bfloat16)
+            i4a = pack_int4(*int4_codes(w, 32), 32, torch.bfloat16, layout="aten")
             wb = w.bfloat16()
             for m in rows:
                 x = torch.randn(m, k)
@@ -55,10 +61,10 @@ def main() -> None:
                 t = {"bf16": best_us(lambda: F.linear(xb, wb)),
                      "int8": best_us(lambda: i8.matmul(xb)),
                      "int4": best_us(lambda: i4.matmul(xb)),
+                     "int4 aten": best_us(lambda: i4a.matmul(xb)),
                      "fp32": best_us(lambda: F.linear(x, w))}
-                fastest = min(("bf16", "int8", "int4"), key=t.get)
-                cells = " ".join(f"{t[c]:8.1f}{'*' if c == fastest else ' '}"
-                                 for c in ("bf16", "int8", "int4"))
+                fastest = min(kinds, key=t.get)
+                cells = " ".join(f"{t[c]:8.1f}{'*' if c == fastest else ' '}" for c in kinds)
                 print(f"{name + f' [{n},{k}]':16s} {m:5d} {cells} {t['fp32']:8.1f}", flush=True)
 
 

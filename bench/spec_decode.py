@@ -9,9 +9,11 @@ and a c32 phase: 32 chat requests at once (speculation turns off above
 --speculative-max-batch rows), output tokens/s.
 
 For each method it prints TPOT (decode time after the first token / tokens after the
-first, per request, then the median), the speedup against no speculation, acceptance
-rate and tokens per verified row (mean accepted length, the target's own token
-included). Each method runs in its own engine, one after another.
+first, per request; the median over --rounds), the speedup against no speculation,
+acceptance rate and tokens per verified row (mean accepted length, the target's own
+token included). Each method has its own engine, all loaded first; the rounds then run
+every prompt on every method in turn, so each comparison is made minutes, not a whole
+run, apart (this host's speed drifts by 30% from one minute to the next).
 
     python bench/spec_decode.py [--model PATH] [--methods none,ngram,suffix,self:6]
 """
@@ -100,20 +102,32 @@ def chat_ids(eng: LLMEngine, text: str) -> list[int]:
                                             tokenize=True)
 
 
-def run_method(args, method: str) -> dict:
+def load(args, method: str) -> LLMEngine:
     eng = engine_for(args.model, method, args.k)
     eng.generate([chat_ids(eng, "Say hello.")], SamplingParams(max_tokens=8))  # warm-up
-    res: dict = {"method": method}
+    return eng
+
+
+def run_round(args, engines: dict[str, LLMEngine], times: dict[str, dict[str, list[float]]],
+              r: int) -> None:
+    """One round: every prompt on every method in turn, then c32 on each."""
     for group, prompts in (("grounded", GROUNDED), ("chat", CHAT)):
         for name, text in prompts.items():
-            ms, n = tpot_ms(eng, chat_ids(eng, text), args.max_tokens)
-            res[name] = ms
-            print(f"  {method:>10} {group:>8} {name:>9}: {ms:6.1f} ms/token over {n} tokens",
-                  flush=True)
-    chat = [chat_ids(eng, t) for t in CHAT.values()]
-    res["c32"] = batch_tps(eng, [chat[i % len(chat)] + [i + 1] for i in range(32)],
-                           args.c32_tokens)
-    print(f"  {method:>10} c32: {res['c32']:.1f} tok/s", flush=True)
+            for method, eng in engines.items():
+                ms, n = tpot_ms(eng, chat_ids(eng, text), args.max_tokens)
+                times[method].setdefault(name, []).append(ms)
+                print(f"  round {r} {method:>10} {group:>8} {name:>9}: {ms:6.1f} ms/token "
+                      f"over {n} tokens", flush=True)
+    for method, eng in engines.items():
+        chat = [chat_ids(eng, t) for t in CHAT.values()]
+        tps = batch_tps(eng, [chat[i % len(chat)] + [i + 1] for i in range(32)],
+                        args.c32_tokens)
+        times[method].setdefault("c32", []).append(tps)
+        print(f"  round {r} {method:>10} c32: {tps:.1f} tok/s", flush=True)
+
+
+def summary(method: str, eng: LLMEngine, runs: dict[str, list[float]]) -> dict:
+    res: dict = {"method": method, **{k: statistics.median(v) for k, v in runs.items()}}
     if eng.speculator is not None:
         st = eng.speculator.counters.get(eng.speculator.proposer.name)
         res["rate"], res["length"] = st.acceptance_rate, st.mean_accepted_length
@@ -143,12 +157,17 @@ def main() -> int:
     ap.add_argument("--k", type=int, default=4, help="--num-speculative-tokens")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--c32-tokens", type=int, default=48)
+    ap.add_argument("--rounds", type=int, default=3, help="passes over every prompt and "
+                    "method; each figure is the median of its rounds")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     print(f"start: {load_note()}", flush=True)
+    engines = {m: load(args, m) for m in args.methods.split(",")}
     noise = Noise().start()
-    rows = [run_method(args, m) for m in args.methods.split(",")]
-    report(rows)
+    times: dict[str, dict[str, list[float]]] = {m: {} for m in engines}
+    for r in range(1, args.rounds + 1):
+        run_round(args, engines, times, r)
+    report([summary(m, eng, times[m]) for m, eng in engines.items()])
     print(f"\nend: {load_note()}; {noise.report()}")
     return 0
 

@@ -118,11 +118,17 @@ class ModelRunner:
         per kind, e.g. tandem:engine_fallbacks{kind="compile"} = len(reasons)).
 
         quantization: linears left dense; compile: the compiled decode step, disabled at
-        start-up or after a failed step; paged_decode: the in-place decode attention kernel."""
+        start-up or after a failed step; paged_decode: the in-place decode attention kernel;
+        int4_mm: int4 weights on aten's kernel where ours could not be built (CPU, bf16)."""
         from engine.attention.paged_decode import kernel_unavailable
+        from engine.quant.packed import INT4_KERNEL
 
         out: dict[str, list[str]] = {"quantization": list(self.quant.fallbacks) if self.quant else [],
-                                     "compile": [], "paged_decode": []}
+                                     "compile": [], "paged_decode": [], "int4_mm": []}
+        if (self.device.type == "cpu" and self.dtype == torch.bfloat16
+                and any(getattr(m, "kind", None) == "int4" for m in self.model.modules())
+                and INT4_KERNEL.unavailable() is not None):
+            out["int4_mm"].append(INT4_KERNEL.unavailable())
         if self.compiled is not None and self.compiled.disabled:
             out["compile"].append(self.compiled.disabled)
         if self.device.type == "cpu" and getattr(self.backend, "name", "") == "sdpa":

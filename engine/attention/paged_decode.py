@@ -7,11 +7,8 @@ batch the engine runs) it runs ``torch.ops.tandem.paged_decode``
 sequence (or, with few sequences, one range of its tokens) per task, so a step copies
 no context; an int8 cache is read as codes, its row scales folded into the scores and
 the softmax weights (no dequantized copy). The
-extension is built on first use with the machine's compiler (about 20 s, cached in
-torch's extension directory, ~/.cache/torch_extensions/tandem/, under a name that
-carries the source's hash, so two versions of the source never rebuild over each other).
-Builders take an flock first (the kernel drops it when a builder dies), so a process
-killed mid-build cannot leave torch's own lock file behind to hang every later start.
+extension is built on first use with the machine's compiler (about 20 s, once per
+source version: engine/native.py).
 
 Above KERNEL_MAX_ROWS, and elsewhere (CUDA, an fp8 cache, or no compiler: said once in
 the log), it takes the gathered path: one batched SDPA over the contexts padded to the
@@ -19,13 +16,6 @@ longest, a quantized cache dequantized as it is gathered.
 """
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import hashlib
-import logging
-import os
-import threading
-import time
 from pathlib import Path
 
 import torch
@@ -33,93 +23,17 @@ import torch.nn.functional as F
 
 from engine.attention.base import gather_blocks
 from engine.kv_cache.quant import rotation
+from engine.native import NativeKernel, build_lock  # noqa: F401 (build_lock: its tests)
 
-log = logging.getLogger(__name__)
-_SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
-_lock = threading.Lock()
-_state: dict[str, str | None] = {}
-
-
-def kernel_unavailable() -> str | None:
-    """None when the CPU kernel is loaded (building it on first call), else why not."""
-    with _lock:
-        if "reason" not in _state:
-            _state["reason"] = _build()
-            if _state["reason"] is not None:
-                log.warning("paged decode kernel unavailable (%s); decode attention gathers "
-                            "the context first", _state["reason"])
-        return _state["reason"]
+def _register_fakes() -> None:
+    torch.library.register_fake("tandem::paged_decode")(
+        lambda q, kv, layer, tables, lens, scale: torch.empty_like(q))
 
 
-BUILD_WAIT_S = 900.0
-"""How long a process waits for another one's build before taking the gathered path."""
-
-
-def _build() -> str | None:
-    try:
-        from torch.utils.cpp_extension import load
-
-        build_dir = build_directory()
-        name = build_dir.name
-        build_dir.mkdir(parents=True, exist_ok=True)
-        with build_lock(build_dir, BUILD_WAIT_S):
-            load(name=name, sources=[str(_SOURCE)], is_python_module=False,
-                 extra_cflags=["-O3", "-march=native", "-fopenmp", *_vec_flags()],
-                 extra_ldflags=["-fopenmp"], build_directory=str(build_dir))
-        torch.library.register_fake("tandem::paged_decode")(
-            lambda q, kv, layer, tables, lens, scale: torch.empty_like(q))
-    except Exception as e:  # no compiler, no headers: the fallback still works
-        return f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:200] if str(e) else ''}"
-    return None
-
-
-def build_directory() -> Path:
-    """Where the kernel is built: torch's extension root, tandem/, a name carrying the
-    source's hash."""
-    from torch.utils.cpp_extension import get_default_build_root
-
-    name = f"tandem_paged_decode_{hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]}"
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
-    return Path(root) / "tandem" / name
-
-
-@contextlib.contextmanager
-def build_lock(build_dir: Path, wait_s: float):
-    """Hold the build directory's flock (waiting up to wait_s for a live builder:
-    TimeoutError after). Holding it, any torch ``lock`` file there is stale, left by a
-    builder that died (torch's FileBaton would wait for it forever), and is removed."""
-    with open(build_dir / "tandem-build.lock", "w") as f:
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"another process has been building {build_dir.name} "
-                                       f"for over {wait_s:.0f} s") from None
-                time.sleep(0.2)
-        stale = build_dir / "lock"
-        if stale.exists():
-            log.warning("removing %s, left by a build that was killed", stale)
-            stale.unlink(missing_ok=True)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def _vec_flags() -> list[str]:
-    """ATen's Vectorized<float> at the widest ISA this CPU has (its exp is then inline)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return []
-    for isa, need in (("AVX512", ("avx512f", "avx512bw", "avx512vl", "avx512dq")),
-                      ("AVX2", ("avx2", "fma"))):
-        if all(f" {n}" in flags for n in need):
-            return [f"-DCPU_CAPABILITY={isa}", f"-DCPU_CAPABILITY_{isa}"]
-    return []
+KERNEL = NativeKernel("paged_decode", Path(__file__).parent / "csrc" / "paged_decode.cpp",
+                      _register_fakes, without="decode attention gathers the context first")
+kernel_unavailable = KERNEL.unavailable
+build_directory = KERNEL.build_directory
 
 
 KERNEL_MAX_ROWS = 1 << 16

@@ -2,8 +2,9 @@
 the faster kernel by the number of rows in the call.
 
 At a handful of rows a weight-only int kernel reads 2-4x fewer bytes than a bf16
-GEMM and wins; from about 8 rows the bf16 GEMM runs on AMX tiles and the int
-kernels (which dequantize in registers and use FMA) fall far behind (see
+GEMM and wins; with more rows the bf16 GEMM (AMX tiles) catches up: from about 8
+rows with aten's kernels, which unpack the weight again for every few rows, and
+from 32-64 with our int4 kernel, which unpacks it once per call (packed.py; see
 ``engine/quant/select.py`` and ``bench/quant_kernels.py``). So the layer holds
 both: the packed weight costs 0.5 (int4/g32: 0.625) or 1 byte per weight on top
 of the dense copy. The choice depends only on the row count, which is static in
@@ -24,6 +25,7 @@ class QuantLinear(nn.Module):
         self.in_features, self.out_features = dense.in_features, dense.out_features
         self.weight = dense.weight  # [N, K]; shared with a tied embedding
         self.kind, self.group_size, self.label = packed.kind, packed.group_size, label
+        self.layout = packed.layout
         self.register_buffer("qdata", packed.data, persistent=False)
         self.register_buffer("qscales", packed.scales, persistent=False)
         self.packed_max_rows = 0
@@ -32,7 +34,7 @@ class QuantLinear(nn.Module):
     @property
     def packed(self) -> PackedWeight:
         return PackedWeight(self.kind, self.qdata, self.qscales, self.out_features,
-                            self.in_features, self.group_size)
+                            self.in_features, self.group_size, self.layout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
         if x.shape[0] <= self.packed_max_rows:

@@ -6,10 +6,17 @@ PyTorch kernel reads directly, with the kernel call next to it:
 * ``int8``: per-output-channel symmetric int8 [N, K] plus scales [N];
   ``aten._weight_int8pack_mm`` (CPU and CUDA).
 * ``int4``: 4-bit codes in groups of ``group_size`` along K, asymmetric:
-  w = (q - 8) * scale + zero, scales and zeros [K / group, N, 2] in the
-  activation dtype. On CPU ``aten._weight_int4pack_mm_for_cpu`` over
-  ``_convert_weight_to_int4pack_for_cpu``; on CUDA ``aten._weight_int4pack_mm``
-  over ``_convert_weight_to_int4pack`` (needs bf16 activations).
+  w = (q - 8) * scale + zero. Three layouts, by where the weight lives:
+  - ``tiles`` (CPU, bf16, a CPU with AVX-512 BF16): our ``torch.ops.tandem.int4_mm``
+    (csrc/int4_mm.cpp; codes [N/16, K/2, 16], scales and zeros [N/16, K/g, 2, 16]),
+    whose cost grows little with the rows: it unpacks each block of codes once for
+    all of them (AMX tiles from INT4_AMX_MIN_ROWS rows). gate_up [3072, 576] of the
+    embedded model, 2 threads: 1 / 2 / 4 / 8 / 16 rows 70 / 93 / 123 / 136 / 192 us
+    against aten's 76 / 95 / 127 / 267 / 513;
+  - ``aten`` on CPU otherwise: ``aten._weight_int4pack_mm_for_cpu`` over
+    ``_convert_weight_to_int4pack_for_cpu``, scales and zeros [K / group, N, 2];
+  - on CUDA ``aten._weight_int4pack_mm`` over ``_convert_weight_to_int4pack`` (needs
+    bf16 activations).
 
 The kernels' own shape limits are checked here, before any packing, so a bad
 shape is an error naming the tensor rather than a crash inside the kernel (the
@@ -18,12 +25,30 @@ CPU int8 kernel segfaults when K is not a multiple of 16).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import torch
 
+from engine.native import NativeKernel
+
 PackedKind = Literal["int8", "int4"]
 INT4_GROUP_SIZES = (32, 64, 128, 256)
+INT4_AMX_MIN_ROWS = 3
+"""From this many rows tandem::int4_mm multiplies on AMX tiles (where the CPU has them);
+below, with AVX-512 FMAs (at 1-2 rows they win: no tile set-up per group)."""
+
+
+def _register_int4_fakes() -> None:
+    torch.library.register_fake("tandem::int4_mm")(
+        lambda x, codes, sz, group_size, amx_min_rows:
+        x.new_empty((x.shape[0], codes.shape[0] * 16)))
+
+
+INT4_KERNEL = NativeKernel("int4_mm", Path(__file__).parent / "csrc" / "int4_mm.cpp",
+                           _register_int4_fakes,
+                           without="int4 weights multiply with aten's kernel",
+                           needs_cpu_flags=("avx512f", "avx512bw", "avx512_bf16"))
 
 
 class UnpackableWeight(ValueError):
@@ -54,11 +79,16 @@ class PackedWeight:
     out_features: int
     in_features: int
     group_size: int = 0
+    layout: Literal["aten", "tiles"] = "aten"
+    """int4 on CPU: whose kernel reads ``data`` (above)."""
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] -> x @ W^T [M, N], in x's dtype."""
         if self.kind == "int8":
             return torch.ops.aten._weight_int8pack_mm(x, self.data, self.scales)
+        if self.layout == "tiles":
+            return torch.ops.tandem.int4_mm(x, self.data, self.scales, self.group_size,
+                                            INT4_AMX_MIN_ROWS)
         if x.device.type == "cuda":
             return torch.ops.aten._weight_int4pack_mm(x, self.data, self.group_size, self.scales)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.data, self.group_size,
@@ -81,9 +111,22 @@ def pack_int8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> Pack
 
 
 def pack_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-              dtype: torch.dtype) -> PackedWeight:
-    """q [N, K] integer codes 0..15; scales, zeros [N, K / group] with w = (q - 8) * s + z."""
+              dtype: torch.dtype, layout: Literal["aten", "tiles"] | None = None
+              ) -> PackedWeight:
+    """q [N, K] integer codes 0..15; scales, zeros [N, K / group] with w = (q - 8) * s + z.
+    layout None: ``tiles`` where tandem::int4_mm can run (CPU, bf16, the kernel built)."""
     n, k = q.shape
+    if layout is None:
+        layout = ("tiles" if q.device.type == "cpu" and dtype == torch.bfloat16
+                  and INT4_KERNEL.unavailable() is None else "aten")
+    elif layout == "tiles" and INT4_KERNEL.unavailable() is not None:
+        raise RuntimeError(f"int4 tiles layout: {INT4_KERNEL.unavailable()}")
+    if layout == "tiles":
+        c = q.to(torch.uint8).view(n // 16, 16, k // 2, 2)
+        codes = (c[..., 0] | (c[..., 1] << 4)).permute(0, 2, 1).contiguous()  # [N/16, K/2, 16]
+        sz = (torch.stack([scales, zeros]).view(2, n // 16, 16, k // group_size)
+              .permute(1, 3, 0, 2).to(dtype).contiguous())  # [N/16, K/g, 2, 16]
+        return PackedWeight("int4", codes, sz, n, k, group_size, "tiles")
     sz = torch.stack([scales.t(), zeros.t()], dim=-1).to(dtype).contiguous()  # [K/g, N, 2]
     codes = q.to(torch.int32).contiguous()
     if codes.device.type == "cuda":

@@ -1,0 +1,126 @@
+"""C++ kernels built on first use with the machine's compiler (torch's cpp_extension and
+ninja): the paged decode attention kernel (engine/attention/csrc) and the small-batch
+int4 matmul (engine/quant/csrc). Each is built once per source version, in torch's
+extension directory (~/.cache/torch_extensions/tandem/<name>_<source hash>/), so two
+versions never rebuild over each other, and registers its ops under ``torch.ops.tandem``.
+
+Builders take an flock first (the kernel drops it when a builder dies), so a process
+killed mid-build cannot leave torch's own lock file behind to hang every later start.
+A kernel that cannot be built (no compiler, no headers, a CPU without the ISA) is
+unavailable with its reason, which its caller logs once and reports as a fallback.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+log = logging.getLogger(__name__)
+
+BUILD_WAIT_S = 900.0
+"""How long a process waits for another one's build before giving up on the kernel."""
+
+
+class NativeKernel:
+    def __init__(self, name: str, source: Path, register_fakes: Callable[[], None],
+                 without: str, needs_cpu_flags: tuple[str, ...] = ()) -> None:
+        self.name, self.source, self.without = name, source, without
+        """without: what runs instead (the log's warning says it)."""
+        self.register_fakes = register_fakes
+        """Registers the ops' shape functions (torch.compile traces through them)."""
+        self.needs_cpu_flags = needs_cpu_flags
+        self._lock = threading.Lock()
+        self._reason: str | None = None
+        self._tried = False
+
+    def unavailable(self) -> str | None:
+        """None when the kernel is loaded (building it on the first call), else why not."""
+        with self._lock:
+            if not self._tried:
+                self._reason = self._build()
+                self._tried = True
+                if self._reason is not None:
+                    log.warning("%s kernel unavailable (%s); %s", self.name, self._reason,
+                                self.without)
+            return self._reason
+
+    def build_directory(self) -> Path:
+        from torch.utils.cpp_extension import get_default_build_root
+
+        digest = hashlib.sha256(self.source.read_bytes()).hexdigest()[:12]
+        root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+        return Path(root) / "tandem" / f"tandem_{self.name}_{digest}"
+
+    def _build(self) -> str | None:
+        missing = [f for f in self.needs_cpu_flags if f not in cpu_flags()]
+        if missing:
+            return f"this CPU lacks {', '.join(missing)}"
+        try:
+            from torch.utils.cpp_extension import load
+
+            build_dir = self.build_directory()
+            build_dir.mkdir(parents=True, exist_ok=True)
+            t0 = time.monotonic()
+            with build_lock(build_dir, BUILD_WAIT_S):
+                load(name=build_dir.name, sources=[str(self.source)], is_python_module=False,
+                     extra_cflags=["-O3", "-march=native", "-fopenmp", *vec_flags()],
+                     extra_ldflags=["-fopenmp"], build_directory=str(build_dir))
+            if time.monotonic() - t0 > 2:
+                log.info("built the %s kernel in %.0f s (once per source version)",
+                         self.name, time.monotonic() - t0)
+            self.register_fakes()
+        except Exception as e:  # no compiler, no headers: the callers' fallbacks still work
+            return f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:200] if str(e) else ''}"
+        return None
+
+
+@contextlib.contextmanager
+def build_lock(build_dir: Path, wait_s: float):
+    """Hold the build directory's flock (waiting up to wait_s for a live builder:
+    TimeoutError after). Holding it, any torch ``lock`` file there is stale, left by a
+    builder that died (torch's FileBaton would wait for it forever), and is removed."""
+    with open(build_dir / "tandem-build.lock", "w") as f:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"another process has been building {build_dir.name} "
+                                       f"for over {wait_s:.0f} s") from None
+                time.sleep(0.2)
+        stale = build_dir / "lock"
+        if stale.exists():
+            log.warning("removing %s, left by a build that was killed", stale)
+            stale.unlink(missing_ok=True)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (/proc/cpuinfo; empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
+def vec_flags() -> list[str]:
+    """ATen's Vectorized<float> at the widest ISA this CPU has (its exp is then inline)."""
+    flags = cpu_flags()
+    for isa, need in (("AVX512", ("avx512f", "avx512bw", "avx512vl", "avx512dq")),
+                      ("AVX2", ("avx2", "fma"))):
+        if all(n in flags for n in need):
+            return [f"-DCPU_CAPABILITY={isa}", f"-DCPU_CAPABILITY_{isa}"]
+    return []

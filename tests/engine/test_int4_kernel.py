@@ -1,0 +1,117 @@
+"""Our small-batch int4 kernel (engine/quant/csrc/int4_mm.cpp, the ``tiles`` layout of
+engine/quant/packed.py): the products it computes are the dequantized weights', on both
+of its paths (AVX-512 FMAs for a row or two, AMX tiles from INT4_AMX_MIN_ROWS), for every
+group size and row counts across its blocks of 8 and 16 rows; it runs under
+torch.compile; a machine that cannot build it multiplies with aten's kernel and says so."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.quant import packed as pk
+
+FMA_ONLY = 1 << 30
+"""amx_min_rows that keeps every call on the FMA path."""
+
+
+@pytest.fixture(scope="module")
+def kernel() -> None:
+    if pk.INT4_KERNEL.unavailable() is not None:
+        pytest.skip(f"int4 kernel: {pk.INT4_KERNEL.unavailable()}")
+
+
+def weights(n: int, k: int, g: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=gen)
+    s = (torch.rand(n, k // g, generator=gen) * 0.02).bfloat16().float()
+    z = (torch.randn(n, k // g, generator=gen) * 0.02).bfloat16().float()
+    w = ((q.float().view(n, -1, g) - 8) * s[..., None] + z[..., None]).view(n, k)
+    return q, s, z, w
+
+
+def close_to(y: torch.Tensor, ref: torch.Tensor) -> bool:
+    """Within bf16 rounding of the output (the sums are fp32)."""
+    return bool(((y.float() - ref).abs() <= ref.abs() * 2 ** -7 + 1e-3).all())
+
+
+@pytest.mark.parametrize("g", [32, 64, 128, 256])
+def test_products_are_the_dequantized_weights_on_both_paths(kernel, g: int) -> None:
+    n, k = 48, 512
+    q, s, z, w = weights(n, k, g)
+    tiles = pk.pack_int4(q, s, z, g, torch.bfloat16)
+    assert tiles.layout == "tiles" and tiles.data.shape == (n // 16, k // 2, 16)
+    for m in (1, 2, 3, 7, 8, 9, 16, 17, 40):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
+        ref = x.float() @ w.t()
+        for amx_min in (pk.INT4_AMX_MIN_ROWS, FMA_ONLY):
+            y = torch.ops.tandem.int4_mm(x, tiles.data, tiles.scales, g, amx_min)
+            assert y.shape == (m, n) and y.dtype == torch.bfloat16
+            assert close_to(y, ref), (m, amx_min, (y.float() - ref).abs().max())
+
+
+def test_a_row_does_not_depend_on_the_other_rows_of_its_call(kernel) -> None:
+    q, s, z, _ = weights(64, 256, 32)
+    tiles = pk.pack_int4(q, s, z, 32, torch.bfloat16)
+    x = torch.randn(20, 256).bfloat16()
+    for amx_min in (1, FMA_ONLY):
+        whole = torch.ops.tandem.int4_mm(x, tiles.data, tiles.scales, 32, amx_min)
+        part = torch.ops.tandem.int4_mm(x[5:13], tiles.data, tiles.scales, 32, amx_min)
+        if amx_min == 1:  # AMX: every row's sums come out of the same tile instructions
+            assert torch.equal(whole[5:13], part)
+        else:  # FMA: a pass takes up to 8 rows, each with the same accumulators
+            assert torch.equal(whole[8:16], torch.ops.tandem.int4_mm(
+                x[8:16], tiles.data, tiles.scales, 32, amx_min))
+
+
+def test_it_agrees_with_atens_kernel_and_runs_compiled(kernel) -> None:
+    q, s, z, w = weights(96, 576, 32, seed=3)
+    tiles = pk.pack_int4(q, s, z, 32, torch.bfloat16)
+    aten = pk.pack_int4(q, s, z, 32, torch.bfloat16, layout="aten")
+    x = torch.randn(5, 576).bfloat16()
+    ref = x.float() @ w.t()
+    assert close_to(tiles.matmul(x), ref) and close_to(aten.matmul(x), ref)
+    compiled = torch.compile(lambda t: tiles.matmul(t) * 2, fullgraph=True)
+    assert torch.equal(compiled(x), tiles.matmul(x) * 2)
+    assert close_to(tiles.dequantize(), w)
+    assert pk.pack_int4(q, s, z, 32, torch.float32).layout == "aten"  # ours is bf16 only
+
+
+def test_bad_input_is_an_error_naming_it(kernel) -> None:
+    q, s, z, _ = weights(16, 64, 32)
+    tiles = pk.pack_int4(q, s, z, 32, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="x must be"):
+        torch.ops.tandem.int4_mm(torch.randn(2, 64), tiles.data, tiles.scales, 32, 3)
+    with pytest.raises(RuntimeError, match="does not match"):
+        torch.ops.tandem.int4_mm(torch.randn(2, 32).bfloat16(), tiles.data, tiles.scales, 32, 3)
+
+
+def test_without_the_kernel_int4_runs_on_atens_and_says_why(monkeypatch) -> None:
+    monkeypatch.setattr(pk.INT4_KERNEL, "unavailable", lambda: "no compiler (test)")
+    q, s, z, w = weights(32, 64, 32)
+    p = pk.pack_int4(q, s, z, 32, torch.bfloat16)
+    assert p.layout == "aten"
+    x = torch.randn(3, 64).bfloat16()
+    assert close_to(p.matmul(x), x.float() @ w.t())
+    with pytest.raises(RuntimeError, match="no compiler"):
+        pk.pack_int4(q, s, z, 32, torch.bfloat16, layout="tiles")
+
+
+def test_an_int4_engine_runs_ours_or_reports_the_fallback(tiny_model_dir, monkeypatch) -> None:
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.quant.linear import QuantLinear
+    from engine.sampling import SamplingParams
+
+    def start():
+        eng = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="bfloat16",
+                                     quantization="int4", num_kv_blocks=64))
+        layouts = {m.layout for m in eng.runner.model.modules() if isinstance(m, QuantLinear)}
+        out = eng.generate([[5, 9, 11]] * 3, SamplingParams(max_tokens=6, ignore_eos=True))
+        assert all(len(c.token_ids) == 6 for c in out)
+        eng.leak_check()
+        return layouts, eng.runner.fallbacks()["int4_mm"]
+
+    if pk.INT4_KERNEL.unavailable() is None:
+        assert start() == ({"tiles"}, [])
+    monkeypatch.setattr(pk.INT4_KERNEL, "unavailable", lambda: "no compiler (test)")
+    assert start() == ({"aten"}, ["no compiler (test)"])
