@@ -16,6 +16,7 @@ every prompt on every method in turn, so each comparison is made minutes, not a 
 run, apart (this host's speed drifts by 30% from one minute to the next).
 
     python bench/spec_decode.py [--model PATH] [--methods none,ngram,suffix,self:6]
+                                [--k 7 | --methods none,ngram/4,ngram/7]
 """
 from __future__ import annotations
 
@@ -67,6 +68,10 @@ CHAT = {
 
 
 def engine_for(model: str, method: str, k: int) -> LLMEngine:
+    """method: none, ngram, suffix, self:N or draft:PATH, with /K for its own length."""
+    head, sep, own_k = method.rpartition("/")
+    if sep and own_k.isdigit():  # not a draft model's path
+        method, k = head, int(own_k)
     kw: dict = {}
     if method.startswith("self:") or method.startswith("draft:"):
         kw = {"speculative_method": "draft", "speculative_model": method.removeprefix("draft:")}
@@ -110,7 +115,13 @@ def load(args, method: str) -> LLMEngine:
 
 def run_round(args, engines: dict[str, LLMEngine], times: dict[str, dict[str, list[float]]],
               r: int) -> None:
-    """One round: every prompt on every method in turn, then c32 on each."""
+    """One round: every prompt on every method in turn, then c32 on each. suffix forgets
+    the outputs it saw before the round (else it would match the previous round's answer
+    to the very same prompt)."""
+    for eng in engines.values():
+        forget = getattr(eng.speculator and eng.speculator.proposer, "forget", None)
+        if forget is not None:
+            forget()
     for group, prompts in (("grounded", GROUNDED), ("chat", CHAT)):
         for name, text in prompts.items():
             for method, eng in engines.items():

@@ -162,8 +162,9 @@ class EngineConfig:
     speculative_model: str = ""
     """--speculative-method draft: a smaller model sharing the tokenizer (a .gguf file or
     an HF directory), or self:N (the target's own first N layers and its LM head)."""
-    num_speculative_tokens: int = 4
-    """Most tokens proposed per request per step (K); each step verifies K+1 positions."""
+    num_speculative_tokens: int = 7
+    """Most tokens proposed per request per step (K); each step verifies K+1 positions
+    (fewer when several requests speculate: a step's rows stay within 32)."""
     speculative_max_batch: int = 8
     """Speculation is off in steps with more decode rows than this (verifying costs more
     than it saves once the batch fills the matmuls); 0 = no limit."""

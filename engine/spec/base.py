@@ -20,6 +20,10 @@ if TYPE_CHECKING:
 
 class Proposer(ABC):
     name: str
+    cost: float = 0.0
+    """What guessing one token costs, as a fraction of a plain decode step (a draft
+    model's forward pass; 0 for a lookup). Raises the acceptance a request needs to
+    keep speculating, and starts requests at one guess."""
     in_step: bool = False
     """False: ``propose`` runs before scheduling, from the token history alone. True: it
     runs after scheduling, writing into the KV slots the verify pass then overwrites (a

@@ -2,10 +2,13 @@
 
 Before scheduling, ``prepare`` sets ``Request.draft`` on every decode row that may
 speculate this step: none when the step has more decode rows than
---speculative-max-batch, none for a request that opted out (SamplingParams.speculate),
+--speculative-max-batch, fewer guesses per row the more rows there are (VERIFY_ROWS), none for a request that opted out (SamplingParams.speculate),
 whose output is constrained (SamplingParams.guided: it decodes under its grammar's
 masks, one token a step) or whose recent guesses were mostly rejected (SpecState), and
-never more than its max_tokens or the context window leave room for. The scheduler
+never more than its max_tokens or the context window leave room for. "Mostly" is
+relative to what a guess costs: a draft model's forward pass must be paid back, so its
+requests need more acceptance to keep going (``low``), start at one guess and grow, and
+start paused while the proposer's recent guesses, over all requests, fall below it. The scheduler
 then gives those rows slots for their guesses; ``fill`` runs an in-step proposer (a draft model) in those
 slots; the runner verifies; ``record`` counts what was accepted.
 """
@@ -17,11 +20,21 @@ from engine.config import EngineConfig
 from engine.request import Request, RequestStatus
 from engine.spec.base import Proposer
 from engine.spec.registry import PROPOSERS
-from engine.spec.state import SpecCounters, SpecState
+from engine.spec.state import LOW_ACCEPTANCE, SpecCounters, SpecState
 
 log = logging.getLogger(__name__)
 PENDING = -1
 """Placeholder guess of an in-step proposer between scheduling and ``fill``."""
+START_PAUSED = 16
+"""Steps a new request waits before its first guess while the proposer's recent
+acceptance is below break-even (then a probe; the pause doubles from 32 after a miss)."""
+RECENT = 0.1
+"""Weight of one verification in the proposer-wide moving acceptance rate."""
+VERIFY_ROWS = 32
+"""Guesses per request are capped so that a step's decode rows, guesses included, stay
+within this many: up to about 32 rows the packed int4 kernel's cost grows little with
+the rows (engine/quant/csrc/int4_mm.cpp), beyond it every row costs (1 request: up to
+31 guesses; 4: 7; 8: 3)."""
 
 
 class Speculator:
@@ -30,6 +43,11 @@ class Speculator:
         self.k = config.num_speculative_tokens
         self.max_batch = config.speculative_max_batch
         self.max_model_len = max_model_len
+        self.low = LOW_ACCEPTANCE + proposer.cost
+        """Acceptance a request needs to keep speculating (SpecState.low)."""
+        self.start_k = self.k if proposer.cost == 0 else 1
+        self.rate = 1.0
+        """Moving acceptance rate over every request's verifications."""
         self.counters = SpecCounters()
         self.counters.get(proposer.name)  # the series exist from the start
 
@@ -43,8 +61,10 @@ class Speculator:
                              f"beyond the context window ({max_model_len} tokens)")
         proposer = PROPOSERS.load(config.speculative_method).create(config, runner, tokenizer)
         log.info("speculative decoding: %s, up to %d tokens per step, off above %s decode "
-                 "rows", proposer.name, config.num_speculative_tokens,
-                 config.speculative_max_batch or "no limit of")
+                 "rows; a guess costs %.2f of a step, so a request pauses below %.0f%% "
+                 "accepted", proposer.name, config.num_speculative_tokens,
+                 config.speculative_max_batch or "no limit of", proposer.cost,
+                 100 * (LOW_ACCEPTANCE + proposer.cost))
         return cls(config, proposer, max_model_len)
 
     def prepare(self, running: list[Request]) -> None:
@@ -57,14 +77,15 @@ class Speculator:
         if self.max_batch and len(decodes) > self.max_batch:
             return
         cands, ks = [], []
+        cap = max(1, VERIFY_ROWS // max(1, len(decodes)) - 1)
         for req in decodes:
             if not req.params.speculate or req.params.guided is not None:
                 continue  # opted out, or a grammar: its tokens are sampled under masks
             if req.spec is None:
-                req.spec = SpecState(self.k, self.k)
+                req.spec = self._new_state()
             room = min(req.params.max_tokens - req.num_output_tokens,
                        self.max_model_len - len(req.token_ids)) - 1
-            k = min(req.spec.want(), room)
+            k = min(req.spec.want(), room, cap)
             if k > 0:
                 cands.append(req)
                 ks.append(k)
@@ -76,6 +97,12 @@ class Speculator:
             return
         for req, draft in zip(cands, self.proposer.propose(cands, ks)):
             req.draft = draft
+
+    def _new_state(self) -> SpecState:
+        st = SpecState(self.start_k, self.k, low=self.low)
+        if self.rate < self.low:  # recent guesses, over all requests, mostly rejected
+            st.off_steps, st.backoff, st.rate = START_PAUSED, 2 * START_PAUSED, 0.5
+        return st
 
     def fill(self, entries: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
         """Run an in-step proposer over the scheduled rows that reserved slots; returns
@@ -99,3 +126,4 @@ class Speculator:
         st.accepted += accepted
         st.emitted += kept
         req.spec.update(proposed, accepted)
+        self.rate += RECENT * (accepted / proposed - self.rate)

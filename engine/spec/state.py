@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+LOW_ACCEPTANCE = 0.25
+"""Below this moving acceptance rate a request stops speculating for a while (a free
+proposer's break-even; a draft model's adds its cost, Speculator.low)."""
+
 
 @dataclass
 class SpecState:
@@ -12,6 +16,9 @@ class SpecState:
     k: int
     """Tokens to propose next step."""
     max_k: int
+    low: float = LOW_ACCEPTANCE
+    """Break-even acceptance: below it (moving average) guessing costs more than it
+    saves, and the request pauses (Speculator sets it from the proposer's cost)."""
     rate: float = 1.0
     """Moving average of the fraction of proposed tokens accepted."""
     verifies: int = 0
@@ -43,7 +50,7 @@ class SpecState:
         self.verifies += 1
         self.rate = 0.6 * self.rate + 0.4 * (accepted / proposed)
         self.k = min(self.max_k, self.k + 1) if accepted == proposed else max(1, accepted + 1)
-        if self.verifies >= 2 and self.rate < LOW_ACCEPTANCE:
+        if self.verifies >= 2 and self.rate < self.low:
             self.off_steps, self.backoff = self.backoff, min(64, self.backoff * 2)
             self.rate = 0.5  # the probe after the pause starts from a neutral estimate
         elif self.rate >= 0.5:
@@ -59,9 +66,6 @@ class SpecSummary:
     verifications: int
     """Steps that verified guesses of this request."""
 
-
-LOW_ACCEPTANCE = 0.25
-"""Below this moving acceptance rate a request stops speculating for a while."""
 
 
 @dataclass

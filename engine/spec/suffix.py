@@ -1,69 +1,169 @@
-"""Suffix decoding (after Arctic's SuffixDecoding, without its suffix tree): find the
-longest suffix of the context that occurred before, in the request's own prompt and
-output or in the recent outputs of other requests, and propose what followed it.
+"""Suffix decoding (after Arctic's SuffixDecoding): find the longest suffix of the
+context that occurred before, in the request's own prompt and output or in the outputs
+of recently finished requests, and propose what followed it.
 
-The longer the match, the likelier the continuation repeats; n-gram lookup (ngram.py)
-stops at 4 tokens and sees only its own request. Each search is bytes.rfind over the
-tokens packed as 4-byte words, extended one token at a time while it still matches
-(at most MAX_MATCH).
+The structure is a suffix automaton (SuffixAutomaton: every substring of a text is a
+path from its root, built online in amortised O(1) per token), one per request over its
+tokens, extended with the tokens each step committed, and one over the recent outputs
+(the last HISTORY_TOKENS tokens' worth, separated so that no match crosses two). The longest suffix of a
+request's own text that occurred earlier is a lookup (the last state's suffix link);
+in the history it is a walk over the context's last MAX_MATCH tokens. The longer the
+match, the likelier the continuation repeats; n-gram lookup (ngram.py) stops at 4 tokens
+and sees only its own request. We write our own (a few dozen lines of Python): no
+maintained package offers an incremental one over integer tokens.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Sequence
 
-from engine.request import Request
+from engine.request import Request, RequestStatus
 from engine.spec.base import Proposer
-from engine.spec.ngram import pack, rfind_token_run
 
 MAX_MATCH = 32
-HISTORY = 64
-"""Other requests' outputs kept for matching (the most recently seen)."""
+"""Context tokens matched against the history (own matches are unbounded)."""
+MIN_MATCH = 2
+"""A shorter match (one repeated token) proposes nothing."""
+HISTORY_TOKENS = 16384
+"""Tokens of finished requests' outputs kept for matching (the most recent outputs)."""
+LIVE = 256
+"""Requests whose automata are kept (the most recently speculating)."""
 
 
-def longest_match(pattern_src: Sequence[int], hay_tokens: Sequence[int], hay: bytes,
-                  end: int, k: int) -> tuple[int, list[int]]:
-    """(length, continuation) of the longest suffix of pattern_src found in hay before
-    token ``end``, preferring occurrences followed by k tokens."""
-    best: tuple[int, list[int]] = (0, [])
-    src = pack(pattern_src[-MAX_MATCH:])
-    for n in range(1, min(MAX_MATCH, len(pattern_src), end) + 1):
-        pattern = src[len(src) - 4 * n:]
-        at = rfind_token_run(hay, pattern, end - n + 1)
-        if at is None:
-            break
-        start = at + n
-        cont = list(hay_tokens[start:start + k])
-        if cont:
-            best = (n, cont)
-    return best
+class SuffixAutomaton:
+    """Suffix automaton of a token sequence, extended one token at a time. State v
+    stands for a set of substrings, the longest length[v] tokens, all of which end first
+    at position first[v]; link[v] is the state of its longest suffix in another set."""
+
+    __slots__ = ("next", "link", "length", "first", "last", "tokens")
+
+    def __init__(self) -> None:
+        self.next: list[dict[int, int]] = [{}]
+        self.link, self.length, self.first = [-1], [0], [-1]
+        self.last = 0
+        self.tokens: list[int] = []
+
+    def _state(self, length: int, first: int, link: int, nxt: dict[int, int]) -> int:
+        self.next.append(nxt)
+        self.link.append(link)
+        self.length.append(length)
+        self.first.append(first)
+        return len(self.length) - 1
+
+    def extend(self, token: int) -> None:
+        nxt, length = self.next, self.length
+        cur = self._state(length[self.last] + 1, len(self.tokens), 0, {})
+        self.tokens.append(token)
+        p = self.last
+        while p != -1 and token not in nxt[p]:
+            nxt[p][token] = cur
+            p = self.link[p]
+        if p != -1:
+            q = nxt[p][token]
+            if length[p] + 1 == length[q]:
+                self.link[cur] = q
+            else:  # split q: the strings up to length[p] + 1 get a state of their own
+                clone = self._state(length[p] + 1, self.first[q], self.link[q], dict(nxt[q]))
+                while p != -1 and nxt[p].get(token) == q:
+                    nxt[p][token] = clone
+                    p = self.link[p]
+                self.link[q] = self.link[cur] = clone
+        self.last = cur
+
+    def repeated_suffix(self) -> tuple[int, int]:
+        """(length, end position of its first occurrence) of the longest suffix of the
+        text that also occurs earlier; (0, -1) when none does."""
+        v = self.link[self.last]
+        return (self.length[v], self.first[v]) if v > 0 else (0, -1)
+
+    def match(self, tokens: list[int]) -> tuple[int, int]:
+        """(length, end position of its first occurrence here) of the longest suffix of
+        ``tokens`` that occurs in this text."""
+        v, n = 0, 0
+        for t in tokens:
+            while v and t not in self.next[v]:
+                v = self.link[v]
+                n = self.length[v]
+            if t in self.next[v]:
+                v, n = self.next[v][t], n + 1
+        return (n, self.first[v]) if n else (0, -1)
+
+    def after(self, end: int, k: int) -> list[int]:
+        """Up to k tokens after position ``end``, stopping at a separator (< 0)."""
+        out = []
+        for t in self.tokens[end + 1:end + 1 + k]:
+            if t < 0:
+                break
+            out.append(t)
+        return out
 
 
 class SuffixProposer(Proposer):
     name = "suffix"
 
     def __init__(self) -> None:
-        self.recent: OrderedDict[str, tuple[list[int], bytes]] = OrderedDict()
-        """request id -> (its output so far, packed)"""
+        self.live: OrderedDict[str, tuple[Request, SuffixAutomaton]] = OrderedDict()
+        """request id -> (the request, the automaton of its tokens so far)"""
+        self.outputs: list[list[int]] = []
+        """Finished requests' outputs in the history, oldest first."""
+        self.history = SuffixAutomaton()
 
     def propose(self, reqs: list[Request], ks: list[int]) -> list[list[int]]:
+        self._retire()
         out = []
         for req, k in zip(reqs, ks):
-            tokens = req.token_ids
-            own = longest_match(tokens, tokens, pack(tokens), len(tokens) - 1, k)
-            best = own
-            for rid, (other, packed) in self.recent.items():
-                if rid != req.request_id and len(other) > best[0]:
-                    found = longest_match(tokens, other, packed, len(other), k)
-                    if found[0] > best[0] and len(found[1]) >= len(best[1]):
-                        best = found
-            out.append(best[1])
-            self._remember(req)
+            own = self._own(req)
+            n, end = own.repeated_suffix()
+            guess = own.after(end, k) if n >= MIN_MATCH else []
+            m, at = self.history.match(req.token_ids[-MAX_MATCH:])
+            if m >= MIN_MATCH and m > n:
+                guess = self.history.after(at, k) or guess
+            out.append(guess)
         return out
 
-    def _remember(self, req: Request) -> None:
-        out = req.output_token_ids
-        self.recent[req.request_id] = (out, pack(out))
-        self.recent.move_to_end(req.request_id)
-        while len(self.recent) > HISTORY:
-            self.recent.popitem(last=False)
+    def _own(self, req: Request) -> SuffixAutomaton:
+        """The request's automaton, extended with the tokens committed since last time
+        (rebuilt for a new request under an id seen before)."""
+        entry = self.live.get(req.request_id)
+        if entry is None or entry[0] is not req:
+            entry = (req, SuffixAutomaton())
+            self.live[req.request_id] = entry
+        self.live.move_to_end(req.request_id)
+        sam = entry[1]
+        for t in req.token_ids[len(sam.tokens):]:
+            sam.extend(t)
+        while len(self.live) > LIVE:
+            self.live.popitem(last=False)
+        return sam
+
+    def _retire(self) -> None:
+        """Finished requests' outputs join the history (the oldest leave it: once it
+        holds twice HISTORY_TOKENS, the automaton is rebuilt from the newest outputs)."""
+        done = [rid for rid, (r, _) in self.live.items() if r.status is RequestStatus.FINISHED]
+        for rid in done:
+            req, _ = self.live.pop(rid)
+            if req.output_token_ids:
+                self.outputs.append(list(req.output_token_ids)[-HISTORY_TOKENS:])
+                self._add(self.history, self.outputs[-1], len(self.outputs))
+        if len(self.history.tokens) > 2 * HISTORY_TOKENS:
+            kept, total = [], 0
+            for o in reversed(self.outputs):
+                if total + len(o) > HISTORY_TOKENS:
+                    break
+                kept.append(o)
+                total += len(o)
+            self.outputs = kept[::-1]
+            self.history = SuffixAutomaton()
+            for i, o in enumerate(self.outputs):
+                self._add(self.history, o, i + 1)
+
+    @staticmethod
+    def _add(sam: SuffixAutomaton, output: list[int], n: int) -> None:
+        for t in output:
+            sam.extend(t)
+        sam.extend(-n)  # a separator no token equals: no match spans two outputs
+
+    def forget(self) -> None:
+        """Drop every request's automaton and the history of finished requests' outputs
+        (benchmarks, between rounds of the same prompts)."""
+        self.live.clear()
+        self.outputs, self.history = [], SuffixAutomaton()

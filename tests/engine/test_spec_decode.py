@@ -10,9 +10,12 @@ import torch
 from engine.config import EngineConfig
 from engine.kv_cache.block_hash import hash_token_blocks
 from engine.llm_engine import LLMEngine
+from engine.request import Request, RequestStatus
 from engine.sampling import SamplingParams
 from engine.spec import ngram as ngram_mod
+from engine.spec import speculator as sp_mod
 from engine.spec import verify as verify_mod
+from engine.spec.base import Proposer
 from tests.utils import make_tiny_llama
 
 METHODS = ["ngram", "suffix", "draft:self:1", "draft:tiny"]
@@ -321,6 +324,61 @@ def test_adaptive_length_grows_shrinks_and_switches_off() -> None:
     st.update(1, 0)
     st.update(1, 0)
     assert [st.want() for _ in range(9)] == [0] * 8 + [1]  # rejected again: the pause doubles
+
+
+class _Guesser(Proposer):
+    """Guesses k ones, whatever the context (free: a lookup's cost)."""
+    name = "free"
+
+    def propose(self, reqs, ks):
+        return [[1] * k for k in ks]
+
+
+def _decoding(i: int) -> Request:
+    r = Request(f"r{i}", [5, 6, 7], SamplingParams(max_tokens=100))
+    r.status, r.token_ids, r.num_computed_tokens = RequestStatus.RUNNING, [5, 6, 7], 2
+    return r
+
+
+def test_a_costly_proposer_needs_more_acceptance_and_new_requests_start_paused() -> None:
+    """A draft pass must be paid back: with a guess costing 0.4 of a step, a request
+    whose guesses are about half accepted pauses (a free proposer's would not), requests
+    start at one guess, and once the proposer's recent guesses over all requests fall
+    below break-even a new request waits START_PAUSED steps before its first guess."""
+    class Costly(_Guesser):
+        name, cost = "costly", 0.4
+
+    spec = sp_mod.Speculator(EngineConfig(num_speculative_tokens=4), Costly(), 256)
+    free = sp_mod.Speculator(EngineConfig(num_speculative_tokens=4), _Guesser(), 256)
+    assert (spec.low, spec.start_k, free.low, free.start_k) == (pytest.approx(0.65), 1, 0.25, 4)
+
+    def guesses(s, r: Request) -> int:
+        s.prepare([r])
+        return len(r.draft)
+
+    for s, paused in ((spec, True), (free, False)):
+        r, counts = _decoding(0), []
+        for i in range(5):  # every other run of guesses accepted (moving rate 60%, 46%)
+            counts.append(guesses(s, r))
+            if counts[-1]:
+                s.record(r, emitted=1 + counts[-1] * (i % 2 == 0), kept=1)
+        assert counts == ([1, 2, 0, 0, 0] if paused else [4, 4, 1, 2, 1])  # 0: paused
+    assert guesses(spec, _decoding(1)) == 1  # fresh state, proposer still above break-even
+    late = _decoding(2)
+    spec.rate = 0.1  # recent guesses, over all requests, mostly rejected
+    assert [guesses(spec, late) for _ in range(sp_mod.START_PAUSED + 1)] == \
+        [0] * sp_mod.START_PAUSED + [1]
+
+
+def test_guesses_shrink_as_the_batch_grows() -> None:
+    """A step's rows, guesses included, stay within VERIFY_ROWS: 1 request may guess 7
+    (--num-speculative-tokens), 4 requests 7 each (32 rows), 8 requests 3 each."""
+    spec = sp_mod.Speculator(EngineConfig(num_speculative_tokens=7, speculative_max_batch=0),
+                             _Guesser(), 256)
+    for n, k in ((1, 7), (4, 7), (8, 3), (16, 1)):
+        reqs = [_decoding(i) for i in range(n)]
+        spec.prepare(reqs)
+        assert [len(r.draft) for r in reqs] == [k] * n
 
 
 @pytest.mark.parametrize("method", ["draft:self:1", "draft:tiny"])
