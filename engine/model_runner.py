@@ -217,8 +217,8 @@ class ModelRunner:
                               self.device, self.kv_quant)
         ctx = ForwardContext(self.kv, meta, self.backend, should_stop)
         no_prompt = all(n == 1 or req.draft for req, n in entries)
-        plain = [i for i, r in enumerate(sampled) if not r.draft]  # guided rows never draft
-        masks = self._submit_masks([sampled[i].sampling for i in plain])
+        plain = [i for i, r in enumerate(sampled) if not r.draft]
+        masks = self._submit_masks([r.sampling for r in sampled], [r.draft for r in sampled])
         try:
             hidden = self._forward(ids, pos, ctx, decode_only=no_prompt)
             if not sampled:
@@ -237,15 +237,17 @@ class ModelRunner:
             self._masks = MaskBuilder()
         return self._masks
 
-    def _submit_masks(self, states: list) -> object | None:
+    def _submit_masks(self, states: list, drafts: list[list[int]]) -> object | None:
+        """Masks laid out as the logits rows: one per plain row, 1 + k per speculating row."""
         if not any(s.guide is not None for s in states):
             return None  # unconstrained batches pay nothing
-        return self.masks.submit([s.guide for s in states], self.model_config.vocab_size)
+        return self.masks.submit([s.guide for s in states], self.model_config.vocab_size,
+                                 drafts)
 
     def _sample(self, sampled: list[Request], rows: list[range], logits: torch.Tensor,
                 plain: list[int], banned: torch.Tensor | None) -> StepTokens:
-        """Plain rows in one sampler call (banned: their grammars' masks); speculating
-        rows verified one by one."""
+        """Plain rows in one sampler call (banned: the grammars' masks, one row per logits
+        row); speculating rows verified one by one, each position under its mask."""
         starts, at = [], 0
         for r in rows:
             starts.append(at)
@@ -255,14 +257,15 @@ class ModelRunner:
         if plain:
             idx = torch.tensor([starts[i] for i in plain], device=logits.device)
             out = self.sampler(logits.index_select(0, idx), [sampled[i].sampling for i in plain],
-                               banned)
+                               banned.index_select(0, idx.cpu()) if banned is not None else None)
             for j, i in enumerate(plain):
                 tokens[i], logprobs[i] = [out.token_ids[j]], [out.logprobs[j]]
         for i, req in enumerate(sampled):
             if req.draft:
-                tokens[i], logprobs[i] = verify(self.sampler,
-                                                logits[starts[i]:starts[i] + len(rows[i])],
-                                                req.draft, req.sampling)
+                span = slice(starts[i], starts[i] + len(rows[i]))
+                tokens[i], logprobs[i] = verify(self.sampler, logits[span], req.draft,
+                                                req.sampling,
+                                                banned[span] if banned is not None else None)
         return StepTokens(sampled, tokens, logprobs)
 
     def _forward(self, ids: list[int], pos: list[int], ctx: ForwardContext,

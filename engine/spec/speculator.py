@@ -2,15 +2,17 @@
 
 Before scheduling, ``prepare`` sets ``Request.draft`` on every decode row that may
 speculate this step: none when the step has more decode rows than
---speculative-max-batch, fewer guesses per row the more rows there are (VERIFY_ROWS), none for a request that opted out (SamplingParams.speculate),
-whose output is constrained (SamplingParams.guided: it decodes under its grammar's
-masks, one token a step) or whose recent guesses were mostly rejected (SpecState), and
-never more than its max_tokens or the context window leave room for. "Mostly" is
-relative to what a guess costs: a draft model's forward pass must be paid back, so its
-requests need more acceptance to keep going (``low``), start at one guess and grow, and
-start paused while the proposer's recent guesses, over all requests, fall below it. The scheduler
-then gives those rows slots for their guesses; ``fill`` runs an in-step proposer (a draft model) in those
-slots; the runner verifies; ``record`` counts what was accepted.
+--speculative-max-batch, fewer guesses per row the more rows there are (VERIFY_ROWS),
+none for a request that opted out (SamplingParams.speculate) or whose recent guesses
+were mostly rejected (SpecState), and never more than its max_tokens or the context
+window leave room for. "Mostly" is relative to what a guess costs: a draft model's
+forward pass must be paid back, so its requests need more acceptance to keep going
+(``low``), start at one guess and grow, and start paused while the proposer's recent
+guesses, over all requests, fall below it. A constrained request's guesses stop before
+the first its grammar refuses and go on with the tokens the grammar forces there; the
+runner verifies each position under the grammar's mask there. The scheduler then gives those rows slots for their guesses; ``fill`` runs
+an in-step proposer (a draft model) in those slots; the runner verifies; ``record``
+counts what was accepted.
 """
 from __future__ import annotations
 
@@ -35,6 +37,31 @@ VERIFY_ROWS = 32
 within this many: up to about 32 rows the packed int4 kernel's cost grows little with
 the rows (engine/quant/csrc/int4_mm.cpp), beyond it every row costs (1 request: up to
 31 guesses; 4: 7; 8: 3)."""
+
+
+def _guide(req: Request):
+    return req.sampling.guide if req.sampling is not None else None
+
+
+def fit_grammar(req: Request, draft: list[int], k: int) -> list[int]:
+    """A constrained request's guesses up to the first its grammar refuses, then the
+    tokens the grammar forces after them (keys, punctuation: llguidance's fast-forward
+    tokens; the target can only accept them), at most k in all. An unconstrained
+    request's guesses as they are."""
+    guide = _guide(req)
+    if guide is None:
+        return draft
+    m = guide.matcher
+    draft = draft[:m.validate_tokens(draft)] if draft else []
+    if len(draft) < k and not m.is_stopped():
+        n = len(draft)
+        if n:
+            m.consume_tokens(draft)
+        if not m.is_stopped():
+            draft = draft + m.compute_ff_tokens()[:k - n]
+        if n:
+            m.rollback(n)  # the engine commits what the verify pass accepts
+    return draft
 
 
 class Speculator:
@@ -79,8 +106,9 @@ class Speculator:
         cands, ks = [], []
         cap = max(1, VERIFY_ROWS // max(1, len(decodes)) - 1)
         for req in decodes:
-            if not req.params.speculate or req.params.guided is not None:
-                continue  # opted out, or a grammar: its tokens are sampled under masks
+            guide = _guide(req)
+            if not req.params.speculate or (guide is not None and guide.error):
+                continue  # opted out, or a grammar already broken (the request fails)
             if req.spec is None:
                 req.spec = self._new_state()
             room = min(req.params.max_tokens - req.num_output_tokens,
@@ -95,8 +123,8 @@ class Speculator:
             for req, k in zip(cands, ks):
                 req.draft = [PENDING] * k
             return
-        for req, draft in zip(cands, self.proposer.propose(cands, ks)):
-            req.draft = draft
+        for req, k, draft in zip(cands, ks, self.proposer.propose(cands, ks)):
+            req.draft = fit_grammar(req, draft, k)
 
     def _new_state(self) -> SpecState:
         st = SpecState(self.start_k, self.k, low=self.low)
@@ -111,7 +139,7 @@ class Speculator:
         if not self.proposer.in_step or not rows:
             return entries
         for req, draft in zip(rows, self.proposer.propose(rows, [len(r.draft) for r in rows])):
-            req.draft = draft
+            req.draft = fit_grammar(req, draft, len(req.draft))
         ids = {id(r) for r in rows}
         return [(req, 1 + len(req.draft) if id(req) in ids else n) for req, n in entries]
 

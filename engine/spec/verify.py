@@ -27,19 +27,23 @@ ACCEPT_ALL = False
 distribution tests must fail with it)."""
 
 
-def verify(sampler: Sampler, logits: torch.Tensor, draft: list[int], state: SamplingState
+def verify(sampler: Sampler, logits: torch.Tensor, draft: list[int], state: SamplingState,
+           banned: torch.Tensor | None = None
            ) -> tuple[list[int], list[TokenLogprobs | None]]:
     """logits [k+1, V] fp32 at the last committed token and each guess; draft: the k
-    guesses. Returns the emitted tokens (the accepted guesses, then the target's own
-    token) and their logprobs, exactly as plain decoding would report them."""
+    guesses; banned [k+1, V] (a constrained request): what its grammar refuses at each
+    position, given the guesses before it. Returns the emitted tokens (the accepted
+    guesses, then the target's own token) and their logprobs, exactly as plain decoding
+    would report them."""
     if state.params.greedy and not state.params.needs_penalties and not ACCEPT_ALL:
-        return _verify_greedy(sampler, logits, draft, state)
+        return _verify_greedy(sampler, logits, draft, state, banned)
     tokens: list[int] = []
     logprobs: list[TokenLogprobs | None] = []
     pushed = 0
     try:
         for i in range(len(draft) + 1):
-            out = sampler(logits[i:i + 1], [state])  # the history includes tokens so far
+            out = sampler(logits[i:i + 1], [state],  # the history includes tokens so far
+                          banned[i:i + 1] if banned is not None else None)
             tok = out.token_ids[0]
             if ACCEPT_ALL and i < len(draft):
                 tok = draft[i]
@@ -56,10 +60,12 @@ def verify(sampler: Sampler, logits: torch.Tensor, draft: list[int], state: Samp
 
 
 def _verify_greedy(sampler: Sampler, logits: torch.Tensor, draft: list[int],
-                   state: SamplingState) -> tuple[list[int], list[TokenLogprobs | None]]:
-    """Argmax of every position at once; keep them up to the first that differs from
-    its guess."""
-    best = logits.argmax(dim=1).tolist()
+                   state: SamplingState, banned: torch.Tensor | None
+                   ) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """Argmax of every position at once (under its mask); keep them up to the first that
+    differs from its guess. Logprobs are the raw model's, as plain decoding reports."""
+    x = logits if banned is None else logits.masked_fill(banned.to(logits.device), float("-inf"))
+    best = x.argmax(dim=1).tolist()
     n = next((i for i, d in enumerate(draft) if best[i] != d), len(draft)) + 1
     tokens = best[:n]
     out = sampler.logprobs_of(logits[:n], tokens, [state] * n)

@@ -1,7 +1,8 @@
 """Speculative decoding and constrained decoding in one engine: a constrained request
-never speculates (its tokens are sampled under its grammar's masks), so its output
-validates and equals the one a plain engine gives; unconstrained batch mates still
-speculate and stay token-identical; nothing is left behind."""
+speculates too, its guesses cut before the first its grammar refuses and each verified
+position sampled under the grammar's mask there, so its output validates and equals the
+one a plain engine gives; unconstrained batch mates stay token-identical; nothing is
+left behind."""
 from __future__ import annotations
 
 import pytest
@@ -38,5 +39,72 @@ def test_constrained_rows_beside_speculating_rows(flat_model_dir, seed) -> None:
         assert_valid(name, out.text)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     stats = spec.speculator.counters.get("ngram")
-    assert stats.verifications > 0 and stats.accepted > 0  # the free rows did speculate
+    assert stats.verifications > 0 and stats.accepted > 0
+    spec.leak_check()
+
+
+@pytest.mark.parametrize("seed", [None, 3])
+def test_constrained_rows_speculate_under_their_grammar(flat_model_dir, monkeypatch,
+                                                        seed) -> None:
+    """Guesses that continue the plain output and then turn to tokens the grammar
+    refuses: the refused tail is cut before verification, every verified guess is one
+    the grammar allows, the verify pass gets a mask per position, and the output equals
+    plain decoding's."""
+    import engine.model_runner as mr
+
+    names = list(SCHEMAS)[:6]
+    prompts = [[5, 6, i + 7] for i in range(len(names))]
+    params = [SamplingParams(max_tokens=MAX_TOKENS, guided=GuidedSpec.json_schema(SCHEMAS[n]),
+                             temperature=0.0 if seed is None else 1.0,
+                             seed=None if seed is None else seed + i)
+              for i, n in enumerate(names)]
+    want = {tuple(p): o.token_ids for p, o in
+            zip(prompts, _engine(flat_model_dir, "none").generate(prompts, params))}
+    spec = _engine(flat_model_dir, "ngram")
+    junk = spec.tokenizer.encode("}}}}", add_special_tokens=False)  # refused mid-value
+    offered, verified = [0], [0]
+
+    def oracle(reqs, ks):
+        out = []
+        for r, k in zip(reqs, ks):
+            cont = want[tuple(r.prompt_token_ids)][r.num_output_tokens:][:max(1, k - 2)]
+            out.append((cont + junk)[:k])
+            offered[0] += len(out[-1])
+        return out
+
+    real_verify = mr.verify
+
+    def checked(sampler, logits, draft, state, banned=None):
+        assert banned is not None and banned.shape[0] == len(draft) + 1
+        assert state.guide.matcher.validate_tokens(draft) == len(draft)
+        verified[0] += len(draft)
+        return real_verify(sampler, logits, draft, state, banned)
+
+    monkeypatch.setattr(spec.speculator.proposer, "propose", oracle)
+    monkeypatch.setattr(mr, "verify", checked)
+    outs = spec.generate(prompts, params)
+    for name, out in zip(names, outs):
+        assert_valid(name, out.text)
+    assert [o.token_ids for o in outs] == [want[tuple(p)] for p in prompts]
+    assert 0 < verified[0] < offered[0]  # constrained rows speculated; refused tails cut
+    assert spec.speculator.counters.get("ngram").accepted > 0
+    spec.leak_check()
+
+
+def test_the_tokens_a_grammar_forces_are_guessed(flat_model_dir, monkeypatch) -> None:
+    """A proposer with no guess: a constrained request still guesses what its grammar
+    forces (a schema's keys and punctuation), which the target can only accept."""
+    names = ["flat_object", "nested_object", "deep_nesting"]
+    prompts = [[5, 6, i + 7] for i in range(len(names))]
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
+                             guided=GuidedSpec.json_schema(SCHEMAS[n])) for n in names]
+    want = [o.token_ids for o in _engine(flat_model_dir, "none").generate(prompts, params)]
+    spec = _engine(flat_model_dir, "ngram")
+    monkeypatch.setattr(spec.speculator.proposer, "propose", lambda reqs, ks: [[] for _ in reqs])
+    outs = spec.generate(prompts, params)
+    assert [o.token_ids for o in outs] == want
+    for name, out in zip(names, outs):
+        assert_valid(name, out.text)
+    stats = spec.speculator.counters.get("ngram")
+    assert stats.accepted > 0 and stats.accepted >= stats.proposed // 2
     spec.leak_check()
