@@ -10,9 +10,9 @@ forward pass must be paid back, so its requests need more acceptance to keep goi
 (``low``), start at one guess and grow, and start paused while the proposer's recent
 guesses, over all requests, fall below it. A constrained request's guesses stop before
 the first its grammar refuses and go on with the tokens the grammar forces there; the
-runner verifies each position under the grammar's mask there. The scheduler then gives those rows slots for their guesses; ``fill`` runs
-an in-step proposer (a draft model) in those slots; the runner verifies; ``record``
-counts what was accepted.
+runner verifies each position under the grammar's mask there. The scheduler then gives
+those rows slots for their guesses; ``fill`` runs an in-step proposer (a draft model) in
+those slots; the runner verifies; ``record`` counts what was accepted.
 """
 from __future__ import annotations
 
@@ -139,7 +139,13 @@ class Speculator:
         if not self.proposer.in_step or not rows:
             return entries
         for req, draft in zip(rows, self.proposer.propose(rows, [len(r.draft) for r in rows])):
-            req.draft = fit_grammar(req, draft, len(req.draft))
+            fitted = fit_grammar(req, draft, len(req.draft))
+            same = next((i for i, (a, b) in enumerate(zip(draft, fitted)) if a != b),
+                        min(len(draft), len(fitted)))
+            if same < len(draft):  # a separate draft's K/V after a changed guess is stale
+                req.spec.draft_computed = min(req.spec.draft_computed,
+                                              req.num_computed_tokens + 1 + same)
+            req.draft = fitted
         ids = {id(r) for r in rows}
         return [(req, 1 + len(req.draft) if id(req) in ids else n) for req, n in entries]
 

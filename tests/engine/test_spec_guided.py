@@ -108,3 +108,27 @@ def test_the_tokens_a_grammar_forces_are_guessed(flat_model_dir, monkeypatch) ->
     stats = spec.speculator.counters.get("ngram")
     assert stats.accepted > 0 and stats.accepted >= stats.proposed // 2
     spec.leak_check()
+
+
+@pytest.mark.parametrize("draft", ["self:1", "separate"])
+def test_constrained_rows_with_a_draft_model(flat_model_dir, tmp_path, draft) -> None:
+    """An in-step proposer (a draft model) guesses into reserved slots before the grammar
+    cuts its guesses: outputs still equal plain decoding's and validate, nothing leaks."""
+    from tests.utils import make_tiny_llama
+
+    names = ["flat_object", "bounded_int_array", "array_of_objects"]
+    prompts = [[5, 6, i + 7] for i in range(len(names))]
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
+                             guided=GuidedSpec.json_schema(SCHEMAS[n])) for n in names]
+    want = [o.token_ids for o in _engine(flat_model_dir, "none").generate(prompts, params)]
+    model = "self:1" if draft == "self:1" else str(make_tiny_llama(
+        tmp_path / "draft", layers=1, seed=1, embed_scale=0.02, max_pos=2048))
+    eng = LLMEngine(EngineConfig(model=str(flat_model_dir), dtype="float32", max_model_len=1024,
+                                 num_kv_blocks=512, speculative_method="draft",
+                                 speculative_model=model, speculative_max_batch=0))
+    outs = eng.generate(prompts, params)
+    assert [o.token_ids for o in outs] == want
+    for name, out in zip(names, outs):
+        assert_valid(name, out.text)
+    assert eng.speculator.counters.get(eng.speculator.proposer.name).verifications > 0
+    eng.leak_check()
