@@ -70,16 +70,13 @@ def _generate_run(args: argparse.Namespace) -> int:
 
 
 # -- prefill / decode workers ---------------------------------------------------------
-def _prefill_setup(p: argparse.ArgumentParser) -> None:
-    from tandem.worker_cli import add_worker_args
+def _worker_setup(role: str):
+    """The argument setup of a ``role`` worker (prefill | decode: their defaults differ)."""
+    def setup(p: argparse.ArgumentParser) -> None:
+        from tandem.worker_cli import add_worker_args
 
-    add_worker_args(p, "prefill")
-
-
-def _decode_setup(p: argparse.ArgumentParser) -> None:
-    from tandem.worker_cli import add_worker_args
-
-    add_worker_args(p, "decode")
+        add_worker_args(p, role)
+    return setup
 
 
 def _prefill_run(args: argparse.Namespace) -> int:
@@ -142,9 +139,9 @@ COMMANDS = {
            "start a local cluster (router + prefill + decode workers) on 127.0.0.1:8000"),
     "router": (_router_setup, _router_run,
                "run the router: OpenAI HTTP API over prefill and decode workers"),
-    "prefill": (_prefill_setup, _prefill_run,
+    "prefill": (_worker_setup("prefill"), _prefill_run,
                 "run a prefill worker (gRPC): chunked prefill, first token, KV under a lease"),
-    "decode": (_decode_setup, _decode_run,
+    "decode": (_worker_setup("decode"), _decode_run,
                "run a decode worker (gRPC): pull KV, continuous batching, stream tokens"),
     "bench": (_bench_setup, _bench_run,
               "load an OpenAI-compatible endpoint; report TTFT, TPOT, ITL, throughput, goodput"),

@@ -6,9 +6,8 @@ batch the engine runs) it runs ``torch.ops.tandem.paged_decode``
 (csrc/paged_decode.cpp): K and V rows are read in place through the block tables, one
 sequence (or, with few sequences, one range of its tokens) per task, so a step copies
 no context; an int8 cache is read as codes, its row scales folded into the scores and
-the softmax weights (no dequantized copy). The
-extension is built on first use with the machine's compiler (about 20 s, once per
-source version: engine/native.py).
+the softmax weights (no dequantized copy). The extension is built on first use with
+the machine's compiler (about 20 s, once per source version: engine/native.py).
 
 Above KERNEL_MAX_ROWS, and elsewhere (CUDA, an fp8 cache, or no compiler: said once in
 the log), it takes the gathered path: one batched SDPA over the contexts padded to the
@@ -23,7 +22,7 @@ import torch.nn.functional as F
 
 from engine.attention.base import gather_blocks
 from engine.kv_cache.quant import rotation
-from engine.native import NativeKernel, build_lock  # noqa: F401 (build_lock: its tests)
+from engine.native import NativeKernel
 
 def _register_fakes() -> None:
     torch.library.register_fake("tandem::paged_decode")(

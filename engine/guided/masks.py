@@ -62,7 +62,10 @@ class MaskBuilder:
         rows, spec, at = [], [], 0
         for g, d in zip(guides, drafts):
             if g is not None and not g.error:
-                (spec.append((g.matcher, at, list(d))) if d else rows.append((g.matcher, at)))
+                if d:
+                    spec.append((g.matcher, at, list(d)))
+                else:
+                    rows.append((g.matcher, at))
             at += 1 + len(d)
         if not rows and not spec:
             return None

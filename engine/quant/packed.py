@@ -10,9 +10,8 @@ PyTorch kernel reads directly, with the kernel call next to it:
   - ``tiles`` (CPU, bf16, a CPU with AVX-512 BF16): our ``torch.ops.tandem.int4_mm``
     (csrc/int4_mm.cpp; codes [N/16, K/2, 16], scales and zeros [N/16, K/g, 2, 16]),
     whose cost grows little with the rows: it unpacks each block of codes once for
-    all of them (AMX tiles from INT4_AMX_MIN_ROWS rows). gate_up [3072, 576] of the
-    embedded model, 2 threads: 1 / 2 / 4 / 8 / 16 rows 70 / 93 / 123 / 136 / 192 us
-    against aten's 76 / 95 / 127 / 267 / 513;
+    all of them (AMX tiles from INT4_AMX_MIN_ROWS rows; the source's header has the
+    timings against aten's);
   - ``aten`` on CPU otherwise: ``aten._weight_int4pack_mm_for_cpu`` over
     ``_convert_weight_to_int4pack_for_cpu``, scales and zeros [K / group, N, 2];
   - on CUDA ``aten._weight_int4pack_mm`` over ``_convert_weight_to_int4pack`` (needs

@@ -87,12 +87,12 @@ class Speculator:
             raise ValueError(f"--num-speculative-tokens {config.num_speculative_tokens} is "
                              f"beyond the context window ({max_model_len} tokens)")
         proposer = PROPOSERS.load(config.speculative_method).create(config, runner, tokenizer)
+        spec = cls(config, proposer, max_model_len)
         log.info("speculative decoding: %s, up to %d tokens per step, off above %s decode "
                  "rows; a guess costs %.2f of a step, so a request pauses below %.0f%% "
-                 "accepted", proposer.name, config.num_speculative_tokens,
-                 config.speculative_max_batch or "no limit of", proposer.cost,
-                 100 * (LOW_ACCEPTANCE + proposer.cost))
-        return cls(config, proposer, max_model_len)
+                 "accepted", proposer.name, spec.k, spec.max_batch or "no limit of",
+                 proposer.cost, 100 * spec.low)
+        return spec
 
     def prepare(self, running: list[Request]) -> None:
         decodes = []

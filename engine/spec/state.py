@@ -67,7 +67,6 @@ class SpecSummary:
     """Steps that verified guesses of this request."""
 
 
-
 @dataclass
 class SpecStats:
     """Cumulative counters of one proposer (tandem:spec_decode_* metrics)."""

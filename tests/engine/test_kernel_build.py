@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from engine.attention import paged_decode
+from engine.native import build_lock
 
 ROOT = Path(__file__).resolve().parents[2]
 PROBE = ("import logging, sys; logging.basicConfig(level=logging.WARNING)\n"
@@ -35,8 +36,8 @@ def test_a_live_builder_is_waited_for_then_given_up_on(tmp_path) -> None:
         fcntl.flock(held, fcntl.LOCK_EX)  # another process building
         (tmp_path / "lock").touch()
         with pytest.raises(TimeoutError, match="building"):
-            with paged_decode.build_lock(tmp_path, wait_s=0.5):
+            with build_lock(tmp_path, wait_s=0.5):
                 pass
         assert (tmp_path / "lock").exists()  # a live builder's lock is left alone
-    with paged_decode.build_lock(tmp_path, wait_s=0.5):
+    with build_lock(tmp_path, wait_s=0.5):
         assert not (tmp_path / "lock").exists()
