@@ -13,7 +13,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Protocol, Sequence
 
 from engine.config import EngineConfig
 from engine.guided.compiler import GrammarCompiler
@@ -34,6 +34,17 @@ from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_MODEL_LEN = 8192
+
+
+class Handoff(Protocol):
+    """Who takes a finished prefill's held blocks over (a prefill worker's leases). Both
+    calls run on the engine thread, at the moment the table is held and the moment it is
+    freed, whatever freed it (a release, an expiry, an abort): a lease never outlives
+    its blocks nor starts after they went."""
+
+    def held(self, request_id: str, block_ids: list[int]) -> None: ...
+
+    def freed(self, request_id: str) -> None: ...
 
 
 @dataclass
@@ -64,7 +75,8 @@ class Completion:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None) -> None:
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None,
+                 handoff: Handoff | None = None) -> None:
         if not config.model:
             raise ValueError("EngineConfig.model is empty: pass --model PATH "
                              "(tandem fetch-model puts the default model in the cache)")
@@ -108,6 +120,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.held: dict[str, list[int]] = {}
         """Block tables of finished prefill_only requests, kept for a KV handoff."""
+        self.handoff = handoff
         self.num_computed_tokens_total = 0
         """Tokens run through the model since start (tests assert prefix-cache savings)."""
         self._urgent: int | None = None
@@ -296,6 +309,8 @@ class LLMEngine:
         if req.prefill_only and req.finish_reason is None:
             table = self.kv.tables.pop(req.request_id)  # refs kept: now owned by held
             self.held[req.request_id] = table
+            if self.handoff is not None:
+                self.handoff.held(req.request_id, list(table))
         self.scheduler.remove(req)
         return None if table is None else list(table)
 
@@ -331,6 +346,8 @@ class LLMEngine:
         table = self.held.pop(request_id, None)
         if table is None:
             return False
+        if self.handoff is not None:
+            self.handoff.freed(request_id)
         self.kv.pool.free(list(reversed(table)))
         return True
 

@@ -2,12 +2,13 @@
 
 Request life here: Prefill() queues the prompt as a prefill_only engine request
 (the engine's scheduler chunks it under the token budget, batched with other
-prompts); when its first token is sampled the engine keeps the blocks (held) and
-hands their ids back with that output, and this service grants a lease over them
-at once (no await between the two, so no cancellation can fall in the gap) and
-returns a KVHandle. The held blocks are freed exactly once, keyed by request id:
-when the decode worker's Release arrives, when the lease expires (a reaper runs
-every 250 ms), on Abort, or when the Prefill call is cancelled before its reply.
+prompts); when its first token is sampled the engine keeps the blocks (held) and,
+in the same moment on the engine thread, the lease over them is granted
+(``LeaseHandoff``); the reply carries it as a KVHandle. The held blocks are freed
+exactly once, keyed by request id: when the decode worker's Release arrives, when
+the lease expires (a reaper runs every 250 ms), on Abort, or when the Prefill call
+is cancelled before its reply; and freeing them ends the lease, whichever path
+freed them (an Abort that overtakes the output: the reply says abort, no handle).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import time
 import grpc
 
 from kvtransfer.base import SourceBlocks, get_backend
+from engine.request import FinishReason
 from kvtransfer.lease import Lease, LeaseTable
 from kvtransfer.link import KVLinkServicer, add_kv_link, blocks_to_proto
 from proto import common_pb2 as common
@@ -31,6 +33,21 @@ from engine.wire import sampling_from_proto, top_to_proto
 log = logging.getLogger(__name__)
 
 
+class LeaseHandoff:
+    """The engine's Handoff on a prefill worker: a held table is leased when it is held
+    and its lease ends when it is freed, both on the engine thread, so no lease covers
+    freed blocks and no held table goes unleased (LeaseTable is thread-safe)."""
+
+    def __init__(self, leases: LeaseTable, ttl_s: float) -> None:
+        self.leases, self.ttl_s = leases, ttl_s
+
+    def held(self, request_id: str, block_ids: list[int]) -> None:
+        self.leases.grant(request_id, block_ids, self.ttl_s)
+
+    def freed(self, request_id: str) -> None:
+        self.leases.drop(request_id)
+
+
 class PrefillService(WorkerBase, pb_grpc.PrefillServicer):
     role = "prefill"
 
@@ -41,6 +58,9 @@ class PrefillService(WorkerBase, pb_grpc.PrefillServicer):
 
     def active_leases(self) -> int:
         return self.leases.active()
+
+    def handoff(self) -> LeaseHandoff:
+        return LeaseHandoff(self.leases, self.config.kv.lease_ttl_s)
 
     async def start(self) -> None:
         await self.start_engine()
@@ -90,22 +110,22 @@ class PrefillService(WorkerBase, pb_grpc.PrefillServicer):
             q = await self.engine.add(req, prefill_only=True)
         except (ValueError, RuntimeError) as e:
             return await self.admission_error(context, e)
-        granted = False
+        out = None
         try:
             out = await q.get()
-            if out.held_blocks is not None:  # no await from the hold to the grant
-                handle = self._grant(rid, out.held_blocks,
-                                     len(request.token_ids) + len(request.output_token_ids))
-                granted = True
         finally:
             self.engine.close_stream(rid)
-            if not granted:  # cancelled (router gone), or finished without a handoff
-                self.engine.abort_soon(rid)
-        if out.error:
-            if granted:
+            if out is None:  # cancelled (the router went away): its lease and blocks go
                 self._drop(rid)
+        handle = None
+        if out.held_blocks is not None:
+            handle = self._handle(rid, out.held_blocks,
+                                  len(request.token_ids) + len(request.output_token_ids))
+            if handle is None:  # an Abort freed the blocks before this handler woke
+                out.finish_reason, out.held_blocks = FinishReason.ABORT, None
+        if out.error:
             await context.abort(grpc.StatusCode.INTERNAL, out.error)
-        return self._reply(request, out, handle if granted else None, time.monotonic() - t0)
+        return self._reply(request, out, handle, time.monotonic() - t0)
 
     def _reply(self, request: pb.PrefillRequest, out, handle, seconds: float
                ) -> pb.PrefillResponse:
@@ -126,20 +146,22 @@ class PrefillService(WorkerBase, pb_grpc.PrefillServicer):
             reply.kv_handle.CopyFrom(handle)
         return reply
 
-    def _grant(self, rid: str, blocks: list[int], num_tokens: int):
-        lease = self.leases.grant(rid, blocks, self.config.kv.lease_ttl_s)
+    def _handle(self, rid: str, blocks: list[int], num_tokens: int):
+        """The KVHandle of the lease the engine granted with the hold of these blocks;
+        None when that hold has ended already."""
+        lease = self.leases.get(rid)
+        if lease is None or list(lease.block_ids) != blocks:
+            return None
         return blocks_to_proto(SourceBlocks(
             self.worker_id, f"{self.config.public_host}:{self.port}", rid, lease.epoch,
             tuple(blocks), lease.deadline_unix_ms, num_tokens, lease.token))
 
-    def _drop(self, rid: str) -> bool:
-        """End rid's lease (if any) and free its held blocks."""
-        lease = self.leases.drop(rid)
+    def _drop(self, rid: str) -> None:
+        """End rid's lease (if any) and free its held blocks (or abort it running)."""
+        self.leases.drop(rid)
         self.engine.abort_soon(rid)
-        return lease is not None
 
     async def Abort(self, request: common.AbortRequest, context) -> common.AbortReply:
         rid = request.request_id
-        dropped = self.leases.drop(rid) is not None
-        aborted = await self.engine.abort(rid, owner=True)  # held blocks go too
-        return common.AbortReply(aborted=aborted or dropped)
+        self.leases.drop(rid)  # unreadable at once; the engine then frees the blocks
+        return common.AbortReply(aborted=await self.engine.abort(rid, owner=True))

@@ -11,7 +11,7 @@ import grpc
 from auth.grpc_auth import ServerAuth
 from auth.secret import load_cluster_secret
 from engine.kv_cache.layout import scale_layout
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import Handoff, LLMEngine
 from engine.request import RequestOutput
 from engine.worker_api import DuplicateRequestError, EngineDead, EngineLoad, EngineWorker
 from kvtransfer.base import CompatRecord
@@ -50,11 +50,16 @@ class WorkerBase:
     def active_leases(self) -> int:
         return 0
 
+    def handoff(self) -> Handoff | None:
+        """Who takes finished prefills' held blocks over (the prefill role's leases)."""
+        return None
+
     async def start_engine(self) -> None:
         self.server = grpc_server.new_server(self.auth)
         self.hub = KVEventHub(asyncio.get_running_loop())
         self.engine = EngineWorker(
-            lambda: LLMEngine(self.config.engine), on_events=self.hub.publish,
+            lambda: LLMEngine(self.config.engine, handoff=self.handoff()),
+            on_events=self.hub.publish,
             on_step=lambda e: self.metrics.observe_engine(e, self.active_leases()),
             on_load=lambda _: self.hub.load_changed(), on_death=self._engine_died)
         await self.engine.start()

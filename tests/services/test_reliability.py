@@ -148,6 +148,35 @@ def test_cancelled_prefills_leave_nothing_held(tiny_model_dir, slow_steps) -> No
     _run(body())
 
 
+def test_an_abort_between_the_hold_and_the_reply_leases_nothing(tiny_model_dir) -> None:
+    """Chaos run 21: the engine held a finished prefill's blocks and queued its output;
+    the router's Abort ran before the Prefill handler woke and freed the blocks; the
+    handler then leased the freed blocks (a live lease over blocks others may reuse, and
+    the leak audit saw active_leases 1 with every block free). Now the lease is taken
+    with the hold on the engine thread and ends with it: the late reply says abort and
+    carries no handle."""
+    async def body():
+        async with services(tiny_model_dir) as (p, d, ps, ds):
+            deliver, aborts = p.engine._deliver, []
+
+            def abort_first(outs) -> None:  # the Abort overtakes the output on the loop
+                if any(o.request_id == "r" and o.held_blocks for o in outs):
+                    async def then():
+                        aborts.append(await ps.Abort(common_pb2.AbortRequest(request_id="r")))
+                        deliver(outs)
+                    asyncio.ensure_future(then())
+                else:
+                    deliver(outs)
+            p.engine._deliver = abort_first
+            reply = await _prefill(ps, "r", _prompt(40, 9))
+            assert [a.aborted for a in aborts] == [True]
+            assert reply.finished and reply.finish_reason == "abort"
+            assert not reply.HasField("kv_handle")
+            assert p.leases.active() == 0
+            await leak_check(p, d)
+    _run(body())
+
+
 def test_abort_ends_the_callers_stream(tiny_model_dir, slow_steps) -> None:
     """Finding 11: Abort of a running request ends its Generate stream with
     finish_reason "abort" (the stream used to wait forever)."""
