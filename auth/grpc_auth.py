@@ -50,11 +50,23 @@ class _StreamStream(_ClientAuth, grpc.aio.StreamStreamClientInterceptor):
         return await continuation(self._details(details), request_iterator)
 
 
+RECONNECT_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 250),
+                     ("grpc.min_reconnect_backoff_ms", 250),
+                     ("grpc.max_reconnect_backoff_ms", 2000))
+"""gRPC's reconnect backoff grows to 120 s by default: a router started a minute before
+its workers (pods come up in any order) saw them 14 s after they served, and could wait
+two minutes. Capped at 2 s, a worker that comes up (or back) is seen within a health
+period or two."""
+
+
 def channel(address: str, secret: bytes, options: Sequence[tuple[str, Any]] = ()
             ) -> grpc.aio.Channel:
-    """An asyncio channel to a Tandem worker whose calls carry the cluster secret."""
+    """An asyncio channel to a Tandem worker whose calls carry the cluster secret; it
+    retries a worker that is not (yet) listening at least every 2 s (RECONNECT_OPTIONS)."""
     kinds = (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)
-    return grpc.aio.insecure_channel(address, options=list(options),
+    named = {k for k, _ in options}
+    opts = [o for o in RECONNECT_OPTIONS if o[0] not in named] + list(options)
+    return grpc.aio.insecure_channel(address, options=opts,
                                      interceptors=[k(secret) for k in kinds])
 
 

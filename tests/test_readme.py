@@ -193,8 +193,13 @@ def server_argv(cmd: Command, ports: Ports, ready_file: Path | None) -> tuple[li
     has_port = any(a == "--port" or a.startswith("--port=") for a in argv)
     if not has_port and args.port:  # listening on a default port: map it like a named one
         argv += ["--port", str(ports[args.port])]
-    if ready_file is not None:
+    if ready_file is not None:  # a worker started by hand, as a pod runs it
         argv += ["--ready-file", str(ready_file)]
+        if not any(a.startswith("--num-threads") for a in argv):
+            # pods have cores of their own; here two workers share this host's cores, and
+            # torch's default (every core each) makes their parallel regions wait on
+            # each other's threads: start-up took 63-100 s instead of 14-28
+            argv += ["--num-threads", str(max(1, os.cpu_count() // 2))]
     port = ports[args.port] if args.port else 0
     return tandem_exe() + argv[1:] + model_args(), port
 

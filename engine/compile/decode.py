@@ -29,7 +29,7 @@ import torch
 
 from engine.models.llama import (EAGER, LlamaForCausalLM, Segments, first_segment,
                                  last_segment, middle_segment)
-from engine.timing import best_seconds
+from engine.timing import best_pair
 
 log = logging.getLogger(__name__)
 
@@ -97,8 +97,8 @@ class CompiledDecode:
     def warm_up(self, run_bucket: Callable[[int, Segments], None]) -> None:
         """Compile every bucket now (``run_bucket(b, segments)`` runs one dummy step of b
         rows), printing a progress line per bucket, then time it against the eager step
-        (best of 3 each) and keep the compiled one unless it is clearly slower
-        (``SLOWER_MARGIN``). A failure disables compiled steps,
+        (best of 3 each, in turn; a "slower" timed again) and keep the compiled one
+        unless it is clearly slower (``SLOWER_MARGIN``). A failure disables compiled steps,
         logged."""
         t0 = time.perf_counter()
         for i, b in enumerate(self.buckets if self.disabled is None else ()):
@@ -109,8 +109,9 @@ class CompiledDecode:
                 self.fail(f"compiling the decode step for batch {b} failed: "
                           f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}")
                 return
-            compiled = best_seconds(lambda: run_bucket(b, self.segments)) * 1e3
-            eager = best_seconds(lambda: run_bucket(b, EAGER)) * 1e3
+            compiled, eager = (t * 1e3 for t in best_pair(
+                lambda: run_bucket(b, self.segments), lambda: run_bucket(b, EAGER),
+                retry_if=lambda c, e: c > e * SLOWER_MARGIN))
             self.timings[b] = (compiled, eager)
             slower = compiled > eager * SLOWER_MARGIN
             if slower:

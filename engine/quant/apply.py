@@ -71,7 +71,11 @@ def select_paths(model: nn.Module, report: QuantReport, forced: int | None) -> N
     """After the model is in its final dtype and device: pick each layer's kernel by rows."""
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
     report.paths = choose_paths(layers, forced)
-    for (kind, n, k, g, dt, _), (rows, table) in report.paths.items():
+    for (kind, n, k, g, dt, dev), (rows, table) in report.paths.items():
+        if not table:
+            log.info("quant %s [%d,%d] %s: dense (%s has no vectorised packed kernel)",
+                     kind, n, k, dt, dev)
+            continue
         cells = " ".join(f"M{m}:{tp:.0f}/{td:.0f}" for m, tp, td in table)
         log.info("quant %s [%d,%d] %s: packed kernel up to %d rows (us packed/dense %s)",
                  kind, n, k, dt, rows, cells)

@@ -1,16 +1,18 @@
 """Which kernel per row count: measured at start-up, once per distinct weight shape.
 
 For each (kind, N, K, group, dtype) the packed kernel and the dense GEMM are timed
-at 1, 2, 4, ... rows (the best of a few calls after a warm-up) until the dense
-GEMM has won twice in a row, or once by a clear margin (``CLEAR_LOSS``);
+at 1, 2, 4, ... rows (the best of a few calls after a warm-up, the two in turn, and a
+loss timed again before it counts: workers start side by side, and a burst of the
+other's model loading once made the packed kernel "lose" at 2 rows, 7733 us against
+898) until the dense GEMM has won twice in a row, or once by a clear margin (``CLEAR_LOSS``);
 ``packed_max_rows`` is the largest row count up to which the packed kernel won
 every time. Each timed call runs every layer of that shape in turn, as a model step
 does: timing one layer over and over would keep its weight in cache, where the dense
 GEMM's 2-4x more bytes cost nothing. With the weights streamed from memory (on the
 embedded model, 30 layers of each shape) the packed kernels keep winning to about
-twice the rows. In fp32 the CPU int kernels have no vectorised path and lose at every
-size, so fp32 models run dense (with the quantized values) unless
-``quant_packed_max_rows`` forces the packed kernels.
+twice the rows. In fp32 the CPU int kernels have no vectorised path and lose 8-10x at
+every size, so fp32 models on a CPU run dense (with the quantized values) without being
+timed, unless ``quant_packed_max_rows`` forces the packed kernels.
 """
 from __future__ import annotations
 
@@ -18,15 +20,17 @@ import torch
 import torch.nn.functional as F
 
 from engine.quant.linear import QuantLinear
-from engine.timing import best_seconds
+from engine.timing import best_pair
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)
 CLEAR_LOSS = 1.5
 """A packed kernel this many times slower than the dense GEMM has lost for good."""
 
 
-def _best_us(fn) -> float:
-    return best_seconds(fn, reps=5, warmup=1) * 1e6
+def _best_us(packed, dense) -> tuple[float, float]:
+    """Best us of each, timed in turn; a packed loss is timed again (best_pair)."""
+    tp, td = best_pair(packed, dense, reps=5, warmup=1, retry_if=lambda p, d: p >= d)
+    return tp * 1e6, td * 1e6
 
 
 @torch.inference_mode()
@@ -39,8 +43,9 @@ def measure(layers: list[QuantLinear]) -> tuple[int, list[tuple[int, float, floa
     best_rows, losses = 0, 0
     for m in ROWS:
         x = torch.randn(m, layers[0].in_features, dtype=w.dtype, device=w.device)
-        tp = _best_us(lambda: [p.matmul(x) for p, _ in pairs]) / len(pairs)
-        td = _best_us(lambda: [F.linear(x, d) for _, d in pairs]) / len(pairs)
+        tp, td = _best_us(lambda: [p.matmul(x) for p, _ in pairs],
+                          lambda: [F.linear(x, d) for _, d in pairs])
+        tp, td = tp / len(pairs), td / len(pairs)
         table.append((m, tp, td))
         if tp < td and losses == 0:
             best_rows = m
@@ -64,7 +69,8 @@ def choose_paths(layers: list[QuantLinear], forced: int | None) -> dict[tuple, t
         key = (layer.kind, layer.out_features, layer.in_features, layer.group_size,
                layer.weight.dtype, layer.weight.device.type)
         groups.setdefault(key, []).append(layer)
-    measured = {key: measure(group) for key, group in groups.items()}
+    measured = {key: (0, []) if key[4] == torch.float32 and key[5] == "cpu" else measure(group)
+                for key, group in groups.items()}
     for key, group in groups.items():
         for layer in group:
             layer.packed_max_rows = measured[key][0]

@@ -3,6 +3,7 @@ token-identical, batch-invariant, interruptible, and a compile failure falls bac
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import pytest
@@ -132,8 +133,33 @@ def test_a_tie_at_start_up_keeps_the_compiled_step(monkeypatch) -> None:
 
     c = cd.CompiledDecode(torch.nn.Linear(1, 1), torch.device("cpu"), max_rows=4)
     # per bucket 1, 2, 4: (compiled, eager) seconds
-    times = iter([1.0, 1.0, 1.03, 1.0, 1.2, 1.0])
-    monkeypatch.setattr(cd, "best_seconds", lambda fn: next(times))
+    times = iter([(1.0, 1.0), (1.03, 1.0), (1.2, 1.0)])
+    monkeypatch.setattr(cd, "best_pair", lambda a, b, retry_if=None: next(times))
     c.warm_up(lambda rows, segments: None)
     assert c.disabled is None and c.slower == {4}
     assert (c.bucket(1), c.bucket(2), c.bucket(3)) == (1, 2, None)
+
+
+def test_start_up_timings_alternate_and_a_loss_is_timed_again() -> None:
+    """best_pair times its two functions in turn (a burst of load slows both alike) and
+    times a result that would switch a path off once more, twice as long, before it
+    stands."""
+    from engine.timing import best_pair
+
+    calls = []
+    slow = {"left": 3}
+
+    def a():
+        calls.append("a")
+        if slow["left"]:
+            slow["left"] -= 1
+            time.sleep(0.01)
+
+    ta, tb = best_pair(a, lambda: calls.append("b"), reps=3,
+                       retry_if=lambda x, y: x > 0.005)
+    assert calls == ["a", "b"] * 9  # 3 reps, then 6 more: the first round said "slower"
+    assert ta < 0.005 and tb < 0.005
+    calls.clear()
+    best_pair(lambda: calls.append("a"), lambda: calls.append("b"), reps=2, warmup=1,
+              retry_if=lambda x, y: False)
+    assert calls == ["a", "b"] * 3
