@@ -138,7 +138,8 @@ class EngineConfig:
     hash_seed: int = 0
     """Seed of the chained block hashes; every process of one cluster must agree."""
     num_threads: int | None = None
-    """torch intra-op threads; None leaves torch's default."""
+    """torch intra-op threads; None: one per core this process may run on, capped at
+    the container's CPU limit (cgroup cpu.max, rounded up)."""
     quantization: str = "auto"
     """Linear weights: auto (a GGUF's Q4_0/Q4_1/Q8_0 tensors stay packed, an HF checkpoint
     runs as stored), none (dequantize at load), int8 | int4 (quantize every linear at load),

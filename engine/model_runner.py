@@ -13,6 +13,7 @@ import torch
 
 from engine.attention import build_metadata, get_backend
 from engine.config import EngineConfig
+from engine.cpu_limit import default_threads
 from engine.kv_cache import kv_format_block_bytes
 from engine.kv_cache.quant import row_width, storage_dtype
 from engine.loader import LoadedCheckpoint
@@ -47,8 +48,12 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        threads = config.num_threads or default_threads()
+        if threads:
+            torch.set_num_threads(threads)
+            if not config.num_threads:
+                log.info("torch threads %d: the container's CPU limit (--num-threads sets "
+                         "them)", threads)
         t0 = time.perf_counter()
         with torch.device("meta"):
             model = MODELS.load(ckpt.config.architecture)(ckpt.config, max_model_len)
