@@ -29,7 +29,7 @@ CLEAR_LOSS = 1.5
 
 def _best_us(packed, dense) -> tuple[float, float]:
     """Best us of each, timed in turn; a packed loss is timed again (best_pair)."""
-    tp, td = best_pair(packed, dense, reps=5, warmup=1, retry_if=lambda p, d: p >= d)
+    tp, td = best_pair(packed, dense, reps=3, warmup=1, retry_if=lambda p, d: p >= d)
     return tp * 1e6, td * 1e6
 
 
