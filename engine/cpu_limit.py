@@ -35,8 +35,6 @@ def cgroup_cpu_limit(root: Path = CGROUP) -> float | None:
 def default_threads(root: Path = CGROUP) -> int | None:
     """Threads for torch when the limit is below the cores this process may use; None
     when torch's own default (those cores) is right."""
-    cores = len(os.sched_getaffinity(0))
     limit = cgroup_cpu_limit(root)
-    if limit is None or math.ceil(limit) >= cores:
-        return None
-    return max(1, math.ceil(limit))
+    threads = None if limit is None else math.ceil(limit)
+    return threads if threads is not None and threads < len(os.sched_getaffinity(0)) else None

@@ -305,14 +305,15 @@ class LLMEngine:
         block table in ``held`` for the handoff and return it."""
         self.requests.pop(req.request_id, None)
         self.stats.preempted_seconds += req.preempted_seconds
-        table = None
+        ids = None
         if req.prefill_only and req.finish_reason is None:
             table = self.kv.tables.pop(req.request_id)  # refs kept: now owned by held
             self.held[req.request_id] = table
+            ids = list(table)
             if self.handoff is not None:
-                self.handoff.held(req.request_id, list(table))
+                self.handoff.held(req.request_id, ids)
         self.scheduler.remove(req)
-        return None if table is None else list(table)
+        return ids
 
     # -- disaggregation ----------------------------------------------------------------
     def add_remote(self, req: Request, num_kv_tokens: int, preempt_lower: bool = False) -> str:

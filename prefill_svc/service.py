@@ -18,8 +18,9 @@ import time
 
 import grpc
 
-from kvtransfer.base import SourceBlocks, get_backend
 from engine.request import FinishReason
+from engine.wire import sampling_from_proto, top_to_proto
+from kvtransfer.base import SourceBlocks, get_backend
 from kvtransfer.lease import Lease, LeaseTable
 from kvtransfer.link import KVLinkServicer, add_kv_link, blocks_to_proto
 from proto import common_pb2 as common
@@ -28,7 +29,6 @@ from proto import prefill_pb2 as pb
 from proto import prefill_pb2_grpc as pb_grpc
 from worker.base import WorkerBase, invalid_argument
 from worker.config import WorkerConfig
-from engine.wire import sampling_from_proto, top_to_proto
 
 log = logging.getLogger(__name__)
 

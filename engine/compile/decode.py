@@ -47,6 +47,12 @@ def decode_buckets(max_rows: int) -> list[int]:
     return out
 
 
+
+def _slower(compiled: float, eager: float) -> bool:
+    """The compiled step lost: its bucket runs eagerly."""
+    return compiled > eager * SLOWER_MARGIN
+
+
 class CompiledDecode:
     """The compiled segments, the buckets they were built for, and what went wrong if
     anything did (``disabled``: None while compiled steps run)."""
@@ -111,9 +117,9 @@ class CompiledDecode:
                 return
             compiled, eager = (t * 1e3 for t in best_pair(
                 lambda: run_bucket(b, self.segments), lambda: run_bucket(b, EAGER),
-                retry_if=lambda c, e: c > e * SLOWER_MARGIN))
+                retry_if=_slower))
             self.timings[b] = (compiled, eager)
-            slower = compiled > eager * SLOWER_MARGIN
+            slower = _slower(compiled, eager)
             if slower:
                 self.slower.add(b)
             log.info("compiled decode step %d/%d (batch %d) in %.1fs: %.1f ms vs %.1f ms eager%s",

@@ -73,8 +73,8 @@ def select_paths(model: nn.Module, report: QuantReport, forced: int | None) -> N
     report.paths = choose_paths(layers, forced)
     for (kind, n, k, g, dt, dev), (rows, table) in report.paths.items():
         if not table:
-            log.info("quant %s [%d,%d] %s: dense (%s has no vectorised packed kernel)",
-                     kind, n, k, dt, dev)
+            log.info("quant %s [%d,%d] %s: dense, not timed (no vectorised packed kernel "
+                     "for this dtype on %s)", kind, n, k, dt, dev)
             continue
         cells = " ".join(f"M{m}:{tp:.0f}/{td:.0f}" for m, tp, td in table)
         log.info("quant %s [%d,%d] %s: packed kernel up to %d rows (us packed/dense %s)",
