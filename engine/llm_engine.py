@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, Sequence
 
+from engine.aborts import AbortMemory
 from engine.config import EngineConfig
 from engine.guided.compiler import GrammarCompiler
 from engine.quant.base import resolve_method
@@ -120,6 +121,8 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.held: dict[str, list[int]] = {}
         """Block tables of finished prefill_only requests, kept for a KV handoff."""
+        self.aborts = AbortMemory()
+        """Aborts of ids not (yet) here: their requests are refused when they arrive."""
         self.handoff = handoff
         self.num_computed_tokens_total = 0
         """Tokens run through the model since start (tests assert prefix-cache savings)."""
@@ -163,6 +166,7 @@ class LLMEngine:
         rid = req.request_id
         if rid in self.requests or rid in self.held:
             raise DuplicateRequestError(f"request_id {rid!r} is already in use on this worker")
+        self.aborts.check_admission(rid)
         self.outputs.register(req)
         self.requests[rid] = req
         self.scheduler.add(req)
@@ -180,9 +184,11 @@ class LLMEngine:
         no-op (None). A request whose blocks a pull is writing (WAITING_FOR_KV) only
         finishes when the pull ends (``end_pull``), unless the caller is the pull's
         owner and says no pull is in flight (owner=True)."""
-        self.release_held(request_id)
+        freed = self.release_held(request_id)
         req = self.requests.get(request_id)
         if req is None:
+            if not freed:  # it may still be on its way here: refused when it comes
+                self.aborts.aborted_unknown(request_id)
             return None
         if req.status is RequestStatus.WAITING_FOR_KV and not owner:
             req.abort_pending = True
@@ -295,6 +301,7 @@ class LLMEngine:
 
     def _finish(self, req: Request, reason: FinishReason, error: str | None = None) -> RequestOutput:
         self.requests.pop(req.request_id, None)
+        self.aborts.ended(req.request_id)
         self.scheduler.remove(req)
         out = self.outputs.finish(req, reason, error)
         out.spec = req.spec.summary() if req.spec is not None else None
@@ -304,6 +311,7 @@ class LLMEngine:
         """A request finished: free it, or (a finished prefill_only request) keep its
         block table in ``held`` for the handoff and return it."""
         self.requests.pop(req.request_id, None)
+        self.aborts.ended(req.request_id)
         self.stats.preempted_seconds += req.preempted_seconds
         ids = None
         if req.prefill_only and req.finish_reason is None:

@@ -23,6 +23,11 @@ class DuplicateRequestError(ValueError):
     blocks for a handoff). Ids are keys: a second request under one is refused."""
 
 
+class AbortedBeforeArrival(RuntimeError):
+    """An Abort for this request id reached the engine before the request did (the
+    caller gave up while its call was on the wire, engine/aborts.py): it is not run."""
+
+
 @dataclass(frozen=True)
 class RemoteAdmission:
     """A request whose leading prompt KV arrives from another worker (decode side)."""

@@ -31,13 +31,14 @@ from typing import Any, Callable, Sequence
 from engine.config import ModelConfig, dtype_name
 from engine.kv_cache import BlockHash, KVEvent
 from engine.llm_engine import LLMEngine
-from engine.request import (DuplicateRequestError, FinishReason, RemoteReservation, Request,
-                            RequestOutput)
+from engine.request import (AbortedBeforeArrival, DuplicateRequestError, FinishReason,
+                            RemoteReservation, Request, RequestOutput)
 from engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DuplicateRequestError", "EngineDead", "EngineInfo", "EngineLoad", "EngineWorker"]
+__all__ = ["AbortedBeforeArrival", "DuplicateRequestError", "EngineDead", "EngineInfo",
+           "EngineLoad", "EngineWorker"]
 
 
 class EngineDead(RuntimeError):
@@ -152,7 +153,7 @@ class EngineWorker:
 
     async def add(self, req: Request, prefill_only: bool = False) -> asyncio.Queue[RequestOutput]:
         """Queue a request; returns its output queue. DuplicateRequestError when the id
-        is live here."""
+        is live here, AbortedBeforeArrival when an Abort for it came first."""
         req.prefill_only = prefill_only
         q = self._open(req.request_id)
         try:

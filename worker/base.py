@@ -13,7 +13,8 @@ from auth.secret import load_cluster_secret
 from engine.kv_cache.layout import scale_layout
 from engine.llm_engine import Handoff, LLMEngine
 from engine.request import RequestOutput
-from engine.worker_api import DuplicateRequestError, EngineDead, EngineLoad, EngineWorker
+from engine.worker_api import (AbortedBeforeArrival, DuplicateRequestError, EngineDead, EngineLoad,
+                               EngineWorker)
 from kvtransfer.base import CompatRecord
 from proto import common_pb2 as common
 from worker.config import WorkerConfig
@@ -161,10 +162,13 @@ class WorkerBase:
         self.metrics.labelled(self.metrics.requests, finish_reason=reason).inc()
 
     async def admission_error(self, context: grpc.aio.ServicerContext, error: Exception) -> None:
-        """Answer a request the engine refused: ALREADY_EXISTS for a live id,
-        UNAVAILABLE when the engine is down, INVALID_ARGUMENT otherwise."""
+        """Answer a request the engine refused: ALREADY_EXISTS for a live id, CANCELLED
+        when an Abort for its id came first, UNAVAILABLE when the engine is down,
+        INVALID_ARGUMENT otherwise."""
         if isinstance(error, DuplicateRequestError):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(error))
+        if isinstance(error, AbortedBeforeArrival):
+            await context.abort(grpc.StatusCode.CANCELLED, str(error))
         if isinstance(error, EngineDead):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.worker_id}: {error}")
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))

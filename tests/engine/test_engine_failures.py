@@ -11,7 +11,9 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.request import DuplicateRequestError, FinishReason, RequestStatus
+from engine.aborts import AbortMemory
+from engine.request import (AbortedBeforeArrival, DuplicateRequestError, FinishReason,
+                            RequestStatus)
 from engine.sampling import SamplingParams
 from engine.worker_api import EngineDead, EngineWorker
 
@@ -83,6 +85,54 @@ def test_duplicate_ids_are_refused_at_admission(tiny_model_dir) -> None:
         eng.add_request(_prompt(20), GREEDY, request_id="held")
     assert eng.abort("held", owner=True) is None and not eng.held
     eng.leak_check()
+
+
+def test_an_abort_that_overtakes_its_request_refuses_it(tiny_model_dir) -> None:
+    """Chaos run 22: the router's Abort reached the prefill worker before the Prefill
+    it had cancelled, which then ran and leased its blocks to nobody for the lease's
+    30 s. An Abort of an unknown id is remembered; the request arriving under it is
+    refused, once; an Abort just after a request ended is not remembered."""
+    eng = _engine(tiny_model_dir)
+    assert eng.abort("early", owner=True) is None
+    with pytest.raises(AbortedBeforeArrival, match="'early' was aborted before it arrived"):
+        eng.add_request(_prompt(20), GREEDY, request_id="early", prefill_only=True)
+    assert not eng.requests and not eng.held and not eng.has_unfinished()
+    eng.add_request(_prompt(20), GREEDY, request_id="early")  # the memory is used up
+    eng.add_request(_prompt(20), GREEDY, request_id="done")
+    _drain(eng)
+    assert eng.abort("done") is None  # a late Abort of a finished request
+    eng.add_request(_prompt(20), GREEDY, request_id="done")  # the id may be reused
+    _drain(eng)
+    eng.add_request(_prompt(20), GREEDY, request_id="held", prefill_only=True)
+    _drain(eng)
+    eng.release_held("held")
+    eng.abort("held")  # late, after the handoff ended
+    eng.add_request(_prompt(20), GREEDY, request_id="held", prefill_only=True)
+    _drain(eng)
+    eng.release_held("held")
+    assert len(eng.aborts) == 0
+    eng.leak_check()
+
+
+def test_the_memory_of_early_aborts_is_bounded_in_time_and_size() -> None:
+    now = [0.0]
+    mem = AbortMemory(remember_s=60.0, capacity=3, clock=lambda: now[0])
+    mem.aborted_unknown("old")
+    now[0] = 61.0
+    mem.check_admission("old")  # too late to be the same request: served
+    for rid in ("a", "b", "c", "d"):
+        mem.aborted_unknown(rid)
+    assert len(mem) == 3
+    mem.check_admission("a")  # the oldest went first
+    with pytest.raises(AbortedBeforeArrival):
+        mem.check_admission("d")
+    for i in range(5):
+        mem.ended(f"e{i}")
+    mem.aborted_unknown("e0")  # forgotten as ended (capacity 3): remembered as early
+    mem.aborted_unknown("e4")  # just ended: not remembered
+    with pytest.raises(AbortedBeforeArrival):
+        mem.check_admission("e0")
+    mem.check_admission("e4")
 
 
 def test_bad_resumed_output_ids_are_refused(tiny_model_dir) -> None:

@@ -177,6 +177,34 @@ def test_an_abort_between_the_hold_and_the_reply_leases_nothing(tiny_model_dir) 
     _run(body())
 
 
+def test_an_abort_that_overtakes_its_call_leaves_nothing_behind(tiny_model_dir) -> None:
+    """Chaos run 22: a client hung up during its Prefill; the router cancelled the call
+    and sent Abort, and the worker ran the Abort first (an unknown id: nothing done),
+    then the Prefill, whose cancellation had not reached the handler: it leased its
+    blocks to nobody until the lease expired 30 s later. Now the late call is refused
+    (CANCELLED, naming the id) on either pool, and nothing is held."""
+    async def body():
+        async with services(tiny_model_dir) as (p, d, ps, ds):
+            assert not (await ps.Abort(common_pb2.AbortRequest(request_id="gone"))).aborted
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await _prefill(ps, "gone", _prompt(40, 11))
+            assert e.value.code() == grpc.StatusCode.CANCELLED
+            assert "'gone' was aborted before it arrived" in e.value.details()
+            assert p.leases.active() == 0
+            assert not (await ds.Abort(common_pb2.AbortRequest(request_id="gone-d"))).aborted
+            req = decode_pb2.GenerateRequest(request_id="gone-d", prompt_token_ids=_prompt(20, 4),
+                                             sampling=sampling(8))
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                async for _ in ds.Generate(req, timeout=BOUND_S):
+                    pass
+            assert e.value.code() == grpc.StatusCode.CANCELLED
+            # the next request under the id is served (the memory is used up)
+            assert (await _prefill(ps, "gone", _prompt(40, 11))).HasField("kv_handle")
+            await p.engine.release_held("gone")
+            await leak_check(p, d)
+    _run(body())
+
+
 def test_abort_ends_the_callers_stream(tiny_model_dir, slow_steps) -> None:
     """Finding 11: Abort of a running request ends its Generate stream with
     finish_reason "abort" (the stream used to wait forever)."""
