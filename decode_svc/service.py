@@ -171,7 +171,7 @@ class DecodeService(WorkerBase, pb_grpc.DecodeServicer):
         """Pull the missing blocks and release the lease. True when the KV arrived.
         Cancelled: waits for the read to stop before re-raising."""
         if not res.fill:  # everything was cached here: only the lease to drop
-            await _quiet_release(peer, handle)
+            trace.lease_ended = await _quiet_release(peer, handle)
             return True
         plan = ReadPlan(handle.request_id, handle.epoch,
                         [handle.block_ids[i] for i, _ in res.fill], [b for _, b in res.fill],
@@ -187,6 +187,7 @@ class DecodeService(WorkerBase, pb_grpc.DecodeServicer):
             log.warning("pull of %s failed (%s); recomputing", handle.request_id, e)
             self.peers.invalidate(peer)
             return self._fallback(trace, "transfer_failed")
+        trace.lease_ended = done.lease_ended
         if done.state is not TransferState.DONE:
             log.warning("pull of %s ended %s (%s); recomputing", handle.request_id,
                         done.state.name, done.error)
@@ -247,8 +248,12 @@ class DecodeService(WorkerBase, pb_grpc.DecodeServicer):
         return common.AbortReply(aborted=await self.engine.abort(request.request_id))
 
 
-async def _quiet_release(peer: Peer, handle: SourceBlocks) -> None:
+async def _quiet_release(peer: Peer, handle: SourceBlocks) -> bool:
+    """Release the handle's lease; True when the source answered (the lease is over)."""
     try:
-        await peer.client.release(handle.request_id, handle.epoch, handle.lease_token)
-    except Exception as e:  # noqa: BLE001 - the lease will expire on its own
+        _, reason = await peer.client.release(handle.request_id, handle.epoch,
+                                              handle.lease_token)
+        return reason != "unauthorized"
+    except Exception as e:  # noqa: BLE001 - the router ends the lease (trace.lease_ended)
         log.warning("release of %s failed: %s", handle.request_id, e)
+        return False

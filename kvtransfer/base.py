@@ -280,6 +280,9 @@ class ReadHandle:
     finished_at: float | None = None
     impl: Any = field(default=None, repr=False)
     """Backend-private state (xfer handle, future, socket)."""
+    lease_ended: bool = False
+    """Set by ``KVLinkClient.pull``: the source answered the Release (whatever it said,
+    the lease is over)."""
 
     @property
     def seconds(self) -> float | None:

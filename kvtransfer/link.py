@@ -191,6 +191,7 @@ class KVLinkClient:
             await _poll_until_done(reader, handle, time.monotonic() + timeout_s)
         finally:
             released, reason = await self._release_quietly(plan)
+        handle.lease_ended = reason not in ("", "unauthorized")  # "": no answer
         if handle.state is TransferState.DONE and not released and not reader.confirms_lease:
             if reason:
                 handle.finish(TransferState.EXPIRED, LeaseError(

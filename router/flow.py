@@ -211,7 +211,10 @@ class RequestFlow:
             async for chunk in decode.stub.Generate(gen, timeout=req.remaining()):
                 if chunk.HasField("trace"):
                     _absorb(trace, chunk.trace)
-                    req.held.forget_role("prefill")  # the decode worker released the lease
+                    if chunk.trace.lease_ended:  # the decode worker released the lease
+                        req.held.forget_role("prefill")
+                    else:  # it did not (or could not): end it now, not at its expiry
+                        req.held.abort_role_soon("prefill")
                 if chunk.HasField("spec"):
                     trace.spec_proposed_tokens += chunk.spec.proposed_tokens
                     trace.spec_accepted_tokens += chunk.spec.accepted_tokens
@@ -278,17 +281,37 @@ class _Held:
     def forget(self, worker: Worker) -> None:
         self._ids.pop(worker, None)
 
-    def forget_role(self, role: str) -> None:
-        for w in [w for w in self._ids if w.role == role]:
+    def forget_role(self, role: str) -> dict[Worker, str]:
+        gone = {w: wid for w, wid in self._ids.items() if w.role == role}
+        for w in gone:
             del self._ids[w]
+        return gone
+
+    def abort_role_soon(self, role: str) -> None:
+        """Abort what the role's workers hold, in the background (the stream goes on)."""
+        held = self.forget_role(role)
+        if held:
+            task = asyncio.ensure_future(_abort(held))
+            _ABORTING.add(task)
+            task.add_done_callback(_ABORTING.discard)
 
     async def abort_all(self) -> None:
         held, self._ids = self._ids, {}
-        for w, wid in held.items():
-            try:
-                await w.stub.Abort(common.AbortRequest(request_id=wid), timeout=2.0)
-            except grpc.aio.AioRpcError as e:
-                log.warning("abort of %s on %s failed: %s", wid, w.name, e.details())
+        await _abort(held)
+
+
+_ABORTING: set[asyncio.Task] = set()
+"""Background aborts in flight (a reference each, so none is collected unfinished)."""
+
+
+async def _abort(held: dict[Worker, str]) -> None:
+    """Abort each worker-level id on its worker (a failure is logged: the worker frees
+    it at its lease's expiry, or it is gone)."""
+    for w, wid in held.items():
+        try:
+            await w.stub.Abort(common.AbortRequest(request_id=wid), timeout=2.0)
+        except grpc.aio.AioRpcError as e:
+            log.warning("abort of %s on %s failed: %s", wid, w.name, e.details())
 
 
 def _failure(worker: Worker, e: grpc.aio.AioRpcError, req: _Request) -> Exception:

@@ -9,12 +9,15 @@ import time
 import pytest
 import torch
 
-from kvtransfer.base import (KVCompatError, LeaseError, PeerId, ReadPlan, SourceInfo,
-                             TransferState, get_backend)
+from kvtransfer.base import (KVCompatError, LeaseError, PeerId, ReadHandle, ReadPlan,
+                             SourceInfo, TransferState, get_backend)
+from kvtransfer.link import KVLinkClient
 from kvtransfer.tcp import recv_frame, send_frame
 from proto import kv_link_pb2 as pb
-from tests.kvtransfer.utils import (Dest, SourceProcess, assert_blocks_copied, handshake,
-                                    handshake_and_pull, plan_for, release, start_dying_source)
+from tandem.process import free_port
+from tests.kvtransfer.utils import (TEST_SECRET, Dest, SourceProcess, assert_blocks_copied,
+                                    handshake, handshake_and_pull, plan_for, release,
+                                    start_dying_source)
 
 
 @pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -48,8 +51,34 @@ def test_read_subset_cross_process(source: SourceProcess, reader) -> None:
                                             plan_for(blocks, local)))
     assert handle.state is TransferState.DONE, handle.error
     assert_blocks_copied(reader.dest.kv, reader.dest.before, source.kv, handle.plan)
-    assert source.active() == 0
+    assert source.active() == 0 and handle.lease_ended
     assert set(blocks.block_ids) <= set(source.freed())
+
+
+def test_a_release_that_does_not_get_through_leaves_the_lease_unended() -> None:
+    """The pull's Release goes to a source that no longer answers: the read's bytes
+    stand (a tcp read checks the lease itself) but lease_ended stays False, so the
+    caller knows the lease is still the source's to end (the router aborts it)."""
+    class Done:
+        confirms_lease = True
+
+        def start_read(self, peer, plan):
+            h = ReadHandle(peer, plan, 0)
+            h.finish(TransferState.DONE)
+            return h
+
+        def poll(self, handle):
+            return handle.state
+
+    async def body():
+        client = KVLinkClient(f"127.0.0.1:{free_port()}", "test-reader", TEST_SECRET,
+                              rpc_timeout_s=2.0)
+        try:
+            return await client.pull(Done(), None, ReadPlan("r", 1, (0,), (1,)), timeout_s=5)
+        finally:
+            await client.close()
+    handle = asyncio.run(body())
+    assert handle.state is TransferState.DONE and not handle.lease_ended
 
 
 def test_parallel_reads_and_second_read_of_a_lease(source: SourceProcess, reader) -> None:

@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from engine.sampling import SamplingParams
-from proto import common_pb2, decode_pb2
+from proto import common_pb2, decode_pb2, kv_link_pb2, prefill_pb2
 from router.config import RouterConfig
 from router.flow import RequestFlow, Trace
 from router.outcomes import WorkerError
@@ -111,4 +111,58 @@ def test_the_trace_carries_the_decode_workers_speculation() -> None:
         got = json.loads(trace.json())
         assert (got["spec_proposed_tokens"], got["spec_accepted_tokens"],
                 got["spec_verifications"]) == (6, 2, 2)
+    asyncio.run(body())
+
+
+class FakePrefill:
+    def __init__(self) -> None:
+        self.aborts: list[str] = []
+
+    async def Prefill(self, req, timeout):
+        reply = prefill_pb2.PrefillResponse(request_id=req.request_id, first_token=4)
+        reply.kv_handle.CopyFrom(kv_link_pb2.KVHandle(request_id=req.request_id, num_tokens=3))
+        return reply
+
+    async def Abort(self, req, timeout):
+        self.aborts.append(req.request_id)
+        return common_pb2.AbortReply(aborted=True)
+
+
+class HandoffDecode(FakeDecode):
+    """A decode worker whose first chunk says whether it ended the prefill's lease, and
+    that finishes only after the router has had time to act on it."""
+
+    def __init__(self, lease_ended: bool) -> None:
+        super().__init__(None)
+        self.lease_ended = lease_ended
+
+    async def _stream(self, req):
+        yield decode_pb2.GenerateChunk(token_ids=[5], trace=decode_pb2.KVTrace(
+            lease_ended=self.lease_ended, fallback="" if self.lease_ended else "unknown_peer"))
+        await asyncio.sleep(0.2)
+        yield decode_pb2.GenerateChunk(token_ids=[6], finished=True, finish_reason="length")
+
+
+@pytest.mark.parametrize("lease_ended", [True, False])
+def test_a_lease_the_decode_worker_did_not_end_is_ended_by_the_router(lease_ended) -> None:
+    """A decode worker that recomputes without releasing the handle's lease (a source
+    its peer list lacks, one it cannot reach or authenticate, a Release that did not
+    get through) said so only as a fallback, and the router forgot the prefill worker:
+    its blocks stayed leased until expiry (30 s). Now the router aborts it at once,
+    while the stream goes on."""
+    async def body():
+        prefill, decode = FakePrefill(), HandoffDecode(lease_ended)
+        workers = [Worker("127.0.0.1:9100", "prefill", None, prefill, healthy=True),
+                   Worker("127.0.0.1:9101", "decode", None, decode, healthy=True)]
+        cfg = RouterConfig(local_prefill_threshold=0, routing="round_robin")
+        flow = RequestFlow(cfg, Tok(), FakePool(workers))
+        deltas = flow.run([1, 2, 3, 4], SamplingParams(max_tokens=3), 0, "rid",
+                          deadline=time.monotonic() + 10)
+        seen = []
+        async for d in deltas:
+            seen.append((d.token_ids, list(prefill.aborts)))
+        assert [t for t, _ in seen] == [[4], [5], [6]]
+        # before the last chunk the prefill's lease was aborted, or left to its release
+        assert seen[-1][1] == ([] if lease_ended else ["rid-0"])
+        assert prefill.aborts == ([] if lease_ended else ["rid-0"])  # once, not again
     asyncio.run(body())

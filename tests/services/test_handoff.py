@@ -35,6 +35,7 @@ def test_disagg_equals_colocated_and_moves_only_missing_blocks(tiny_model_dir, r
             assert toks_a == reference(a)
             t = chunks_a[0].trace
             assert (t.blocks_pulled, t.bytes_pulled, t.fallback) == (5, 5 * bb, "")
+            assert t.lease_ended and p.leases.active() == 0  # released, and it says so
             toks_b, chunks_b = await disagg(ps, ds, "b", b, sampling())
             assert toks_b == reference(b)
             t = chunks_b[0].trace
@@ -58,6 +59,7 @@ def test_expired_lease_makes_decode_recompute(tiny_model_dir, reference) -> None
             toks, chunks = await generate(ds, "x", prompt, [r.first_token], sampling(),
                                           r.kv_handle)
             assert chunks[0].trace.fallback in ("lease_expired", "transfer_failed")
+            assert chunks[0].trace.lease_ended  # the source answered: "expired"
             assert toks == reference(prompt)
             await leak_check(p, d)
     run(body())

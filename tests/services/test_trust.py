@@ -107,6 +107,7 @@ def test_a_handle_naming_an_unknown_endpoint_is_never_dialed(tiny_model_dir, ref
             handle.transfer_endpoint = f"127.0.0.1:{fake.port}"
             toks, chunks = await _generate_with(ds, "u", first, handle)
             assert chunks[0].trace.fallback == "unknown_peer" and chunks[0].trace.bytes_pulled == 0
+            assert not chunks[0].trace.lease_ended and p.leases.active() == 1  # the router's
             assert toks == reference(PROMPT, 8) and fake.dialed == 0
             await ps.Abort(common_pb2.AbortRequest(request_id="u"))
             m = d.metrics
@@ -129,6 +130,9 @@ def test_a_guessed_or_replayed_lease_token_reads_nothing(tiny_model_dir, referen
                 assert chunks[0].trace.blocks_pulled > 0
             toks, chunks = await _generate_with(ds, "t2", first, handle)
             assert chunks[0].trace.bytes_pulled == 0 and chunks[0].trace.fallback == "lease_expired"
+            # a guessed token ends nothing (the router then aborts); a replayed one's
+            # lease had ended already
+            assert chunks[0].trace.lease_ended == (forge == "replayed")
             assert toks == reference(PROMPT, 8)
             if forge == "guessed":  # the wrong token could not release the real lease
                 assert p.leases.active() == 1
