@@ -281,8 +281,8 @@ class ReadHandle:
     impl: Any = field(default=None, repr=False)
     """Backend-private state (xfer handle, future, socket)."""
     lease_ended: bool = False
-    """Set by ``KVLinkClient.pull``: the source answered the Release (whatever it said,
-    the lease is over)."""
+    """Set by ``KVLinkClient.pull``: the source answered the Release, so the lease is over
+    (released, expired, a duplicate; not "unauthorized", which ends nothing)."""
 
     @property
     def seconds(self) -> float | None:
