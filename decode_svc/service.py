@@ -29,7 +29,7 @@ from engine.kv_cache import blocks_for
 from engine.request import RemoteReservation, Request
 from kvtransfer.base import (KVAuthError, KVCompatError, ReadPlan, SourceBlocks, TransferState,
                              get_backend)
-from kvtransfer.link import blocks_from_proto
+from kvtransfer.link import blocks_from_proto, ends_lease
 from proto import common_pb2 as common
 from proto import decode_pb2 as pb
 from proto import decode_pb2_grpc as pb_grpc
@@ -253,7 +253,7 @@ async def _quiet_release(peer: Peer, handle: SourceBlocks) -> bool:
     try:
         _, reason = await peer.client.release(handle.request_id, handle.epoch,
                                               handle.lease_token)
-        return reason != "unauthorized"
+        return ends_lease(reason)
     except Exception as e:  # noqa: BLE001 - the router ends the lease (trace.lease_ended)
         log.warning("release of %s failed: %s", handle.request_id, e)
         return False

@@ -55,10 +55,11 @@ class AbortMemory:
         """AbortedBeforeArrival when an Abort for this id came first (the memory of it is
         used up); the id is then free again."""
         at = self._early.pop(request_id, None)
-        if at is not None and self._clock() - at <= self.remember_s:
+        ago = None if at is None else self._clock() - at
+        if ago is not None and ago <= self.remember_s:
             raise AbortedBeforeArrival(
                 f"request {request_id!r} was aborted before it arrived (an Abort for this "
-                f"id came {self._clock() - at:.3f}s earlier); not running it")
+                f"id came {ago:.3f}s earlier); not running it")
 
     def __len__(self) -> int:
         return len(self._early)

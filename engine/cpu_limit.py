@@ -36,5 +36,6 @@ def default_threads(root: Path = CGROUP) -> int | None:
     """Threads for torch when the limit is below the cores this process may use; None
     when torch's own default (those cores) is right."""
     limit = cgroup_cpu_limit(root)
-    threads = None if limit is None else math.ceil(limit)
-    return threads if threads is not None and threads < len(os.sched_getaffinity(0)) else None
+    if limit is None or math.ceil(limit) >= len(os.sched_getaffinity(0)):
+        return None
+    return math.ceil(limit)

@@ -68,6 +68,12 @@ def info_from_proto(m: pb.HandshakeReply) -> SourceInfo:
                       data_host=m.data_host, data_port=m.data_port)
 
 
+def ends_lease(reason: str) -> bool:
+    """Whether a ReleaseReply's reason means the lease is over: any answer but
+    "unauthorized" (a wrong token ends nothing); "" stands for no answer at all."""
+    return reason not in ("", "unauthorized")
+
+
 def blocks_to_proto(b: SourceBlocks) -> pb.KVHandle:
     return pb.KVHandle(worker_id=b.worker_id, transfer_endpoint=b.endpoint,
                        request_id=b.request_id, block_ids=b.block_ids, lease_epoch=b.epoch,
@@ -191,7 +197,7 @@ class KVLinkClient:
             await _poll_until_done(reader, handle, time.monotonic() + timeout_s)
         finally:
             released, reason = await self._release_quietly(plan)
-        handle.lease_ended = reason not in ("", "unauthorized")  # "": no answer
+        handle.lease_ended = ends_lease(reason)
         if handle.state is TransferState.DONE and not released and not reader.confirms_lease:
             if reason:
                 handle.finish(TransferState.EXPIRED, LeaseError(

@@ -47,7 +47,6 @@ def decode_buckets(max_rows: int) -> list[int]:
     return out
 
 
-
 def _slower(compiled: float, eager: float) -> bool:
     """The compiled step lost: its bucket runs eagerly."""
     return compiled > eager * SLOWER_MARGIN
