@@ -64,12 +64,11 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
 
 
 def cpu_has_fast_bf16() -> bool:
-    """True when the CPU has AMX or AVX512-BF16 (bf16 matmuls beat fp32 there)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
+    """True when the CPU has AMX or AVX512-BF16 (bf16 matmuls beat fp32 there), as the
+    capability ceiling lets Tandem see it (engine/native.py)."""
+    from engine.native import cpu_flags
+
+    flags = cpu_flags()
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 

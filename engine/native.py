@@ -8,6 +8,12 @@ Builders take an flock first (the kernel drops it when a builder dies), so a pro
 killed mid-build cannot leave torch's own lock file behind to hang every later start.
 A kernel that cannot be built (no compiler, no headers, a CPU without the ISA) is
 unavailable with its reason, which its caller logs once and reports as a fallback.
+
+$TANDEM_CPU_CAPABILITY (else $ATEN_CPU_CAPABILITY, so one variable caps both ATen's
+dispatch and ours) caps the instruction sets Tandem sees and compiles for: ``avx2``
+hides AVX-512 and AMX (an Intel host then runs what an AVX2-only AMD EPYC runs: int4
+weights on aten's kernel, fp32 by default, the decode kernel built for AVX2),
+``default`` hides AVX as well, ``avx512`` hides AMX. The test suite runs once so.
 """
 from __future__ import annotations
 
@@ -55,7 +61,8 @@ class NativeKernel:
 
         digest = hashlib.sha256(self.source.read_bytes()).hexdigest()[:12]
         root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
-        return Path(root) / "tandem" / f"tandem_{self.name}_{digest}"
+        cap = f"_{cpu_capability()}" if cpu_capability() else ""  # a capped build apart
+        return Path(root) / "tandem" / f"tandem_{self.name}_{digest}{cap}"
 
     def _build(self) -> str | None:
         missing = [f for f in self.needs_cpu_flags if f not in cpu_flags()]
@@ -69,7 +76,7 @@ class NativeKernel:
             t0 = time.monotonic()
             with build_lock(build_dir, BUILD_WAIT_S):
                 load(name=build_dir.name, sources=[str(self.source)], is_python_module=False,
-                     extra_cflags=["-O3", "-march=native", "-fopenmp", *vec_flags()],
+                     extra_cflags=["-O3", march(), "-fopenmp", *vec_flags()],
                      extra_ldflags=["-fopenmp"], build_directory=str(build_dir))
             if time.monotonic() - t0 > 2:
                 log.info("built the %s kernel in %.0f s (once per source version)",
@@ -106,14 +113,47 @@ def build_lock(build_dir: Path, wait_s: float):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+CAPABILITY_ENV = "TANDEM_CPU_CAPABILITY"
+_HIDDEN = {"default": ("avx", "fma", "f16c", "amx"), "avx2": ("avx512", "amx"), "avx512": ("amx",)}
+"""Per capability, the prefixes of the /proc/cpuinfo flags it hides."""
+_MARCH = {"default": "-march=x86-64", "avx2": "-march=x86-64-v3", "avx512": "-march=x86-64-v4"}
+
+
+def cpu_capability() -> str | None:
+    """The ISA ceiling asked for ($TANDEM_CPU_CAPABILITY, else ATen's), None for the
+    CPU's own. A bad value of ours is a ValueError naming it; ATen's other values
+    (zvector, sve, ...) are not x86 ceilings and leave ours alone."""
+    ours = os.environ.get(CAPABILITY_ENV)
+    if ours:
+        if ours.lower() not in _HIDDEN:
+            raise ValueError(f"${CAPABILITY_ENV} must be one of {', '.join(_HIDDEN)}; "
+                             f"got {ours!r}")
+        return ours.lower()
+    aten = os.environ.get("ATEN_CPU_CAPABILITY", "").lower()
+    return aten if aten in _HIDDEN else None
+
+
 def cpu_flags() -> set[str]:
-    """The CPU's feature flags (/proc/cpuinfo; empty where there is none)."""
+    """The CPU's feature flags, less what the capability ceiling hides."""
+    hidden = _HIDDEN.get(cpu_capability() or "", ())
+    return {f for f in _cpuinfo_flags() if not f.startswith(hidden)}
+
+
+def _cpuinfo_flags() -> set[str]:
+    """/proc/cpuinfo's flags (empty where there is none)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return set()
     line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
     return set(line.partition(":")[2].split())
+
+
+def march() -> str:
+    """-march for the kernels: the CPU's own, or the ceiling's baseline when capped (so
+    the compiler does not vectorise with instructions the ceiling hides)."""
+    cap = cpu_capability()
+    return _MARCH[cap] if cap else "-march=native"
 
 
 def vec_flags() -> list[str]:

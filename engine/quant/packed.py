@@ -23,13 +23,14 @@ CPU int8 kernel segfaults when K is not a multiple of 16).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import torch
 
-from engine.native import NativeKernel
+from engine.native import NativeKernel, cpu_flags
 
 PackedKind = Literal["int8", "int4"]
 INT4_GROUP_SIZES = (32, 64, 128, 256)
@@ -48,6 +49,13 @@ INT4_KERNEL = NativeKernel("int4_mm", Path(__file__).parent / "csrc" / "int4_mm.
                            _register_int4_fakes,
                            without="int4 weights multiply with aten's kernel",
                            needs_cpu_flags=("avx512f", "avx512bw", "avx512_bf16"))
+
+
+@functools.cache
+def amx_min_rows() -> int:
+    """INT4_AMX_MIN_ROWS where the CPU, as the capability ceiling shows it, has AMX
+    (engine/native.py); else no call reaches the tiles."""
+    return INT4_AMX_MIN_ROWS if "amx_bf16" in cpu_flags() else 2**62
 
 
 class UnpackableWeight(ValueError):
@@ -87,7 +95,7 @@ class PackedWeight:
             return torch.ops.aten._weight_int8pack_mm(x, self.data, self.scales)
         if self.layout == "tiles":
             return torch.ops.tandem.int4_mm(x, self.data, self.scales, self.group_size,
-                                            INT4_AMX_MIN_ROWS)
+                                            amx_min_rows())
         if x.device.type == "cuda":
             return torch.ops.aten._weight_int4pack_mm(x, self.data, self.group_size, self.scales)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.data, self.group_size,

@@ -206,19 +206,45 @@ def test_int8_prefix_cache_hit_gives_the_same_tokens(tiny_model_dir) -> None:
     eng.leak_check()
 
 
-@pytest.mark.slow
-def test_int8_kv_keeps_a_pass_key_across_1900_tokens(model_path) -> None:
-    """Long context (bench/kv_quant.py's check): the pass key stated in the first line,
-    ~1,900 tokens of documentation, then the question: int8 KV answers it (bf16 KV does
-    too: the benchmark prints both)."""
-    from bench.kv_quant import ANSWER, long_context_prompt
-    from engine.llm_engine import LLMEngine
+NEAR_TIE = 0.25
+"""A reference pick whose top-2 logprob margin is below this (nats) may go either way
+under any change of rounding (a CPU's kernels, a KV format): past it, two greedy runs
+may part without either being wrong."""
+
+
+def _greedy(eng, ids: list[int], n: int) -> tuple[list[int], list[float]]:
+    """n greedy tokens and, at each, the margin between the model's top two logprobs."""
     from engine.sampling import SamplingParams
 
-    eng = LLMEngine(EngineConfig(model=str(model_path), kv_cache_dtype="int8", compile=False,
-                                 max_model_len=2560, num_kv_blocks=200))
-    ids = long_context_prompt(eng, 1900, 20000)
-    assert len(ids) > 1900
-    out = eng.generate([ids], SamplingParams(max_tokens=6, temperature=0))[0]
-    assert ANSWER in eng.tokenizer.decode(out.token_ids), out.token_ids
-    eng.leak_check()
+    eng.add_request(ids, SamplingParams(max_tokens=n, temperature=0, logprobs=2,
+                                        ignore_eos=True))
+    tokens, margins = [], []
+    while eng.has_unfinished():
+        for out in eng.step():
+            tokens += out.new_token_ids
+            margins += [lp.top[0][1] - lp.top[1][1] for lp in out.logprobs]
+    return tokens, margins
+
+
+@pytest.mark.slow
+def test_int8_kv_answers_as_the_unquantized_cache_across_1900_tokens(model_path) -> None:
+    """Long context (bench/kv_quant.py's pass-key prompt, ~1,900 tokens): int8 KV gives
+    the unquantized cache's greedy tokens on the same machine, token for token up to a
+    near-tie of the reference. Whether the 135M model finds the key at all depends on
+    the CPU's rounding (an AVX-512 bf16 host answers 71432; an AVX2 one, in fp32, does
+    not, with any KV format), so that is the benchmark's figure, not this test's."""
+    from bench.kv_quant import long_context_prompt
+    from engine.llm_engine import LLMEngine
+
+    runs = {}
+    for kv_dtype in ("auto", "int8"):
+        eng = LLMEngine(EngineConfig(model=str(model_path), kv_cache_dtype=kv_dtype,
+                                     compile=False, max_model_len=2560, num_kv_blocks=200))
+        ids = long_context_prompt(eng, 1900, 20000)
+        assert len(ids) > 1900
+        runs[kv_dtype] = _greedy(eng, ids, 6)
+        eng.leak_check()
+    (ref, margins), (got, _) = runs["auto"], runs["int8"]
+    assert len(got) == len(ref) == 6
+    parted = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), None)
+    assert parted is None or margins[parted] < NEAR_TIE, (ref, got, margins)
