@@ -13,6 +13,8 @@ from typing import Sequence
 PRIORITY_MIN = -(2**31)
 PRIORITY_MAX = 2**31 - 1
 """Priorities travel as int32 (lower = more important)."""
+MAX_TOP_K = 2**31 - 1
+"""top_k travels as uint32; any value at or above the vocabulary means every token."""
 MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256

@@ -8,6 +8,7 @@ Streaming needs text per token, which is what ``IncrementalDetokenizer`` does.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -137,6 +138,12 @@ class Tokenizer:
         probe = backend.encode("", add_special_tokens=True).ids
         # What the pipeline does, not what a flag claims: the post-processor decides.
         self.add_bos: bool = bool(probe) and probe[0] == self.bos_token_id
+
+    @functools.cached_property
+    def longest_token_chars(self) -> int:
+        """The most characters one token's text can hold (its vocabulary entry's length
+        bounds it), so a text of n characters takes at least n / this many tokens."""
+        return max(map(len, self.backend.get_vocab(with_added_tokens=True)), default=1)
 
     def _id_of(self, token: str | None) -> int | None:
         return None if token is None else self.backend.token_to_id(token)

@@ -68,6 +68,13 @@ class RouterConfig:
     """Serve /docs, /redoc and /openapi.json (behind the API key when keys are set)."""
     max_body_bytes: int = 8 * 1024 * 1024
     """Largest request body accepted (413 beyond)."""
+    max_connections: int = 1024
+    """Client connections held at once; one beyond gets 429 with Retry-After and is closed."""
+    read_timeout_s: float = 30.0
+    """Seconds a client has to send a request's head, and again its body (408 after)."""
+    write_timeout_s: float = 30.0
+    """Seconds one write of a response may wait for a client that does not read it;
+    after that the request is ended (everything it holds freed) and the connection closed."""
     log_requests: str | None = None
     """Append one JSON line per finished request (its trace) to this file."""
     cluster_secret_file: str | None = None
@@ -80,9 +87,12 @@ class RouterConfig:
         DISCOVERY.check(self.discovery)
         if self.routing not in ("prefix", "round_robin"):
             raise ValueError(f"--routing must be prefix or round_robin, got {self.routing!r}")
-        for name in ("max_inflight", "max_queue", "max_body_bytes"):
+        for name in ("max_inflight", "max_queue", "max_body_bytes", "max_connections"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("read_timeout_s", "write_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
         if self.local_prefill_threshold is not None and self.local_prefill_threshold < 0:
             raise ValueError(f"--local-prefill-threshold must be >= 0 (or none: always "
                              f"local), got {self.local_prefill_threshold}")

@@ -14,8 +14,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.guided.spec import GuidedSpec
-from engine.limits import (MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_TOOLS, PRIORITY_MAX,
-                           PRIORITY_MIN)
+from engine.limits import (MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_TOOLS, MAX_TOP_K,
+                           PRIORITY_MAX, PRIORITY_MIN)
 from engine.sampling import SamplingParams
 
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
@@ -63,7 +63,7 @@ class _Common(_Strict):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0, le=2)
     top_p: float = Field(default=1.0, gt=0, le=1)
-    top_k: int = Field(default=0, ge=0)
+    top_k: int = Field(default=0, ge=0, le=MAX_TOP_K)
     min_p: float = Field(default=0.0, ge=0, le=1)
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)

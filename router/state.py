@@ -14,12 +14,19 @@ from router.admission import Admission
 from router.config import RouterConfig
 from router.discovery.base import Discovery
 from router.flow import RequestFlow
+from router.http.offload import EdgeWork
 from router.metrics import RouterMetrics
 from router.workers import WorkerPool
 
 log = logging.getLogger(__name__)
 DISCOVERY_WAIT_S = 10.0
 """How long start-up waits for discovery's first list of workers."""
+PARSING_THREADS = 2
+CONSTRAINT_THREADS = 2
+CONSTRAINT_BACKLOG = 64
+"""Requests whose constraints may wait for or be in a check at once (429 beyond): each
+can take up to the compile and search budgets (engine/guided), so a long queue of them
+is a long wait."""
 
 
 @dataclass
@@ -31,6 +38,10 @@ class RouterState:
     flow: RequestFlow
     metrics: RouterMetrics
     admission: Admission
+    parsing: EdgeWork
+    """Parsing, tokenizing and checking requests, off the event loop (router/http/offload.py)."""
+    constraints: EdgeWork
+    """Checking and compiling output constraints, apart from the rest."""
     request_log: TextIO | None = None
     """Where each finished request's trace goes (--log-requests), one JSON line each."""
 
@@ -48,6 +59,8 @@ async def running_state(config: RouterConfig, discovery: Discovery, secret: byte
             first.set()
 
     watcher = asyncio.create_task(follow())
+    parsing = EdgeWork("parsing", PARSING_THREADS, config.max_connections)  # one per request
+    constraints = EdgeWork("constraint", CONSTRAINT_THREADS, CONSTRAINT_BACKLOG)
     log_file = open(config.log_requests, "a", buffering=1) if config.log_requests else None
     try:
         try:
@@ -61,8 +74,11 @@ async def running_state(config: RouterConfig, discovery: Discovery, secret: byte
             config=config, tokenizer=tok, pool=pool, flow=RequestFlow(config, tok, pool),
             model_name=config.model_name or Path(config.model).name.removesuffix(".gguf"),
             metrics=RouterMetrics(), request_log=log_file,
-            admission=Admission(config.max_inflight, config.max_queue, pool.has_decode_room))
+            admission=Admission(config.max_inflight, config.max_queue, pool.has_decode_room),
+            parsing=parsing, constraints=constraints)
     finally:
+        parsing.close()
+        constraints.close()
         watcher.cancel()
         await asyncio.gather(watcher, return_exceptions=True)
         await pool.stop()

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from engine.guided.compiler import check_schema
 from engine.guided.spec import JSON_OBJECT_SCHEMA, GuidedSpec
+from engine.limits import MAX_GUIDED_CHARS
 from router.http.errors import APIError
 from router.openai_api import NamedToolChoice, ResponseFormat
 from router.tools import ToolPlan
@@ -113,6 +114,10 @@ def tool_plan(body) -> ToolPlan | None:
     if not tools:
         raise _bad("tool_choice", f"{_choice_name(choice)} needs tools, and none are given")
     functions = [t.function.model_dump(exclude_none=True) for t in tools]
+    size = sum(len(json.dumps(f.get("parameters") or {})) for f in functions)
+    if size > MAX_GUIDED_CHARS:  # checked before any schema: the grammar could not take them
+        raise _bad("tools", f"the tools' parameter schemas take {size} characters; at most "
+                            f"{MAX_GUIDED_CHARS} (they become one grammar)")
     names = [f["name"] for f in functions]
     for i, f in enumerate(functions):
         if names.index(f["name"]) != i:

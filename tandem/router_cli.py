@@ -29,9 +29,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
 
 
 def run_router(config: RouterConfig, log_level: str = "warning") -> None:
-    import uvicorn
-
     from router.app import create_app
+    from router.http.server import serve
 
-    uvicorn.run(create_app(config), host=config.host, port=config.port, loop="uvloop",
-                log_level=log_level.lower(), timeout_graceful_shutdown=5)
+    serve(create_app(config), config, log_level)

@@ -11,7 +11,7 @@ from typing import Any
 
 from engine.guided.spec import GuidedSpec
 from engine.limits import (GREEDY_TEMPERATURE, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
-                           MAX_STOP_TOKEN_IDS)
+                           MAX_STOP_TOKEN_IDS, MAX_TOP_K)
 
 MAX_LOGPROBS = 20
 """Most top alternatives a request may ask for (OpenAI's limit)."""
@@ -78,7 +78,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, 1)
         _check_float("temperature", self.temperature, 0.0, 2.0)
-        _check_int("top_k", self.top_k, 0)
+        _check_int("top_k", self.top_k, 0, MAX_TOP_K)
         _check_float("top_p", self.top_p, 0.0, 1.0, lo_open=True)
         _check_float("min_p", self.min_p, 0.0, 1.0)
         _check_float("repetition_penalty", self.repetition_penalty, 0.0, 2.0, lo_open=True)

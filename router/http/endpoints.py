@@ -9,7 +9,6 @@ flow aborts what its workers hold, and the request is accounted exactly once.
 """
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from contextlib import AsyncExitStack
@@ -21,15 +20,13 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import generate_latest
 
 from engine.kv_cache import blocks_for
-from engine.limits import check_priority, check_prompt
 from router.flow import Delta, Trace
 from router.http.errors import APIError
+from router.http.intake import Intake, Reader
 from router.http.render import LogprobFormat, ResponseShape
-from router.openai_api import ChatCompletionRequest, CompletionRequest
 from router.outcomes import DeadlineExceeded, NoWorkerError, QueueFull, WorkerError
 from router.state import RouterState
-from router.structured import Constraint, constraint_of
-from router.tools import ToolCallText, ToolPlan, template_messages
+from router.tools import ToolCallText
 
 FLOW_ERRORS = (NoWorkerError, WorkerError, DeadlineExceeded, QueueFull)
 
@@ -85,71 +82,44 @@ class Endpoints:
                                             "created": 0, "owned_by": "tandem"}]}
 
     # -- completions ------------------------------------------------------------------
-    async def completions(self, body: CompletionRequest, request: Request) -> Response:
-        tok = self.state.tokenizer
-        if isinstance(body.prompt, str):  # tokenizing is CPU work: off the event loop
-            ids = await asyncio.to_thread(tok.encode, body.prompt)
-        else:
-            ids = list(body.prompt)
+    async def completions(self, request: Request) -> Response:
+        rid = f"cmpl-{uuid.uuid4().hex}"
         try:
-            constraint = constraint_of(body)
+            intake = await Reader(self.state).completion(request)
         except APIError as e:
-            return e.response(_echo(request, ""))
-        return await self._serve(request, body, ids, chat=False, logprobs=body.logprobs,
-                                 constraint=constraint)
+            return e.response(_echo(request, rid))
+        return await self._serve(request, intake, rid)
 
-    async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
-        if body.max_completion_tokens and not body.max_tokens:
-            body.max_tokens = body.max_completion_tokens
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    async def chat(self, request: Request) -> Response:
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
         try:
-            constraint = constraint_of(body)
-            ids = await asyncio.to_thread(self._chat_ids, messages, constraint.tools)
+            intake = await Reader(self.state).chat(request)
         except APIError as e:
-            return e.response(_echo(request, ""))
-        except ValueError as e:
-            return APIError(400, str(e), param="messages").response(_echo(request, ""))
-        lp = (body.top_logprobs or 0) if body.logprobs else None
-        return await self._serve(request, body, ids, chat=True, logprobs=lp,
-                                 constraint=constraint)
+            return e.response(_echo(request, rid))
+        return await self._serve(request, intake, rid)
 
-    def _chat_ids(self, messages: list[dict], tools: ToolPlan | None) -> list[int]:
-        tok = self.state.tokenizer
-        messages, extra = template_messages(messages, tools, tok.chat_template)
-        text = tok.apply_chat_template(messages, add_generation_prompt=True, **extra)
-        return tok.encode(text, add_special_tokens=False)
-
-    async def _serve(self, request: Request, body, prompt_ids: list[int], chat: bool,
-                     logprobs: int | None, constraint: Constraint) -> Response:
+    async def _serve(self, request: Request, intake: Intake, rid: str) -> Response:
         st = self.state
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         headers = _echo(request, rid)
-        try:
-            priority, deadline = self._priority(request, body), self._deadline(request)
-            params = self._check(body, prompt_ids, logprobs, constraint.spec)
-            if params.guided is not None:  # compiling is CPU work: off the event loop
-                await asyncio.to_thread(self._compile, params, constraint.field)
-        except APIError as e:
-            return e.response(headers)
         stack = AsyncExitStack()
         outcome = _Outcome(Trace(rid, request.headers.get("x-request-id") or ""))
         try:
-            blocks = blocks_for(len(prompt_ids) + 1, st.config.block_size)
+            blocks = blocks_for(len(intake.prompt_ids) + 1, st.config.block_size)
             outcome.trace.queue_seconds = await stack.enter_async_context(
-                st.admission.slot(priority, deadline, blocks))
+                st.admission.slot(intake.priority, intake.deadline, blocks))
             stack.callback(self._account, outcome)
             st.metrics.in_flight.inc()
             stack.callback(st.metrics.in_flight.dec)
-            deltas = st.flow.run(prompt_ids, params, priority, rid, outcome.trace, deadline)
+            deltas = st.flow.run(intake.prompt_ids, intake.params, intake.priority, rid,
+                                 outcome.trace, intake.deadline)
             stack.push_async_callback(deltas.aclose)
             first = await deltas.__anext__()
             st.metrics.ttft.observe(outcome.trace.ttft_seconds)
-            shape = ResponseShape(rid, int(time.time()), st.model_name, chat,
-                                  LogprobFormat(st.tokenizer, chat) if logprobs is not None
-                                  else None,
-                                  bool(body.stream_options and body.stream_options.include_usage),
-                                  constraint.tools)
-            if body.stream:
+            shape = ResponseShape(rid, int(time.time()), st.model_name, intake.chat,
+                                  LogprobFormat(st.tokenizer, intake.chat)
+                                  if intake.logprobs is not None else None,
+                                  intake.include_usage, intake.tools)
+            if intake.stream:
                 resp = OwnedStream(self._sse(first, deltas, shape, outcome), stack, headers)
                 stack = None  # the response owns it now
                 return resp
@@ -163,60 +133,6 @@ class Endpoints:
         finally:
             if stack is not None:
                 await stack.aclose()
-
-    def _check(self, body, prompt_ids: list[int], logprobs: int | None, guided=None):
-        """SamplingParams for the request; APIError (400) naming the field otherwise."""
-        st = self.state
-        if body.model not in (None, "", st.model_name):
-            raise APIError(404, f"model {body.model!r} does not exist; this server serves "
-                                f"{st.model_name!r}", param="model")
-        try:
-            check_prompt(prompt_ids, st.tokenizer.vocab_size, st.config.max_model_len,
-                         max_tokens=body.max_tokens)
-            return body.sampling(st.config.default_max_tokens, logprobs, guided)
-        except ValueError as e:
-            raise APIError(400, str(e), param=str(e).split(" ", 1)[0].rstrip(":")) from e
-
-    def _compile(self, params, field: str) -> None:
-        """The constraint compiles and a complete output fits in max_tokens (the same
-        check every worker makes), or APIError (400) naming the field."""
-        try:
-            self.state.flow.guided.check(params.guided, params.max_tokens, field)
-        except ValueError as e:
-            raise APIError(400, str(e), param=str(e).split(":", 1)[0]) from e
-
-    def _priority(self, request: Request, body) -> int:
-        """The request's priority (x-priority wins over the body's), within its API key's
-        ceiling: a key whose ceiling is 5 cannot claim priority 0 (403)."""
-        header = request.headers.get("x-priority")
-        priority = body.priority
-        if header is not None:
-            try:
-                priority = check_priority(int(header), "x-priority")
-            except ValueError as e:
-                raise APIError(400, f"x-priority header must be an integer in the int32 range, "
-                                    f"got {header!r}", param="x-priority") from e
-        key = getattr(request.state, "api_key", None)
-        if key is not None and key.priority_ceiling is not None and priority < key.priority_ceiling:
-            raise APIError(403, f"priority {priority} is more important than API key "
-                                f"{key.name!r} may claim (its ceiling is {key.priority_ceiling}; "
-                                "lower values are more important)", "permission_error",
-                           param="x-priority" if header is not None else "priority")
-        return priority
-
-    def _deadline(self, request: Request) -> float:
-        header = request.headers.get("x-request-timeout")
-        timeout = self.state.config.request_timeout_s
-        if header is not None:
-            try:
-                value = float(header)
-                if not value > 0:
-                    raise ValueError
-            except ValueError:
-                raise APIError(400, f"x-request-timeout must be seconds > 0, got {header!r}",
-                               param="x-request-timeout") from None
-            timeout = min(timeout, value)
-        return time.monotonic() + timeout
 
     async def _sse(self, first: Delta, deltas: AsyncIterator[Delta], shape: ResponseShape,
                    outcome: _Outcome) -> AsyncIterator[str]:

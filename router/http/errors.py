@@ -2,6 +2,8 @@
 HTTP status, and how worker failures map onto them."""
 from __future__ import annotations
 
+from typing import Mapping, Sequence
+
 import grpc
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -44,10 +46,14 @@ class APIError(Exception):
 
     @classmethod
     def from_validation(cls, exc: RequestValidationError) -> APIError:
-        """400 naming the first invalid field (body.messages.0.role -> messages.0.role;
-        pydantic's union-branch tags are left out)."""
-        err = exc.errors()[0]
+        return cls.from_errors(exc.errors())
+
+    @classmethod
+    def from_errors(cls, errors: Sequence[Mapping]) -> APIError:
+        """400 naming the first invalid field of pydantic's errors (body.messages.0.role
+        -> messages.0.role; pydantic's union-branch tags are left out)."""
+        err = errors[0]
         parts = [str(p) for p in err["loc"] if p != "body"
                  and (isinstance(p, int) or str(p).isidentifier())]
         field = ".".join(parts)
-        return cls(400, f"{field}: {err['msg']}", param=field or None)
+        return cls(400, f"{field}: {err['msg']}" if field else err["msg"], param=field or None)

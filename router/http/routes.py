@@ -37,14 +37,24 @@ async def models(request: Request):
     return await _ep(request).models()
 
 
-@routes.post("/v1/completions")
-async def completions(body: CompletionRequest, request: Request):
-    return await _ep(request).completions(body, request)
+def _body_doc(model: type) -> dict:
+    """The route's request body in the OpenAPI document (the body is parsed off the
+    event loop by the endpoint, not by FastAPI; app.py puts the schema in components)."""
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
 
 
-@routes.post("/v1/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, request: Request):
-    return await _ep(request).chat(body, request)
+BODY_MODELS = (CompletionRequest, ChatCompletionRequest)
+
+
+@routes.post("/v1/completions", openapi_extra=_body_doc(CompletionRequest))
+async def completions(request: Request):
+    return await _ep(request).completions(request)
+
+
+@routes.post("/v1/chat/completions", openapi_extra=_body_doc(ChatCompletionRequest))
+async def chat_completions(request: Request):
+    return await _ep(request).chat(request)
 
 
 async def invalid_request(request: Request, exc: RequestValidationError):

@@ -1,7 +1,8 @@
 """The HTTP edge against careless and hostile clients: shared x-request-ids, clients
 that hang up (streaming or not), out-of-range values, oversized stop lists, odd
-Authorization headers. Real worker and router processes on the tiny model; every
-test ends with the cluster's leak check."""
+Authorization headers, costly constraints, bodies nobody asked for, clients that send
+slowly or open too many connections. Real worker and router processes on the tiny
+model; every test ends with the cluster's leak check."""
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -15,6 +16,8 @@ import pytest
 from tests.cluster.launch import cluster
 
 TINY = ["--dtype", "float32", "--kv-blocks", "256"]
+READ_TIMEOUT_S = 2
+MAX_CONNECTIONS = 12
 LONG = {"prompt": "count to a thousand, slowly and carefully, one by one", "max_tokens": 200,
         "ignore_eos": True, "temperature": 0}
 
@@ -24,7 +27,8 @@ def c(tiny_model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("log") / "requests.jsonl"
     with cluster(tiny_model_dir, "tcp", worker_args=TINY,
                  router_args=["--local-prefill-threshold", "8", "--log-requests", str(log),
-                              "--api-key", "k3y"]) as cl:
+                              "--api-key", "k3y", "--read-timeout-s", str(READ_TIMEOUT_S),
+                              "--max-connections", str(MAX_CONNECTIONS)]) as cl:
         cl.request_log = log
         yield cl
 
@@ -114,10 +118,15 @@ def test_clients_that_hang_up_are_aborted_upstream(c, stream) -> None:
     ({"logprobs": 21}, "logprobs"),
     ({"n": 2}, "n"),
     ({"temperature": -1e-40}, "temperature"),
+    ({"top_k": 2**40}, "top_k"),
+    ({"seed": 2**64}, "seed"),
+    ({"guided_json": "[" * 100_000 + "]" * 100_000}, "guided_json"),
 ])
 def test_out_of_range_values_are_400_naming_the_field(c, body, param) -> None:
     """Finding 3 and 4: priority 2**40 was an HTTP 500; 100,000 stop strings were
-    accepted (and matched on every token)."""
+    accepted (and matched on every token). Issue 23: top_k 2**40 was a 500 (it did not
+    fit the wire's uint32), and a constraint nested past Python's recursion limit (a
+    guided_json string, which no JSON depth limit of the body's covers) was a 500."""
     r = post(c, "/v1/completions", {"prompt": "hello there", "max_tokens": 2, **body})
     assert r.status_code == 400, r.text[:300]
     err = r.json()["error"]
@@ -147,3 +156,91 @@ def test_non_ascii_authorization_is_401(c) -> None:
                    headers=[(b"authorization", "Bearer k\xe9y".encode("latin-1"))])
     assert r.status_code == 401
     assert r.json()["error"]["type"] == "authentication_error"
+
+
+# -- issue 23: nothing a client sends can stall the router ---------------------------------
+def _raw(c, data: bytes, rcvbuf: int | None = None) -> socket.socket:
+    host, port = c.url.removeprefix("http://").split(":")
+    s = socket.socket()
+    if rcvbuf:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    s.settimeout(20)
+    s.connect((host, int(port)))
+    s.sendall(data)
+    return s
+
+
+def _answer(s: socket.socket) -> tuple[int, dict, bool]:
+    """(status, the JSON body, whether the router closed the connection after it)."""
+    data = b""
+    while True:
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body), True
+
+
+def test_health_answers_while_costly_tools_are_checked(c) -> None:
+    """A hundred tools of 77 kB each (7.7 MB, under the body limit): checking their
+    schemas took 2 s a tool on the router's event loop, which /health and every stream
+    waited for. Now constraints are checked off the loop, and these are refused at once
+    for their size (they could never make a grammar within the constraint limit)."""
+    props = {f"p{i}": {"type": "string", "description": "x", "maxLength": 5} for i in range(1200)}
+    tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": {
+        "type": "object", "properties": props}}} for i in range(100)]
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": tools, "max_tokens": 4}
+    with cf.ThreadPoolExecutor(1) as pool:
+        costly = pool.submit(post, c, "/v1/chat/completions", body, None, 600)
+        time.sleep(1.0)  # the body is up, its tools being checked
+        assert httpx.get(c.url + "/health", timeout=10).status_code == 200
+        r = costly.result()
+    assert r.status_code == 400, r.text[:300]
+    assert r.json()["error"]["param"] == "tools" and "characters" in r.json()["error"]["message"]
+    c.leak_check()
+
+
+def test_a_body_on_an_unknown_path_is_refused_unread(c) -> None:
+    """The guard read a body of up to --max-body-bytes on any path before anything
+    answered: 100 MB announced on a path no route serves now gets 404 at once, unread,
+    and the connection is closed."""
+    s = _raw(c, b"POST /v1/nothing-here HTTP/1.1\r\nhost: x\r\nauthorization: Bearer k3y\r\n"
+                b"content-type: application/json\r\ncontent-length: 100000000\r\n\r\n{")
+    with s:
+        status, body, closed = _answer(s)
+    assert status == 404 and "/v1/nothing-here" in body["error"]["message"] and closed
+    s = _raw(c, b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 100000000\r\n\r\n")
+    with s:  # no key: refused before the body too
+        assert _answer(s)[0] == 401
+
+
+@pytest.mark.parametrize("data,what", [
+    (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n", "head"),
+    (b"", "head"),
+    (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer k3y\r\n"
+     b"content-length: 1000\r\n\r\n{\"prompt\": \"a", "body"),
+])
+def test_a_request_that_does_not_arrive_in_time_is_408_and_closed(c, data: bytes,
+                                                                  what: str) -> None:
+    """A client that sends half a request (or nothing) held its connection forever."""
+    with _raw(c, data) as s:
+        status, body, closed = _answer(s)
+    assert status == 408 and "--read-timeout-s" in body["error"]["message"] and closed
+    assert what in body["error"]["message"]
+    assert httpx.get(c.url + "/health", timeout=10).status_code == 200
+
+
+def test_connections_beyond_the_limit_get_429(c) -> None:
+    """Connections were not bounded: a client could hold as many as the host allows."""
+    held = [_raw(c, b"") for _ in range(MAX_CONNECTIONS)]
+    try:
+        time.sleep(0.3)
+        with _raw(c, b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n") as s:
+            status, body, closed = _answer(s)
+        assert status == 429 and "--max-connections" in body["error"]["message"] and closed
+    finally:
+        for s in held:
+            s.close()
+    time.sleep(0.3)
+    assert httpx.get(c.url + "/health", timeout=10).status_code == 200

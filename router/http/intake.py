@@ -1,0 +1,202 @@
+"""From an HTTP request to what the flow runs (an ``Intake``): the body parsed, the
+output constraint checked and compiled, the prompt rendered and tokenized, the sampling
+parameters checked. Everything whose cost grows with the request's content runs off the
+event loop (offload.py), each within a budget: the body's size (--max-body-bytes), the
+prompt's length (below), the constraint's size and its compile and search budgets
+(engine/guided). The parsed body is not kept: a request waiting for admission holds
+its Intake only. Every error is an APIError naming the field.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+
+from engine.limits import check_priority, check_prompt
+from engine.sampling import SamplingParams
+from router.http.errors import APIError
+from router.openai_api import ChatCompletionRequest, CompletionRequest
+from router.state import RouterState
+from router.structured import Constraint, constraint_of
+from router.tools import ToolPlan, template_messages
+
+M = TypeVar("M", bound=BaseModel)
+
+
+@dataclass(frozen=True)
+class Intake:
+    """One request, ready to queue."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    chat: bool
+    logprobs: int | None
+    """Top alternatives per token (0: the chosen token's only); None: no logprobs."""
+    stream: bool
+    include_usage: bool
+    tools: ToolPlan | None
+    priority: int
+    deadline: float
+    """time.monotonic() after which the request is refused or ended (504)."""
+
+
+class Reader:
+    def __init__(self, state: RouterState) -> None:
+        self.state = state
+
+    async def completion(self, request: Request) -> Intake:
+        body = await self._parse(request, CompletionRequest)
+        constraint = await self._constraint(body)
+        if isinstance(body.prompt, str):
+            ids = await self.state.parsing.run(self._encode, body.prompt)
+        else:
+            ids = list(body.prompt)
+        return await self._intake(request, body, ids, False, body.logprobs, constraint)
+
+    async def chat(self, request: Request) -> Intake:
+        body = await self._parse(request, ChatCompletionRequest)
+        if body.max_completion_tokens and not body.max_tokens:
+            body.max_tokens = body.max_completion_tokens
+        constraint = await self._constraint(body)
+        ids = await self.state.parsing.run(self._chat_ids, body, constraint.tools)
+        lp = (body.top_logprobs or 0) if body.logprobs else None
+        return await self._intake(request, body, ids, True, lp, constraint)
+
+    async def _parse(self, request: Request, model: type[M]) -> M:
+        """The body as the model, checked first for what costs nothing to check (the
+        served model, the priority and the deadline headers)."""
+        raw = await _body(request)
+        try:
+            body = await self.state.parsing.run(model.model_validate_json, raw)
+        except ValidationError as e:
+            raise APIError.from_errors(e.errors()) from None
+        except RecursionError:
+            raise APIError(400, "the request body is nested too deeply") from None
+        if body.model not in (None, "", self.state.model_name):
+            raise APIError(404, f"model {body.model!r} does not exist; this server serves "
+                                f"{self.state.model_name!r}", param="model")
+        request.state.priority = self._priority(request, body)
+        request.state.deadline = self._deadline(request)
+        return body
+
+    async def _intake(self, request: Request, body, ids: list[int], chat: bool,
+                      logprobs: int | None, constraint: Constraint) -> Intake:
+        params = await self.state.parsing.run(self._params, body, ids, logprobs, constraint)
+        return Intake(ids, params, chat, logprobs, body.stream,
+                      bool(body.stream_options and body.stream_options.include_usage),
+                      constraint.tools, request.state.priority, request.state.deadline)
+
+    # -- on the pools ------------------------------------------------------------------
+    async def _constraint(self, body) -> Constraint:
+        """The request's constraint, checked and compiled on the constraint pool; the
+        loop does nothing for a request without one."""
+        if not _constrains(body):
+            return Constraint()
+        max_tokens = body.max_tokens or self.state.config.default_max_tokens
+        return await self.state.constraints.run(self._checked_constraint, body, max_tokens)
+
+    def _checked_constraint(self, body, max_tokens: int) -> Constraint:
+        try:
+            constraint = constraint_of(body)
+            if constraint.spec is not None:  # the same check every worker makes
+                self.state.flow.guided.check(constraint.spec, max_tokens, constraint.field)
+        except RecursionError:
+            raise APIError(400, "the output constraint is nested too deeply",
+                           param=_constraint_field(body)) from None
+        except ValueError as e:
+            raise APIError(400, str(e), param=str(e).split(":", 1)[0]) from None
+        return constraint
+
+    def _encode(self, prompt: str) -> list[int]:
+        """The prompt's tokens; a prompt too long for any tokenization to fit the context
+        window is refused before it is tokenized (its size budget)."""
+        tok, window = self.state.tokenizer, self.state.config.max_model_len
+        if len(prompt) > window * tok.longest_token_chars:
+            raise APIError(400, f"prompt: {len(prompt)} characters cannot fit the context "
+                                f"window of {window} tokens (max_model_len)", param="prompt")
+        return tok.encode(prompt)
+
+    def _chat_ids(self, body: ChatCompletionRequest, tools: ToolPlan | None) -> list[int]:
+        tok = self.state.tokenizer
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        try:
+            messages, extra = template_messages(messages, tools, tok.chat_template)
+            text = tok.apply_chat_template(messages, add_generation_prompt=True, **extra)
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
+        except RecursionError:
+            raise APIError(400, "messages are nested too deeply", param="messages") from None
+        return tok.encode(text, add_special_tokens=False)
+
+    def _params(self, body, ids: list[int], logprobs: int | None,
+                constraint: Constraint) -> SamplingParams:
+        """SamplingParams for the request; APIError (400) naming the field otherwise."""
+        st = self.state
+        try:
+            check_prompt(ids, st.tokenizer.vocab_size, st.config.max_model_len,
+                         max_tokens=body.max_tokens)
+            return body.sampling(st.config.default_max_tokens, logprobs, constraint.spec)
+        except ValueError as e:
+            raise APIError(400, str(e), param=str(e).split(" ", 1)[0].rstrip(":")) from e
+
+    # -- headers -------------------------------------------------------------------------
+    def _priority(self, request: Request, body) -> int:
+        """The request's priority (x-priority wins over the body's), within its API key's
+        ceiling: a key whose ceiling is 5 cannot claim priority 0 (403)."""
+        header = request.headers.get("x-priority")
+        priority = body.priority
+        if header is not None:
+            try:
+                priority = check_priority(int(header), "x-priority")
+            except ValueError as e:
+                raise APIError(400, f"x-priority header must be an integer in the int32 range, "
+                                    f"got {header!r}", param="x-priority") from e
+        key = getattr(request.state, "api_key", None)
+        if key is not None and key.priority_ceiling is not None and priority < key.priority_ceiling:
+            raise APIError(403, f"priority {priority} is more important than API key "
+                                f"{key.name!r} may claim (its ceiling is {key.priority_ceiling}; "
+                                "lower values are more important)", "permission_error",
+                           param="x-priority" if header is not None else "priority")
+        return priority
+
+    def _deadline(self, request: Request) -> float:
+        header = request.headers.get("x-request-timeout")
+        timeout = self.state.config.request_timeout_s
+        if header is not None:
+            try:
+                value = float(header)
+                if not value > 0:
+                    raise ValueError
+            except ValueError:
+                raise APIError(400, f"x-request-timeout must be seconds > 0, got {header!r}",
+                               param="x-request-timeout") from None
+            timeout = min(timeout, value)
+        return time.monotonic() + timeout
+
+
+_CONSTRAINT_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice",
+                      "guided_grammar", "structured_outputs", "tools", "tool_choice")
+
+
+def _constrains(body) -> bool:
+    return any(getattr(body, f, None) is not None for f in _CONSTRAINT_FIELDS)
+
+
+def _constraint_field(body) -> str | None:
+    return next((f for f in _CONSTRAINT_FIELDS if getattr(body, f, None) is not None), None)
+
+
+async def _body(request: Request) -> bytes:
+    """The body the edge guard replays (read from receive, so no copy is cached on the
+    Request for the request's life)."""
+    parts = []
+    while True:
+        msg = await request.receive()
+        if msg["type"] != "http.request":
+            raise APIError(400, "the client went away before its body arrived")
+        parts.append(msg.get("body", b""))
+        if not msg.get("more_body", False):
+            return b"".join(parts)
