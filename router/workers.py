@@ -169,9 +169,9 @@ class WorkerPool:
         except grpc.aio.AioRpcError as e:
             if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
                 if not w.refused:
-                    log.warning("%s worker %s refuses this router's credentials (%s): start "
-                                "both with the same --cluster-secret-file", w.role, w.name,
-                                e.details())
+                    # the details name the binding that failed and the flag that fixes it
+                    log.warning("%s worker %s refuses this router's credentials: %s", w.role,
+                                w.name, e.details())
                 w.refused = True
             return False
         w.refused = False

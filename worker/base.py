@@ -10,6 +10,7 @@ import grpc
 
 from auth.grpc_auth import ServerAuth
 from auth.secret import load_cluster_secret
+from auth.targets import server_names
 from engine.kv_cache.layout import scale_layout
 from engine.llm_engine import Handoff, LLMEngine
 from engine.request import RequestOutput
@@ -79,10 +80,13 @@ class WorkerBase:
         if not self.config.worker_id:
             self.worker_id = f"{self.role}@{self.config.public_host}:{self.port}"
         self.auth.worker_id = self.worker_id
+        names = server_names(self.config.host, self.port, self.config.public_host)
+        self.auth.answer_to(names)
         await self.server.start()
         if self.config.metrics_port is not None:
             self.metrics_port = self.metrics.serve(self.config.host, self.config.metrics_port)
-        log.info("%s serving gRPC on %s:%d", self.worker_id, self.config.host, self.port)
+        log.info("%s serving gRPC on %s:%d; clients may dial it as %s", self.worker_id,
+                 self.config.host, self.port, ", ".join(sorted(names)))
 
     def _engine_died(self, error: BaseException) -> None:
         log.critical("%s: the engine thread died (%s); health is NOT_SERVING and the "

@@ -43,8 +43,9 @@ class WorkerConfig:
     worker_id: str = ""
     """Name in logs, traces and KV handles; default role@host:port."""
     advertise_host: str = ""
-    """Address peers dial to reach this worker (written into KV handles); default: --host,
-    or this machine's address when --host is a wildcard (0.0.0.0 in a pod)."""
+    """Address peers dial to reach this worker (written into KV handles, and a name its
+    clients' cluster tokens may be made for); default: --host, or this machine's address
+    when --host is a wildcard (0.0.0.0 in a pod)."""
     drain_timeout_s: float = 30.0
     """On SIGTERM: seconds to finish running requests (new ones are refused and health
     says NOT_SERVING) before the process exits."""

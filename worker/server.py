@@ -3,23 +3,15 @@ grpc.health.v1 service, for grpcurl and Kubernetes gRPC probes) and server
 reflection, on one grpc.aio server."""
 from __future__ import annotations
 
-import inspect
-
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from auth.grpc_auth import ServerAuth
+from auth.screening import Refusal, screened
 
 # KV blocks travel in chunks well under this; prompts of 128k tokens fit too.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-
-
-class _Malformed:
-    """What a request that does not parse becomes (instead of an exception in gRPC)."""
-
-    def __init__(self, error: Exception) -> None:
-        self.error = error
 
 
 class MalformedRequests(grpc.aio.ServerInterceptor):
@@ -36,32 +28,8 @@ class MalformedRequests(grpc.aio.ServerInterceptor):
             try:
                 return parse(raw) if parse is not None else raw
             except Exception as e:  # noqa: BLE001 - DecodeError and kin: the caller's fault
-                return _Malformed(e)
-        kw = dict(request_deserializer=safe, response_serializer=handler.response_serializer)
-        if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(_guard(handler.unary_unary), **kw)
-        return grpc.unary_stream_rpc_method_handler(_guard(handler.unary_stream), **kw)
-
-
-def _guard(behavior):
-    async def refuse(request, context) -> None:
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                            f"malformed request: {request.error}")
-
-    if inspect.isasyncgenfunction(behavior):
-        async def stream(request, context):
-            if isinstance(request, _Malformed):
-                await refuse(request, context)
-            async for item in behavior(request, context):
-                yield item
-        return stream
-
-    async def call(request, context):
-        if isinstance(request, _Malformed):
-            return await refuse(request, context)
-        result = behavior(request, context)
-        return await result if inspect.isawaitable(result) else result
-    return call
+                return Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {e}")
+        return screened(handler, safe)
 
 
 def new_server(auth: ServerAuth) -> grpc.aio.Server:

@@ -6,6 +6,7 @@ import asyncio
 import logging
 
 from auth.grpc_auth import ServerAuth
+from auth.targets import server_names
 from engine.kv_cache import BlockHash
 from proto import common_pb2, decode_pb2, decode_pb2_grpc
 from router.discovery.base import WorkerEndpoint
@@ -66,10 +67,12 @@ class _Decode(decode_pb2_grpc.DecodeServicer):
 
 
 async def _decode_worker(secret: bytes):
-    server = new_server(ServerAuth(secret))
+    auth = ServerAuth(secret)
+    server = new_server(auth)
     decode_pb2_grpc.add_DecodeServicer_to_server(_Decode(), server)
     add_health_and_reflection(server, ["tandem.decode.Decode"])
     port = server.add_insecure_port("127.0.0.1:0")
+    auth.answer_to(server_names("127.0.0.1", port, "127.0.0.1"))
     await server.start()
     return server, port
 

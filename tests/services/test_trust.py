@@ -65,10 +65,10 @@ def test_calls_without_the_cluster_secret_are_unauthenticated(tiny_model_dir, se
                                    "/tandem.decode.Decode/StreamKVEvents"):
                         if port != d.port:
                             continue
-                        call = ch.unary_stream(stream, request_serializer=lambda m: b"",
+                        call = ch.unary_stream(stream, request_serializer=lambda m: m,
                                                response_deserializer=lambda b: b)
                         with pytest.raises(grpc.aio.AioRpcError) as e:
-                            async for _ in call(None, timeout=10):
+                            async for _ in call(b"", timeout=10):
                                 pass
                         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
             # the refused Prefill ran nothing and the workers still serve
