@@ -22,6 +22,7 @@ from prometheus_client import generate_latest
 
 from engine.kv_cache import blocks_for
 from engine.limits import check_priority, check_prompt
+from router.cache_salt import request_salt
 from router.flow import Delta, Trace
 from router.http.errors import APIError
 from router.http.render import LogprobFormat, ResponseShape
@@ -140,7 +141,9 @@ class Endpoints:
             stack.callback(self._account, outcome)
             st.metrics.in_flight.inc()
             stack.callback(st.metrics.in_flight.dec)
-            deltas = st.flow.run(prompt_ids, params, priority, rid, outcome.trace, deadline)
+            salt = request_salt(getattr(request.state, "api_key", None), body.cache_salt)
+            deltas = st.flow.run(prompt_ids, params, priority, rid, outcome.trace, deadline,
+                                 salt)
             stack.push_async_callback(deltas.aclose)
             first = await deltas.__anext__()
             st.metrics.ttft.observe(outcome.trace.ttft_seconds)
