@@ -7,7 +7,10 @@ key from the file may carry:
 - ``priority_ceiling``: the most important priority its requests may claim (lower
   value = more important); a request asking for more is refused (403);
 - ``rate_limit_rps`` (and ``burst``): requests per second, a token bucket; beyond
-  it, 429 with Retry-After.
+  it, 429 with Retry-After;
+- ``cache_group``: the prefix cache it shares. Each key's requests are cached apart
+  from every other key's (router/cache_salt.py), keys of one name together (a rotated
+  key keeps its cache); keys that name one cache_group share one cache, on purpose.
 
     keys:
       - key: sk-team-a-0123456789
@@ -15,6 +18,7 @@ key from the file may carry:
         priority_ceiling: 5
         rate_limit_rps: 10
         burst: 20
+        cache_group: team-a-and-b
 """
 from __future__ import annotations
 
@@ -44,12 +48,20 @@ class ApiKey:
     priority_ceiling: int | None = None
     rate_limit_rps: float | None = None
     burst: float = 1.0
+    cache_group: str | None = None
+    """Keys naming one group share one prefix cache; None: the key's own (by name)."""
     _tokens: float = field(default=0.0, repr=False)
     _at: float = field(default=0.0, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
         self._tokens = self.burst
+
+    @property
+    def cache_tenant(self) -> str:
+        """Whose prefix cache this key's requests use. Tagged, so that a group and a key
+        that share a name stay apart."""
+        return f"group:{self.cache_group}" if self.cache_group is not None else f"key:{self.name}"
 
     def take(self, now: float | None = None) -> float:
         """Spend one request of the rate limit: 0.0 when allowed, else the seconds
@@ -130,7 +142,8 @@ def _entry(e: object, i: int, where: str) -> ApiKey:
     at = f"{where}: keys[{i}]"
     if not isinstance(e, dict) or not isinstance(e.get("key"), str) or len(e["key"]) < 8:
         raise KeyFileError(f"{at}.key: a string of at least 8 characters is required")
-    unknown = set(e) - {"key", "name", "priority_ceiling", "rate_limit_rps", "burst"}
+    unknown = set(e) - {"key", "name", "priority_ceiling", "rate_limit_rps", "burst",
+                        "cache_group"}
     if unknown:
         raise KeyFileError(f"{at}: unknown field {sorted(unknown)[0]!r}")
     ceiling, rps, burst = e.get("priority_ceiling"), e.get("rate_limit_rps"), e.get("burst")
@@ -139,9 +152,12 @@ def _entry(e: object, i: int, where: str) -> ApiKey:
     for name, v in (("rate_limit_rps", rps), ("burst", burst)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0):
             raise KeyFileError(f"{at}.{name}: must be a number > 0, got {v!r}")
+    group = e.get("cache_group")
+    if group is not None and (not isinstance(group, str) or not group):
+        raise KeyFileError(f"{at}.cache_group: must be a non-empty string, got {group!r}")
     return ApiKey(e["key"].encode(), str(e.get("name") or f"keys[{i}]"), ceiling,
                   None if rps is None else float(rps),
-                  float(burst) if burst is not None else max(1.0, float(rps or 1.0)))
+                  float(burst) if burst is not None else max(1.0, float(rps or 1.0)), group)
 
 
 METRICS_ENV = "TANDEM_METRICS_KEY"

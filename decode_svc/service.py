@@ -74,7 +74,8 @@ class DecodeService(WorkerBase, pb_grpc.DecodeServicer):
         try:
             params = sampling_from_proto(request.sampling)
             req = self.engine.make_request(request.prompt_token_ids, params, rid,
-                                           request.priority, request.output_token_ids)
+                                           request.priority, request.output_token_ids,
+                                           request.cache_salt)
         except ValueError as e:
             return await invalid_argument(context, e)
         info = self.engine.info

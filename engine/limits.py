@@ -21,6 +21,9 @@ MAX_STOP_TOKEN_IDS = 256
 MAX_GUIDED_CHARS = 200_000
 """Longest output constraint (schema, regex, choices, grammar) a request may carry: it
 is compiled on the router and on every worker the request touches."""
+MAX_CACHE_SALT_CHARS = 256
+"""Longest cache_salt a client may send (it is hashed at the router, whatever its
+length; the bound keeps a body's fields sane)."""
 MAX_TOOLS = 128
 """Most tools one chat request may offer (their schemas become one grammar)."""
 GREEDY_TEMPERATURE = 1e-5

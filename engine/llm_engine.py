@@ -20,7 +20,7 @@ from engine.config import EngineConfig
 from engine.guided.compiler import GrammarCompiler
 from engine.quant.base import resolve_method
 from engine.limits import check_priority, check_prompt
-from engine.kv_cache import KVCacheManager, blocks_for
+from engine.kv_cache import KVCacheManager, blocks_for, check_salt
 from engine.loader import load_checkpoint
 from engine.model_runner import ModelRunner
 from engine.models.llama import StepInterrupted
@@ -132,17 +132,18 @@ class LLMEngine:
     # -- requests -------------------------------------------------------------
     def make_request(self, prompt: str | Sequence[int], params: SamplingParams,
                      request_id: str | None = None, priority: int = 0,
-                     output_token_ids: Sequence[int] = ()) -> Request:
+                     output_token_ids: Sequence[int] = (), cache_salt: bytes = b"") -> Request:
         """Validate and build a Request without queueing it. Raises ValueError naming
-        the field (prompt, output_token_ids, guided, max_tokens) when it cannot be
-        served. Reads only the engine's fixed configuration (and the thread-safe grammar
+        the field (prompt, output_token_ids, guided, max_tokens, cache_salt) when it
+        cannot be served. ``cache_salt`` keeps its prefix-cache blocks apart from other
+        salts' (Request.cache_salt). Reads only the engine's fixed configuration (and the thread-safe grammar
         cache), so any thread may call it; whether the id is free is decided when the
         request is admitted (``admit``), on the engine thread."""
         request_id = request_id or uuid.uuid4().hex
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         check_prompt(ids, self.model_config.vocab_size, self.max_model_len, output_token_ids)
         check_priority(priority)
-        req = Request(request_id, ids, params, priority)
+        req = Request(request_id, ids, params, priority, cache_salt=check_salt(cache_salt))
         if params.guided is not None:  # the grammar compiles and can finish, or no work
             if not output_token_ids:
                 self.guided.check(params.guided, params.max_tokens)
@@ -155,8 +156,10 @@ class LLMEngine:
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams,
                     request_id: str | None = None, priority: int = 0,
-                    output_token_ids: Sequence[int] = (), prefill_only: bool = False) -> str:
-        req = self.make_request(prompt, params, request_id, priority, output_token_ids)
+                    output_token_ids: Sequence[int] = (), prefill_only: bool = False,
+                    cache_salt: bytes = b"") -> str:
+        req = self.make_request(prompt, params, request_id, priority, output_token_ids,
+                                cache_salt)
         req.prefill_only = prefill_only
         return self.admit(req)
 

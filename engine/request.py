@@ -73,6 +73,10 @@ class Request:
     num_cached_tokens: int = 0
     """Prompt tokens served by the prefix cache at admission (metrics)."""
     block_hashes: list[BlockHash] = field(default_factory=list)
+    cache_salt: bytes = field(default=b"", repr=False)
+    """Seeds block_hashes (engine/kv_cache/block_hash.py): the tenant's digest the router
+    sends; empty = the shared, unsalted cache. Kept out of repr: it names a tenant's
+    cache, and a repr may reach a log."""
     finish_reason: FinishReason | None = None
     sampling: SamplingState | None = None
     num_preemptions: int = 0

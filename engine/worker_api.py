@@ -143,13 +143,14 @@ class EngineWorker:
 
     # -- requests -----------------------------------------------------------------------
     def make_request(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str,
-                     priority: int = 0, output_token_ids: Sequence[int] = ()) -> Request:
+                     priority: int = 0, output_token_ids: Sequence[int] = (),
+                     cache_salt: bytes = b"") -> Request:
         """Validate and build a request (ValueError naming the field). Reads only fixed
         configuration, so it runs here, off the engine thread."""
         if not request_id:
             raise ValueError("request_id is empty")
         return self._engine.make_request(list(prompt_ids), params, request_id, priority,
-                                         list(output_token_ids))
+                                         list(output_token_ids), cache_salt)
 
     async def add(self, req: Request, prefill_only: bool = False) -> asyncio.Queue[RequestOutput]:
         """Queue a request; returns its output queue. DuplicateRequestError when the id

@@ -113,15 +113,17 @@ class RequestFlow:
 
     async def run(self, prompt_ids: list[int], params: SamplingParams, priority: int = 0,
                   request_id: str | None = None, trace: Trace | None = None,
-                  deadline: float | None = None) -> AsyncIterator[Delta]:
+                  deadline: float | None = None, cache_salt: bytes = b""
+                  ) -> AsyncIterator[Delta]:
         """The client's deltas. deadline (time.monotonic()): DeadlineExceeded once it
-        passes; default now + request_timeout_s."""
+        passes; default now + request_timeout_s. cache_salt (router/cache_salt.py):
+        the prefix cache its blocks belong to, on every worker and every attempt."""
         rid = request_id or uuid.uuid4().hex
         trace = trace or Trace(rid)
         trace.prompt_tokens = len(prompt_ids)
         t0 = time.monotonic()
         req = _Request(rid, prompt_ids, params, priority,
-                       deadline or t0 + self.config.request_timeout_s)
+                       deadline or t0 + self.config.request_timeout_s, cache_salt)
         text = _TextStream(self.tokenizer, prompt_ids, params,
                            self.guided.acceptor(params.guided, params.stop))
         try:
@@ -169,7 +171,9 @@ class RequestFlow:
         worker, both under the worker-level id wid."""
         context = req.prompt_ids + req.generated
         bs = self.config.block_size
-        hashes = hash_token_blocks(context, bs, self.config.hash_seed)
+        # the workers' KV events carry hashes under each request's salt: placement
+        # looks for this tenant's blocks only
+        hashes = hash_token_blocks(context, bs, self.config.hash_seed, salt=req.cache_salt)
         decoders = [w for w in self.pool.healthy("decode") if w not in failed]
         if not decoders:
             raise NoWorkerError("no healthy decode worker")
@@ -182,7 +186,8 @@ class RequestFlow:
                                          output_token_ids=req.generated,
                                          sampling=sampling_to_proto(req.params),
                                          priority=req.priority,
-                                         preempt_lower_priority=self.config.priority_preemption)
+                                         preempt_lower_priority=self.config.priority_preemption,
+                                         cache_salt=req.cache_salt)
         threshold = self.config.local_prefill_threshold
         if threshold is not None and prefillers and len(context) - cached > threshold:
             trace.path = "disaggregated"
@@ -237,8 +242,8 @@ class RequestFlow:
         try:
             first = await w.stub.Prefill(prefill_pb2.PrefillRequest(
                 request_id=wid, token_ids=req.prompt_ids, output_token_ids=req.generated,
-                sampling=sampling_to_proto(req.params), priority=req.priority),
-                timeout=req.remaining())
+                sampling=sampling_to_proto(req.params), priority=req.priority,
+                cache_salt=req.cache_salt), timeout=req.remaining())
         except grpc.aio.AioRpcError as e:
             raise _failure(w, e, req) from e
         finally:
@@ -257,6 +262,8 @@ class _Request:
     params: SamplingParams
     priority: int
     deadline: float
+    cache_salt: bytes = field(default=b"", repr=False)
+    """router/cache_salt.py; kept out of repr (it names a tenant's cache)."""
     generated: list[int] = field(default_factory=list)
     held: _Held = field(default_factory=lambda: _Held())
 

@@ -2,7 +2,8 @@
 
 Unknown fields are rejected (extra="forbid") so a typo is a 400 naming the field,
 not a silently ignored option. Tandem extensions: priority, top_k, min_p,
-repetition_penalty, ignore_eos, speculate (false opts out of speculative decoding).
+repetition_penalty, ignore_eos, speculate (false opts out of speculative decoding);
+vLLM's cache_salt.
 Structured outputs: OpenAI's response_format and tools/tool_choice/parallel_tool_calls,
 and vLLM's guided_json, guided_regex, guided_choice, guided_grammar and
 structured_outputs (router/structured.py turns them into one constraint).
@@ -14,8 +15,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.guided.spec import GuidedSpec
-from engine.limits import (MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_TOOLS, MAX_TOP_K,
-                           PRIORITY_MAX, PRIORITY_MIN)
+from engine.limits import (MAX_CACHE_SALT_CHARS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
+                           MAX_TOOLS, MAX_TOP_K, PRIORITY_MAX, PRIORITY_MIN)
 from engine.sampling import SamplingParams
 
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
@@ -86,6 +87,9 @@ class _Common(_Strict):
     structured_outputs: StructuredOutputs | None = None
     speculate: bool = True
     """False: no speculative decoding for this request (Tandem extension)."""
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
+    """vLLM's: only requests with the same salt (and API key's cache) share prefix-cache
+    blocks (router/cache_salt.py)."""
 
     def sampling(self, default_max_tokens: int, logprobs: int | None,
                  guided: GuidedSpec | None = None) -> SamplingParams:

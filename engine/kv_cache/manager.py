@@ -31,10 +31,11 @@ class KVCacheManager:
         return blocks_for(num_tokens, self.block_size)
 
     def block_hashes(self, req: Request) -> list[BlockHash]:
-        """The request's chained hashes over all its full blocks (extended lazily)."""
+        """The request's chained hashes over all its full blocks (extended lazily), under
+        its cache salt: a prefix is found only among blocks cached under the same salt."""
         if len(req.block_hashes) < len(req.token_ids) // self.block_size:
             req.block_hashes = hash_token_blocks(req.token_ids, self.block_size, self.hash_seed,
-                                                 prior=req.block_hashes)
+                                                 prior=req.block_hashes, salt=req.cache_salt)
         return req.block_hashes
 
     def find_cached_prefix(self, req: Request, max_tokens: int | None = None) -> list[int]:

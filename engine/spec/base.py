@@ -5,6 +5,12 @@ point mass (one token, no distribution), so verification (verify.py) accepts a g
 with exactly the target's probability p(d) and otherwise samples the target restricted
 to tokens other than d: the output keeps the target's distribution whatever the
 proposer guessed. Torch-free except for the proposers that run a model.
+
+A guess may draw on other requests' tokens only when they share the request's cache
+salt (Request.cache_salt, the tenant's): a guess is accepted faster when it is right,
+so guesses taken from another tenant's outputs would let one tenant time what another
+was told (the suffix proposer keeps one history per salt; n-gram lookup and the draft
+models read the request's own tokens and KV only).
 """
 from __future__ import annotations
 

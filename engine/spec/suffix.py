@@ -5,9 +5,17 @@ of recently finished requests, and propose what followed it.
 The structure is a suffix automaton (SuffixAutomaton: every substring of a text is a
 path from its root, built online in amortised O(1) per token), one per request over its
 tokens, extended with the tokens each step committed, and one over the recent outputs
-(the last HISTORY_TOKENS tokens' worth, separated so that no match crosses two). The longest suffix of a
-request's own text that occurred earlier is a lookup (the last state's suffix link);
-in the history it is a walk over the context's last MAX_MATCH tokens. The longer the
+of each cache salt (the last HISTORY_TOKENS tokens' worth, separated so that no match
+crosses two). The longest suffix of a request's own text that occurred earlier is a
+lookup (the last state's suffix link); in the history it is a walk over the context's
+last MAX_MATCH tokens.
+
+A request draws only on the outputs of finished requests under its own cache salt
+(Request.cache_salt: the tenant's): guesses that come from another tenant's outputs
+would be accepted faster, and that speed would tell which outputs it produced. The
+histories share one budget, so memory stays bounded however many tenants come: at most
+MAX_HISTORIES salts and 2 x HISTORY_TOKENS tokens in all, the least recently used
+salt's history dropped first. The longer the
 match, the likelier the continuation repeats; n-gram lookup (ngram.py) stops at 4 tokens
 and sees only its own request. We write our own (a few dozen lines of Python): no
 maintained package offers an incremental one over integer tokens.
@@ -15,6 +23,7 @@ maintained package offers an incremental one over integer tokens.
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Sequence
 
 from engine.request import Request, RequestStatus
 from engine.spec.base import Proposer
@@ -27,6 +36,8 @@ HISTORY_TOKENS = 16384
 """Tokens of finished requests' outputs kept for matching (the most recent outputs)."""
 LIVE = 256
 """Requests whose automata are kept (the most recently speculating)."""
+MAX_HISTORIES = 64
+"""Cache salts whose finished outputs are kept (the most recently used)."""
 
 
 class SuffixAutomaton:
@@ -97,15 +108,44 @@ class SuffixAutomaton:
         return out
 
 
+class History:
+    """The finished outputs of one cache salt, oldest first, and their automaton."""
+
+    def __init__(self, outputs: Sequence[list[int]] = ()) -> None:
+        self.outputs: list[list[int]] = []
+        self.sam = SuffixAutomaton()
+        for o in outputs:
+            self.add(o)
+
+    def add(self, output: list[int]) -> None:
+        self.outputs.append(output)
+        for t in output:
+            self.sam.extend(t)
+        self.sam.extend(-len(self.outputs))  # a separator no token equals: no match spans two
+
+    @property
+    def size(self) -> int:
+        return len(self.sam.tokens)
+
+    def newest(self, budget: int) -> History:
+        """A history of the newest outputs within ``budget`` tokens."""
+        kept, total = [], 0
+        for o in reversed(self.outputs):
+            if total + len(o) > budget:
+                break
+            kept.append(o)
+            total += len(o)
+        return History(kept[::-1])
+
+
 class SuffixProposer(Proposer):
     name = "suffix"
 
     def __init__(self) -> None:
         self.live: OrderedDict[str, tuple[Request, SuffixAutomaton]] = OrderedDict()
         """request id -> (the request, the automaton of its tokens so far)"""
-        self.outputs: list[list[int]] = []
-        """Finished requests' outputs in the history, oldest first."""
-        self.history = SuffixAutomaton()
+        self.histories: OrderedDict[bytes, History] = OrderedDict()
+        """cache salt -> its finished requests' outputs (least recently used first)."""
 
     def propose(self, reqs: list[Request], ks: list[int]) -> list[list[int]]:
         self._retire()
@@ -114,9 +154,12 @@ class SuffixProposer(Proposer):
             own = self._own(req)
             n, end = own.repeated_suffix()
             guess = own.after(end, k) if n >= MIN_MATCH else []
-            m, at = self.history.match(req.token_ids[-MAX_MATCH:])
-            if m >= MIN_MATCH and m > n:
-                guess = self.history.after(at, k) or guess
+            history = self.histories.get(req.cache_salt)
+            if history is not None:
+                self.histories.move_to_end(req.cache_salt)
+                m, at = history.sam.match(req.token_ids[-MAX_MATCH:])
+                if m >= MIN_MATCH and m > n:
+                    guess = history.sam.after(at, k) or guess
             out.append(guess)
         return out
 
@@ -136,34 +179,27 @@ class SuffixProposer(Proposer):
         return sam
 
     def _retire(self) -> None:
-        """Finished requests' outputs join the history (the oldest leave it: once it
-        holds twice HISTORY_TOKENS, the automaton is rebuilt from the newest outputs)."""
+        """Finished requests' outputs join their salt's history; then the budget holds:
+        a history that alone passes 2 x HISTORY_TOKENS is rebuilt from its newest
+        outputs, and while all of them pass it (or there are more than MAX_HISTORIES),
+        the least recently used salt's history goes."""
         done = [rid for rid, (r, _) in self.live.items() if r.status is RequestStatus.FINISHED]
         for rid in done:
             req, _ = self.live.pop(rid)
             if req.output_token_ids:
-                self.outputs.append(list(req.output_token_ids)[-HISTORY_TOKENS:])
-                self._add(self.history, self.outputs[-1], len(self.outputs))
-        if len(self.history.tokens) > 2 * HISTORY_TOKENS:
-            kept, total = [], 0
-            for o in reversed(self.outputs):
-                if total + len(o) > HISTORY_TOKENS:
-                    break
-                kept.append(o)
-                total += len(o)
-            self.outputs = kept[::-1]
-            self.history = SuffixAutomaton()
-            for i, o in enumerate(self.outputs):
-                self._add(self.history, o, i + 1)
-
-    @staticmethod
-    def _add(sam: SuffixAutomaton, output: list[int], n: int) -> None:
-        for t in output:
-            sam.extend(t)
-        sam.extend(-n)  # a separator no token equals: no match spans two outputs
+                history = self.histories.setdefault(req.cache_salt, History())
+                self.histories.move_to_end(req.cache_salt)
+                history.add(list(req.output_token_ids)[-HISTORY_TOKENS:])
+        for salt, history in list(self.histories.items()):
+            if history.size > 2 * HISTORY_TOKENS:
+                self.histories[salt] = history.newest(HISTORY_TOKENS)
+        while len(self.histories) > 1 and (
+                len(self.histories) > MAX_HISTORIES
+                or sum(h.size for h in self.histories.values()) > 2 * HISTORY_TOKENS):
+            self.histories.popitem(last=False)
 
     def forget(self) -> None:
-        """Drop every request's automaton and the history of finished requests' outputs
-        (benchmarks, between rounds of the same prompts)."""
+        """Drop every request's automaton and the histories of finished requests'
+        outputs (benchmarks, between rounds of the same prompts)."""
         self.live.clear()
-        self.outputs, self.history = [], SuffixAutomaton()
+        self.histories.clear()

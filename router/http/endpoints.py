@@ -111,7 +111,7 @@ class Endpoints:
             st.metrics.in_flight.inc()
             stack.callback(st.metrics.in_flight.dec)
             deltas = st.flow.run(intake.prompt_ids, intake.params, intake.priority, rid,
-                                 outcome.trace, intake.deadline)
+                                 outcome.trace, intake.deadline, intake.cache_salt)
             stack.push_async_callback(deltas.aclose)
             first = await deltas.__anext__()
             st.metrics.ttft.observe(outcome.trace.ttft_seconds)

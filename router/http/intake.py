@@ -9,7 +9,7 @@ its Intake only. Every error is an APIError naming the field.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from fastapi import Request
@@ -17,6 +17,7 @@ from pydantic import BaseModel, ValidationError
 
 from engine.limits import check_priority, check_prompt
 from engine.sampling import SamplingParams
+from router.cache_salt import request_salt
 from router.http.errors import APIError
 from router.openai_api import ChatCompletionRequest, CompletionRequest
 from router.state import RouterState
@@ -41,6 +42,8 @@ class Intake:
     priority: int
     deadline: float
     """time.monotonic() after which the request is refused or ended (504)."""
+    cache_salt: bytes = field(default=b"", repr=False)
+    """Which prefix cache the request's KV belongs to (router/cache_salt.py)."""
 
 
 class Reader:
@@ -85,9 +88,10 @@ class Reader:
     async def _intake(self, request: Request, body, ids: list[int], chat: bool,
                       logprobs: int | None, constraint: Constraint) -> Intake:
         params = await self.state.parsing.run(self._params, body, ids, logprobs, constraint)
+        salt = request_salt(getattr(request.state, "api_key", None), body.cache_salt)
         return Intake(ids, params, chat, logprobs, body.stream,
                       bool(body.stream_options and body.stream_options.include_usage),
-                      constraint.tools, request.state.priority, request.state.deadline)
+                      constraint.tools, request.state.priority, request.state.deadline, salt)
 
     # -- on the pools ------------------------------------------------------------------
     async def _constraint(self, body) -> Constraint:

@@ -55,6 +55,8 @@ def test_rate_limit_is_a_token_bucket(tmp_path) -> None:
     ("keys:\n  - {key: sk-long-enough, priority_ceiling: high}", r"keys\[0\]\.priority_ceiling"),
     ("keys:\n  - {key: sk-long-enough, rate_limit_rps: 0}", r"keys\[0\]\.rate_limit_rps"),
     ("keys:\n  - {key: sk-long-enough, colour: red}", "unknown field 'colour'"),
+    ("keys:\n  - {key: sk-long-enough, cache_group: ''}", r"keys\[0\]\.cache_group"),
+    ("keys:\n  - {key: sk-long-enough, cache_group: [a]}", r"keys\[0\]\.cache_group"),
 ])
 def test_bad_key_files_name_the_field(tmp_path, text, message) -> None:
     f = tmp_path / "keys.yaml"

@@ -100,11 +100,8 @@ def cluster(model: str | Path, backend: str = "tcp", n_prefill: int = 1, n_decod
                 addr, mport = proc.ready.read_text().split()  # type: ignore[attr-defined]
                 proc.addr, proc.metrics_port = addr, int(mport)
             port = free_port()
-            args = ["router", "--model", str(model), "--port", str(port), *router_args]
-            for proc in c.prefill:
-                args += ["--prefill", proc.addr]
-            for proc in c.decode:
-                args += ["--decode", proc.addr]
+            args = ["router", "--model", str(model), "--port", str(port), *router_args,
+                    *_worker_flags(c)]
             c.router = Proc("router", _spawn(args))
             c.url = f"http://127.0.0.1:{port}"
             wait_ready(c.url, c.router.popen, deadline, "router")
@@ -119,6 +116,31 @@ def cluster(model: str | Path, backend: str = "tcp", n_prefill: int = 1, n_decod
                         proc.popen.wait(timeout=15)
                     except subprocess.TimeoutExpired:
                         proc.kill()
+
+
+def _worker_flags(c: Cluster) -> list[str]:
+    return ([a for p in c.prefill for a in ("--prefill", p.addr)]
+            + [a for p in c.decode for a in ("--decode", p.addr)])
+
+
+@contextlib.contextmanager
+def another_router(c: Cluster, model: str | Path, router_args: list[str] = ()):
+    """A second router over the cluster's workers, with its own flags (one without the
+    first's API keys, say); yields its URL, stops it at the end."""
+    port = free_port()
+    proc = _spawn(["router", "--model", str(model), "--port", str(port), *router_args,
+                   *_worker_flags(c)])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, proc, time.monotonic() + 120, "router")
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def wait_ready(url: str, proc: subprocess.Popen, deadline: float, what: str) -> None:

@@ -79,5 +79,43 @@ def test_the_history_keeps_the_newest_outputs_within_its_budget(monkeypatch) -> 
         p.propose([], [])
     # 5 outputs made 25 tokens with separators (> 2 x 10): rebuilt from the newest two
     # (8 tokens within 10), then the sixth joined
-    assert p.outputs == [[100 * i + j for j in range(4)] for i in (3, 4, 5)]
-    assert len(p.history.tokens) == 15 and p.live == {}
+    assert p.histories[b""].outputs == [[100 * i + j for j in range(4)] for i in (3, 4, 5)]
+    assert p.histories[b""].size == 15 and p.live == {}
+
+
+def test_a_request_draws_only_on_outputs_under_its_own_salt() -> None:
+    """Guesses from another tenant's outputs would be accepted faster when right, so
+    their timing would tell what another tenant was told: each salt has its own history."""
+    p = sx.SuffixProposer()
+    a = _req("a", [1, 2], output=[70, 71, 72, 73, 74])
+    a.cache_salt = b"tenant-a"
+    p.propose([a], [1])
+    a.status = RequestStatus.FINISHED
+    b = _req("b", [7, 70, 71, 72])
+    b.cache_salt = b"tenant-b"
+    assert p.propose([b], [2]) == [[]]  # a's output is no history of b's salt
+    plain = _req("plain", [7, 70, 71, 72])
+    assert p.propose([plain], [2]) == [[]]  # nor of the unsalted (open router) cache
+    a2 = _req("a2", [7, 70, 71, 72])
+    a2.cache_salt = b"tenant-a"
+    assert p.propose([a2], [2]) == [[73, 74]]  # under its own salt it is
+
+
+def test_the_histories_stay_within_one_budget_least_recently_used_first(monkeypatch) -> None:
+    monkeypatch.setattr(sx, "HISTORY_TOKENS", 10)
+    monkeypatch.setattr(sx, "MAX_HISTORIES", 3)
+    p = sx.SuffixProposer()
+
+    def finish(rid: str, salt: bytes, output: list[int]) -> None:
+        r = _req(rid, [1], output=output)
+        r.cache_salt = salt
+        p.propose([r], [1])
+        r.status = RequestStatus.FINISHED
+        p.propose([], [])
+
+    for i, salt in enumerate((b"s0", b"s1", b"s2", b"s3")):
+        finish(f"r{i}", salt, [10 * i, 10 * i + 1, 10 * i + 2])  # 4 tokens with its separator
+    assert list(p.histories) == [b"s1", b"s2", b"s3"]  # at most 3 salts: s0 went
+    finish("big", b"s1", list(range(100, 114)))  # its last 10 tokens (+1) join s1: 23 > 20
+    assert list(p.histories) == [b"s3", b"s1"]  # the least recently used, s2, went
+    assert [h.size for h in p.histories.values()] == [4, 15]

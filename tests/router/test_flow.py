@@ -12,6 +12,7 @@ import pytest
 
 from engine.sampling import SamplingParams
 from proto import common_pb2, decode_pb2, kv_link_pb2, prefill_pb2
+from engine.kv_cache import hash_token_blocks
 from router.config import RouterConfig
 from router.flow import RequestFlow, Trace
 from router.outcomes import WorkerError
@@ -22,10 +23,12 @@ from router.workers import Worker
 class FakeDecode:
     def __init__(self, fail: grpc.StatusCode | None, delay: float = 0.0) -> None:
         self.fail, self.delay, self.timeouts, self.ids = fail, delay, [], []
+        self.salts: list[bytes] = []
 
     def Generate(self, req, timeout):
         self.timeouts.append(timeout)
         self.ids.append(req.request_id)
+        self.salts.append(req.cache_salt)
         return self._stream(req)
 
     async def _stream(self, req):
@@ -117,8 +120,10 @@ def test_the_trace_carries_the_decode_workers_speculation() -> None:
 class FakePrefill:
     def __init__(self) -> None:
         self.aborts: list[str] = []
+        self.salts: list[bytes] = []
 
     async def Prefill(self, req, timeout):
+        self.salts.append(req.cache_salt)
         reply = prefill_pb2.PrefillResponse(request_id=req.request_id, first_token=4)
         reply.kv_handle.CopyFrom(kv_link_pb2.KVHandle(request_id=req.request_id, num_tokens=3))
         return reply
@@ -165,4 +170,29 @@ def test_a_lease_the_decode_worker_did_not_end_is_ended_by_the_router(lease_ende
         # before the last chunk the prefill's lease was aborted, or left to its release
         assert seen[-1][1] == ([] if lease_ended else ["rid-0"])
         assert prefill.aborts == ([] if lease_ended else ["rid-0"])  # once, not again
+    asyncio.run(body())
+
+
+def test_a_salted_request_is_placed_by_its_salted_blocks_and_keeps_its_salt_on_retry() -> None:
+    """The router hashes the prompt under the request's cache salt, as the workers do in
+    their KV events, so it finds the tenant's blocks (routing stays prefix-aware within
+    a tenant); the salt goes with the prefill and with every attempt after a failover."""
+    async def body():
+        salt = b"\x5a" * 32
+        prompt = list(range(40))  # 2 full blocks of 16
+        prefill, spare, holder = FakePrefill(), FakeDecode(None), FakeDecode(
+            grpc.StatusCode.UNAVAILABLE)
+        workers = [Worker("127.0.0.1:9200", "prefill", None, prefill, healthy=True),
+                   Worker("127.0.0.1:9201", "decode", None, spare, healthy=True),
+                   Worker("127.0.0.1:9202", "decode", None, holder, healthy=True)]
+        cfg = RouterConfig(local_prefill_threshold=0)
+        flow = RequestFlow(cfg, Tok(), FakePool(workers))
+        for h in hash_token_blocks(prompt, cfg.block_size, cfg.hash_seed, salt=salt):
+            flow.pool.index.stored(workers[2].address, h)  # its KV events: salted hashes
+        out = [d async for d in flow.run(prompt, SamplingParams(max_tokens=2), 0, "rid",
+                                         deadline=time.monotonic() + 10, cache_salt=salt)]
+        assert out[-1].finished
+        # an unsalted walk finds no overlap and the tie goes to the first decode worker
+        assert (holder.ids, spare.ids) == (["rid-0"], ["rid-1"])
+        assert holder.salts == spare.salts == [salt] and prefill.salts == [salt, salt]
     asyncio.run(body())
