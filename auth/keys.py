@@ -43,7 +43,8 @@ class KeyFileError(ValueError):
 
 @dataclass
 class ApiKey:
-    key: bytes
+    key: bytes = field(repr=False)
+    """The secret itself: never in a repr, so a logged key shows its name only."""
     name: str
     priority_ceiling: int | None = None
     rate_limit_rps: float | None = None

@@ -75,3 +75,10 @@ def test_missing_key_file_and_metrics_key(tmp_path, monkeypatch) -> None:
         load_metrics_key(str(tmp_path / "m"))
     monkeypatch.setenv("TANDEM_METRICS_KEY", "scrape-me")
     assert load_metrics_key(None) == b"scrape-me"
+
+
+def test_a_key_in_a_log_line_shows_its_name_not_its_secret() -> None:
+    from auth.keys import ApiKey
+
+    key = ApiKey(b"sk-team-a-0123456789", "team-a")
+    assert "sk-team-a" not in repr(key) and "team-a" in repr(key)
