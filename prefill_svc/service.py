@@ -153,7 +153,7 @@ class PrefillService(WorkerBase, pb_grpc.PrefillServicer):
         if lease is None or list(lease.block_ids) != blocks:
             return None
         return blocks_to_proto(SourceBlocks(
-            self.worker_id, f"{self.config.public_host}:{self.port}", rid, lease.epoch,
+            self.worker_id, self.endpoint, rid, lease.epoch,
             tuple(blocks), lease.deadline_unix_ms, num_tokens, lease.token))
 
     def _drop(self, rid: str) -> None:

@@ -10,7 +10,7 @@ import grpc
 
 from auth.grpc_auth import ServerAuth
 from auth.secret import load_cluster_secret
-from auth.targets import server_names
+from auth.targets import join, server_names
 from engine.kv_cache.layout import scale_layout
 from engine.llm_engine import Handoff, LLMEngine
 from engine.request import RequestOutput
@@ -78,7 +78,7 @@ class WorkerBase:
         self.health = grpc_server.add_health_and_reflection(self.server, service_names)
         self.port = grpc_server.bind(self.server, self.config.host, self.config.port)
         if not self.config.worker_id:
-            self.worker_id = f"{self.role}@{self.config.public_host}:{self.port}"
+            self.worker_id = f"{self.role}@{self.endpoint}"
         self.auth.worker_id = self.worker_id
         names = server_names(self.config.host, self.port, self.config.public_host)
         self.auth.answer_to(names)
@@ -87,6 +87,11 @@ class WorkerBase:
             self.metrics_port = self.metrics.serve(self.config.host, self.config.metrics_port)
         log.info("%s serving gRPC on %s:%d; clients may dial it as %s", self.worker_id,
                  self.config.host, self.port, ", ".join(sorted(names)))
+
+    @property
+    def endpoint(self) -> str:
+        """host:port where peers reach this worker (an IPv6 host bracketed), once bound."""
+        return join(self.config.public_host, self.port)
 
     def _engine_died(self, error: BaseException) -> None:
         log.critical("%s: the engine thread died (%s); health is NOT_SERVING and the "

@@ -153,3 +153,32 @@ def test_client_abort_mid_stream_frees_both_sides(tiny_model_dir) -> None:
             await asyncio.sleep(0.2)
             await leak_check(p, d)
     run(body())
+
+
+def test_a_kv_handle_brackets_an_ipv6_advertised_host(tiny_model_dir) -> None:
+    """The handle's endpoint is what the decode worker dials: with --advertise-host ::1
+    it was '::1:PORT', which gRPC cannot read as host and port."""
+    from engine.config import EngineConfig
+    from prefill_svc.service import PrefillService
+    from worker.config import KVTransferConfig, WorkerConfig
+
+    async def run() -> str:
+        p = PrefillService(WorkerConfig(
+            engine=EngineConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=16,
+                                max_model_len=256),
+            kv=KVTransferConfig(backend="tcp"), advertise_host="::1"))
+        await p.start()
+        try:
+            from auth.grpc_auth import channel
+            from proto import prefill_pb2_grpc
+            async with channel(f"127.0.0.1:{p.port}", p.secret) as ch:
+                r = await prefill_pb2_grpc.PrefillStub(ch).Prefill(prefill_pb2.PrefillRequest(
+                    request_id="v6", token_ids=list(range(5, 45)), sampling=sampling(4)))
+            await p.Abort(common_pb2.AbortRequest(request_id="v6"), None)
+            await leak_check(p)
+            return r.kv_handle.transfer_endpoint, p.port, p.worker_id
+        finally:
+            await p.stop(0)
+
+    endpoint, port, worker_id = asyncio.run(run())
+    assert endpoint == f"[::1]:{port}" and worker_id == f"prefill@[::1]:{port}"
