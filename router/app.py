@@ -14,6 +14,8 @@ from router.config import RouterConfig
 from router.http.middleware import EdgeGuard
 from router.http.routes import invalid_request, routes
 from router.state import running_state
+from tracing import provider as tracing
+from tracing.http import HTTPSpans
 
 
 def create_app(config: RouterConfig, tokenizer: Tokenizer | None = None) -> FastAPI:
@@ -32,6 +34,8 @@ def create_app(config: RouterConfig, tokenizer: Tokenizer | None = None) -> Fast
     docs = {} if config.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="Tandem router", version="0.1.0", lifespan=lifespan, **docs,
                   description="OpenAI-compatible API over Tandem's prefill and decode pools.")
+    if tracing.configure("tandem-router", config.otlp_traces_endpoint):
+        app.add_middleware(HTTPSpans)  # added first, so it runs inside the edge guard
     app.add_middleware(EdgeGuard, keys=keys, metrics_key=metrics_key,
                        max_body_bytes=config.max_body_bytes)
     app.add_exception_handler(RequestValidationError, invalid_request)
