@@ -30,6 +30,8 @@ from router.outcomes import DeadlineExceeded, NoWorkerError, QueueFull, WorkerEr
 from router.state import RouterState
 from router.structured import Constraint, constraint_of
 from router.tools import ToolCallText, ToolPlan, template_messages
+from router import spans as router_spans
+from tracing import spans
 
 FLOW_ERRORS = (NoWorkerError, WorkerError, DeadlineExceeded, QueueFull)
 
@@ -135,8 +137,9 @@ class Endpoints:
         outcome = _Outcome(Trace(rid, request.headers.get("x-request-id") or ""))
         try:
             blocks = blocks_for(len(prompt_ids) + 1, st.config.block_size)
-            outcome.trace.queue_seconds = await stack.enter_async_context(
-                st.admission.slot(priority, deadline, blocks))
+            with spans.phase("router.queue", {"tandem.priority": priority}):
+                outcome.trace.queue_seconds = await stack.enter_async_context(
+                    st.admission.slot(priority, deadline, blocks))
             stack.callback(self._account, outcome)
             st.metrics.in_flight.inc()
             stack.callback(st.metrics.in_flight.dec)
@@ -267,6 +270,7 @@ class Endpoints:
         m.queue_time.observe(trace.queue_seconds)
         if st.request_log is not None:
             st.request_log.write(trace.json() + "\n")
+        router_spans.finish_request(vars(trace), outcome.reason)
 
 
 def _echo(request: Request, rid: str) -> dict[str, str]:
