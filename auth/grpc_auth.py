@@ -76,16 +76,17 @@ two minutes. Capped at 2 s, a worker that comes up (or back) is seen within a he
 period or two."""
 
 
-def channel(address: str, secret: bytes, options: Sequence[tuple[str, Any]] = ()
-            ) -> grpc.aio.Channel:
+def channel(address: str, secret: bytes, options: Sequence[tuple[str, Any]] = (),
+            interceptors: Sequence[grpc.aio.ClientInterceptor] = ()) -> grpc.aio.Channel:
     """An asyncio channel to a Tandem worker whose calls carry the cluster secret, bound
     to ``address`` as dialed; it retries a worker that is not (yet) listening at least
-    every 2 s (RECONNECT_OPTIONS)."""
+    every 2 s (RECONNECT_OPTIONS). interceptors: more, run after the secret's
+    (tracing's, tracing/rpc.py)."""
     target = normalize(address)
     named = {k for k, _ in options}
     opts = [o for o in RECONNECT_OPTIONS if o[0] not in named] + list(options)
     return grpc.aio.insecure_channel(address, options=opts, interceptors=[
-        k(secret, target) for k in (_UnaryUnary, _UnaryStream)])
+        k(secret, target) for k in (_UnaryUnary, _UnaryStream)] + list(interceptors))
 
 
 class ServerAuth(grpc.aio.ServerInterceptor):

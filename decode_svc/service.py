@@ -35,6 +35,7 @@ from proto import decode_pb2 as pb
 from proto import decode_pb2_grpc as pb_grpc
 from worker.base import WorkerBase, invalid_argument
 from worker.config import WorkerConfig
+from worker import spans as worker_spans
 from engine.wire import sampling_from_proto, top_to_proto
 
 log = logging.getLogger(__name__)
@@ -87,6 +88,7 @@ class DecodeService(WorkerBase, pb_grpc.DecodeServicer):
                 f"{info.num_blocks} in all (--kv-blocks)")
         trace = pb.KVTrace()
         local = not request.HasField("kv_handle")
+        worker_spans.generate_start(req, "local" if local else request.kv_handle.worker_id)
         try:
             q = await (self.engine.add(req) if local
                        else self._admit_remote(req, request, trace, context))
@@ -144,9 +146,10 @@ class DecodeService(WorkerBase, pb_grpc.DecodeServicer):
                                 context) -> asyncio.Queue:
         remaining = context.time_remaining()
         try:
-            res, q = await asyncio.wait_for(
-                self.engine.reserve(req, handle.num_tokens, request.preempt_lower_priority),
-                timeout=remaining)
+            with worker_spans.reserving(req, handle.num_tokens):
+                res, q = await asyncio.wait_for(
+                    self.engine.reserve(req, handle.num_tokens, request.preempt_lower_priority),
+                    timeout=remaining)
         except asyncio.TimeoutError:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                 f"request {req.request_id}: no KV room before its deadline")
@@ -167,6 +170,7 @@ class DecodeService(WorkerBase, pb_grpc.DecodeServicer):
                                   res.local_cached_tokens)
         return q
 
+    @worker_spans.pull_span
     async def _pull(self, handle: SourceBlocks, peer: Peer, res: RemoteReservation,
                     trace: pb.KVTrace) -> bool:
         """Pull the missing blocks and release the lease. True when the KV arrived.
@@ -205,6 +209,7 @@ class DecodeService(WorkerBase, pb_grpc.DecodeServicer):
 
     def _fallback(self, trace: pb.KVTrace, reason: str) -> bool:
         trace.fallback = reason
+        worker_spans.fallback(reason)
         self.metrics.labelled(self.metrics.kv_fallbacks, reason=reason).inc()
         return False
 
@@ -223,6 +228,7 @@ class DecodeService(WorkerBase, pb_grpc.DecodeServicer):
             if out.finished:
                 chunk.finish_reason = out.finish_reason.value if out.finish_reason else "error"
                 self.count_finish(out)
+                worker_spans.generate_done(out)
                 if out.spec is not None:
                     chunk.spec.CopyFrom(pb.SpecTrace(proposed_tokens=out.spec.proposed,
                                                      accepted_tokens=out.spec.accepted,

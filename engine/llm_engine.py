@@ -261,7 +261,7 @@ class LLMEngine:
                 self.outputs.forget(req.request_id)
             if result.finished:
                 result.held_blocks = self._release(req)
-                result.spec = req.spec.summary() if req.spec is not None else None
+                _summarize(result, req)
             results.append(result)
 
     def _commit_verified(self, req: Request, tokens: list[int], logprobs: list) -> RequestOutput:
@@ -307,8 +307,7 @@ class LLMEngine:
         self.aborts.ended(req.request_id)
         self.scheduler.remove(req)
         out = self.outputs.finish(req, reason, error)
-        out.spec = req.spec.summary() if req.spec is not None else None
-        return out
+        return _summarize(out, req)
 
     def _release(self, req: Request) -> list[int] | None:
         """A request finished: free it, or (a finished prefill_only request) keep its
@@ -389,3 +388,11 @@ class LLMEngine:
         if self.swap is not None:
             self.swap.leak_check()
         self.kv.leak_check()
+
+
+def _summarize(out: RequestOutput, req: Request) -> RequestOutput:
+    """A request's last output says what its whole life was: its speculation totals and
+    its preemptions."""
+    out.spec = req.spec.summary() if req.spec is not None else None
+    out.num_preemptions, out.preempted_seconds = req.num_preemptions, req.preempted_seconds
+    return out

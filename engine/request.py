@@ -147,3 +147,7 @@ class RequestOutput:
     held_blocks: list[int] | None = None
     """A prefill_only request's block table, now held for a KV handoff (finish_reason
     None): the caller leases these blocks and frees them with release_held."""
+    num_preemptions: int = 0
+    """On the last output: times the request was preempted (swapped out or recomputed)."""
+    preempted_seconds: float = 0.0
+    """On the last output: time it spent preempted."""

@@ -30,6 +30,7 @@ from auth.tokens import proof
 from kvtransfer.lease import Lease, LeaseTable
 from proto import kv_link_pb2 as pb
 from proto import kv_link_pb2_grpc as pb_grpc
+from tracing.rpc import client_interceptors
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +150,7 @@ class KVLinkClient:
         self.reader_id = reader_id
         self._secret = secret
         self._rpc_timeout_s = rpc_timeout_s
-        self._channel = auth_channel(endpoint, secret)
+        self._channel = auth_channel(endpoint, secret, interceptors=client_interceptors())
         self._stub = pb_grpc.KVLinkStub(self._channel)
 
     async def handshake(self, compat: CompatRecord, backend: str) -> SourceInfo:

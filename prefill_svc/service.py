@@ -29,6 +29,7 @@ from proto import prefill_pb2 as pb
 from proto import prefill_pb2_grpc as pb_grpc
 from worker.base import WorkerBase, invalid_argument
 from worker.config import WorkerConfig
+from worker import spans as worker_spans
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +145,7 @@ class PrefillService(WorkerBase, pb_grpc.PrefillServicer):
                 reply.first_top_logprobs.CopyFrom(top_to_proto(out.logprobs[0].top))
         if handle is not None:
             reply.kv_handle.CopyFrom(handle)
+        worker_spans.prefill_done(out, seconds, handle)
         return reply
 
     def _handle(self, rid: str, blocks: list[int], num_tokens: int):

@@ -15,6 +15,8 @@ from router.config import RouterConfig
 from router.http.middleware import EdgeGuard
 from router.http.routes import BODY_MODELS, invalid_request, routes
 from router.state import running_state
+from tracing import provider as tracing
+from tracing.http import HTTPSpans
 
 
 def create_app(config: RouterConfig, tokenizer: Tokenizer | None = None) -> FastAPI:
@@ -33,6 +35,8 @@ def create_app(config: RouterConfig, tokenizer: Tokenizer | None = None) -> Fast
     docs = {} if config.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="Tandem router", version="0.1.0", lifespan=lifespan, **docs,
                   description="OpenAI-compatible API over Tandem's prefill and decode pools.")
+    if tracing.configure("tandem-router", config.otlp_traces_endpoint):
+        app.add_middleware(HTTPSpans)  # added first, so it runs inside the edge guard
     app.add_exception_handler(RequestValidationError, invalid_request)
     app.include_router(routes)
     fastapi_openapi = app.openapi

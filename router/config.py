@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from router.discovery.base import DISCOVERY
+from tracing.provider import traces_url
 
 
 @dataclass(frozen=True)
@@ -80,11 +81,17 @@ class RouterConfig:
     cluster_secret_file: str | None = None
     """File holding the secret every router and worker of the cluster shares; default:
     $TANDEM_CLUSTER_SECRET, else a per-user file in the cache directory."""
+    otlp_traces_endpoint: str | None = None
+    """OTLP/HTTP collector to export OpenTelemetry traces to, e.g. http://localhost:4318
+    (/v1/traces is added to a URL without a path); default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT
+    or $OTEL_EXPORTER_OTLP_ENDPOINT, else no tracing (docs/observability.md)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         DISCOVERY.check(self.discovery)
+        if self.otlp_traces_endpoint is not None:
+            traces_url(self.otlp_traces_endpoint)
         if self.routing not in ("prefix", "round_robin"):
             raise ValueError(f"--routing must be prefix or round_robin, got {self.routing!r}")
         for name in ("max_inflight", "max_queue", "max_body_bytes", "max_connections"):

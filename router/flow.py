@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 import grpc
+from opentelemetry.trace import Span
 
 from engine.guided.compiler import GrammarCompiler
 from engine.kv_cache import blocks_for, hash_token_blocks
@@ -36,6 +37,8 @@ from router.config import RouterConfig
 from router.outcomes import DeadlineExceeded, NoWorkerError, WorkerError
 from router.placement import Placer
 from router.workers import Worker, WorkerPool
+from router import spans as router_spans
+from tracing.spans import calling
 from engine.wire import sampling_to_proto, top_from_proto
 
 log = logging.getLogger(__name__)
@@ -160,6 +163,7 @@ class RequestFlow:
                 await asyncio.shield(req.held.abort_all())
                 self.pool.mark_down(r.worker)
                 trace.retries += 1
+                router_spans.retry(r.worker, r.reason, attempt, len(req.generated))
                 trace.fallback = trace.fallback or f"{r.worker.role}_failover"
                 log.warning("request %s: %s worker %s failed (%s); retrying elsewhere with %d "
                             "tokens generated", req.rid, r.worker.role, r.worker.name, r.reason,
@@ -194,7 +198,9 @@ class RequestFlow:
             prefill, p_overlap = self.placer.choose(prefillers, hashes, need)
             trace.prefill_worker = prefill.name
             trace.predicted_cached_tokens = max(cached, p_overlap * bs)
-            first = await self._prefill(prefill, wid, req)
+            with router_spans.prefill_call(prefill, wid) as span:
+                first = await self._prefill(prefill, wid, req)
+                router_spans.prefill_reply(span, first)
             trace.realized_cached_tokens = first.num_cached_tokens
             yield [first.first_token], first.finish_reason or None, (
                 [(first.first_logprob, top_from_proto(first.first_top_logprobs))]
@@ -206,16 +212,21 @@ class RequestFlow:
         else:
             trace.path = "local_prefill"
             trace.predicted_cached_tokens = cached
-        async for item in self._decode(decode, wid, gen, req, trace):
-            yield item
+        with router_spans.decode_call(decode, wid) as span:
+            async for item in self._decode(decode, wid, gen, req, trace, span):
+                yield item
 
-    async def _decode(self, decode: Worker, wid: str, gen, req: _Request, trace: Trace):
+    async def _decode(self, decode: Worker, wid: str, gen, req: _Request, trace: Trace,
+                      span: Span):
         req.held.add(decode, wid)
         decode.inflight += 1
         try:
-            async for chunk in decode.stub.Generate(gen, timeout=req.remaining()):
+            with calling(span):  # the call carries the span's traceparent
+                stream = decode.stub.Generate(gen, timeout=req.remaining())
+            async for chunk in stream:
                 if chunk.HasField("trace"):
                     _absorb(trace, chunk.trace)
+                    router_spans.kv_trace(span, chunk.trace)
                     if chunk.trace.lease_ended:  # the decode worker released the lease
                         req.held.forget_role("prefill")
                     else:  # it did not (or could not): end it now, not at its expiry
@@ -225,6 +236,8 @@ class RequestFlow:
                     trace.spec_accepted_tokens += chunk.spec.accepted_tokens
                     trace.spec_verifications += chunk.spec.verifications
                 tops = [top_from_proto(t) for t in chunk.top_logprobs]
+                if chunk.finished:  # nothing may resume this generator after the yield
+                    router_spans.decode_done(span, chunk)
                 yield list(chunk.token_ids), chunk.finish_reason or None, [
                     (lp, tops[i] if i < len(tops) else []) for i, lp in enumerate(chunk.logprobs)]
                 if chunk.finished:

@@ -27,6 +27,7 @@ from auth.grpc_auth import channel as auth_channel
 from proto import decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from router.discovery.base import WorkerEndpoint
 from router.prefix_index import PrefixIndex
+from tracing.rpc import client_interceptors
 
 log = logging.getLogger(__name__)
 HEALTH_PERIOD_S = 1.0
@@ -98,7 +99,7 @@ class WorkerPool:
                 self._drains.pop(w).cancel()
                 log.info("%s worker %s is listed again", w.role, w.address)
         for ep in endpoints - have.keys():
-            ch = auth_channel(ep.address, self.secret)
+            ch = auth_channel(ep.address, self.secret, interceptors=client_interceptors())
             w = Worker(ep.address, ep.role, ch, _STUBS[ep.role](ch))
             self.workers.append(w)
             self._tasks[w] = [asyncio.create_task(self._watch_events(w)),

@@ -45,6 +45,10 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-requests", default=None, metavar="PATH",
                    help="the router writes each request's trace (workers, predicted and "
                         "realized prefix hit, bytes moved, fallbacks) as a JSON line to PATH")
+    p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="every service exports OpenTelemetry traces to this OTLP/HTTP "
+                        "collector, e.g. http://localhost:4318 (default: the OTEL_EXPORTER_OTLP_* "
+                        "variables, which the services inherit, else no tracing)")
     p.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for every worker (repeat), e.g. --worker-arg=--no-enable-prefix-caching")
     p.add_argument("--prefill-arg", action="append", default=[], metavar="ARG",

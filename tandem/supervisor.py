@@ -137,7 +137,8 @@ class Cluster:
         for flag, value in (("--kv-blocks", a.kv_blocks), ("--swap-space", a.swap_space),
                             ("--preemption-mode", a.preemption_mode),
                             ("--kv-cache-dtype", a.kv_cache_dtype),
-                            ("--max-model-len", a.max_model_len)):
+                            ("--max-model-len", a.max_model_len),
+                            ("--otlp-traces-endpoint", a.otlp_traces_endpoint)):
             if value is not None:
                 cmd += [flag, str(value)]
         return cmd + a.worker_arg + (a.prefill_arg if role == "prefill" else a.decode_arg)
@@ -155,6 +156,8 @@ class Cluster:
                 cmd += [f"--{role}", addr]
         if a.log_requests:
             cmd += ["--log-requests", a.log_requests]
+        if a.otlp_traces_endpoint:
+            cmd += ["--otlp-traces-endpoint", a.otlp_traces_endpoint]
         return cmd + a.router_arg
 
     # -- running ----------------------------------------------------------------------------

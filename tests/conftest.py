@@ -30,3 +30,21 @@ def flat_model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def model_path() -> Path:
     return real_model_path()
+
+
+@pytest.fixture
+def span_exporter():
+    """Tracing on in this process for one test, its spans kept in memory (the SDK's
+    InMemorySpanExporter): .get_finished_spans()."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from tracing import provider
+
+    exporter = InMemorySpanExporter()
+    p = TracerProvider()
+    p.add_span_processor(SimpleSpanProcessor(exporter))
+    provider.use(p)
+    yield exporter
+    provider.use(None)

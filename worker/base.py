@@ -23,6 +23,7 @@ from engine.wire import events_to_proto
 from worker.events import KVEventHub
 from worker.metrics import WorkerMetrics
 from worker import server as grpc_server
+from tracing import provider as tracing
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ class WorkerBase:
         return None
 
     async def start_engine(self) -> None:
+        tracing.configure(f"tandem-{self.role}", self.config.otlp_traces_endpoint)
         self.server = grpc_server.new_server(self.auth)
         self.hub = KVEventHub(asyncio.get_running_loop())
         self.engine = EngineWorker(

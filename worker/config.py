@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from kvtransfer.base import KV_BACKENDS
+from tracing.provider import traces_url
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,10 @@ class WorkerConfig:
     kv_peers: tuple[str, ...] = ()
     """Decode side: prefill workers (host:port of their KVLink) this worker may pull KV
     from, besides those the routers' discovery lists (pushed with SetKVPeers)."""
+    otlp_traces_endpoint: str | None = None
+    """OTLP/HTTP collector to export OpenTelemetry traces to, e.g. http://localhost:4318
+    (/v1/traces is added to a URL without a path); default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT
+    or $OTEL_EXPORTER_OTLP_ENDPOINT, else no tracing (docs/observability.md)."""
 
     @property
     def public_host(self) -> str:
@@ -73,3 +78,5 @@ class WorkerConfig:
             raise ValueError(f"--drain-timeout-s must be >= 0, got {self.drain_timeout_s}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"--metrics-port must be in [0, 65535], got {self.metrics_port}")
+        if self.otlp_traces_endpoint is not None:
+            traces_url(self.otlp_traces_endpoint)

@@ -9,6 +9,8 @@ from grpc_reflection.v1alpha import reflection
 
 from auth.grpc_auth import ServerAuth
 from auth.screening import Refusal, screened
+from proto import decode_pb2, prefill_pb2
+from tracing.rpc import server_interceptors
 
 # KV blocks travel in chunks well under this; prompts of 128k tokens fit too.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -32,11 +34,19 @@ class MalformedRequests(grpc.aio.ServerInterceptor):
         return screened(handler, safe)
 
 
+REQUEST_METHODS = tuple(f"/{pb.DESCRIPTOR.services_by_name[svc].full_name}/{method}"
+                        for pb, svc, method in ((prefill_pb2, "Prefill", "Prefill"),
+                                                (decode_pb2, "Decode", "Generate")))
+"""The calls that start a request's work here: traced even without a caller's trace."""
+
+
 def new_server(auth: ServerAuth) -> grpc.aio.Server:
     """The worker's server; every call but health and reflection must carry the
-    cluster secret (auth/grpc_auth.py), and a request that does not parse is
-    INVALID_ARGUMENT."""
-    return grpc.aio.server(interceptors=[MalformedRequests(), auth],
+    cluster secret (auth/grpc_auth.py), a request that does not parse is
+    INVALID_ARGUMENT, and while tracing is on an authenticated call of a traced
+    request (or one that starts a request) gets a server span (tracing/rpc.py)."""
+    interceptors = [MalformedRequests(), auth, *server_interceptors(REQUEST_METHODS)]
+    return grpc.aio.server(interceptors=interceptors,
                            options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                                     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                                     ("grpc.so_reuseport", 0)])

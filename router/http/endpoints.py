@@ -27,6 +27,8 @@ from router.http.render import LogprobFormat, ResponseShape
 from router.outcomes import DeadlineExceeded, NoWorkerError, QueueFull, WorkerError
 from router.state import RouterState
 from router.tools import ToolCallText
+from router import spans as router_spans
+from tracing import spans
 
 FLOW_ERRORS = (NoWorkerError, WorkerError, DeadlineExceeded, QueueFull)
 
@@ -105,8 +107,9 @@ class Endpoints:
         outcome = _Outcome(Trace(rid, request.headers.get("x-request-id") or ""))
         try:
             blocks = blocks_for(len(intake.prompt_ids) + 1, st.config.block_size)
-            outcome.trace.queue_seconds = await stack.enter_async_context(
-                st.admission.slot(intake.priority, intake.deadline, blocks))
+            with spans.phase("router.queue", {"tandem.priority": intake.priority}):
+                outcome.trace.queue_seconds = await stack.enter_async_context(
+                    st.admission.slot(intake.priority, intake.deadline, blocks))
             stack.callback(self._account, outcome)
             st.metrics.in_flight.inc()
             stack.callback(st.metrics.in_flight.dec)
@@ -183,6 +186,7 @@ class Endpoints:
         m.queue_time.observe(trace.queue_seconds)
         if st.request_log is not None:
             st.request_log.write(trace.json() + "\n")
+        router_spans.finish_request(vars(trace), outcome.reason)
 
 
 def _echo(request: Request, rid: str) -> dict[str, str]:

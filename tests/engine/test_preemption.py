@@ -160,7 +160,12 @@ def test_a_full_batch_gives_its_seat_to_a_more_important_request(tiny_model_dir,
     assert tracked[rid].status is RequestStatus.RUNNING and tracked[rid].num_output_tokens == 1
     assert sum(r.num_preemptions for r in tracked.values()) == 1
     assert tracked["r1"].num_preemptions == 1  # the latest of the two less important ones
+    last = {}
     while eng.has_unfinished():
-        eng.step()
+        last.update((o.request_id, o) for o in eng.step() if o.finished)
     assert {k: r.output_token_ids for k, r in tracked.items()} == alone
+    # each request's last output says how often it was preempted (the decode worker's
+    # span event, docs/observability.md), and for how long
+    assert {k: o.num_preemptions for k, o in last.items()} == {"r0": 0, "r1": 1, "r2": 0}
+    assert last["r1"].preempted_seconds > 0 and last["r0"].preempted_seconds == 0
     eng.leak_check()
