@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator, TextIO
 
@@ -22,6 +22,8 @@ log = logging.getLogger(__name__)
 DISCOVERY_WAIT_S = 10.0
 """How long start-up waits for discovery's first list of workers."""
 PARSING_THREADS = 2
+PARSING_BACKLOG = 1024
+"""Default (a RouterState built by hand); running_state sizes it by --max-connections."""
 CONSTRAINT_THREADS = 2
 CONSTRAINT_BACKLOG = 64
 """Requests whose constraints may wait for or be in a check at once (429 beyond): each
@@ -38,9 +40,11 @@ class RouterState:
     flow: RequestFlow
     metrics: RouterMetrics
     admission: Admission
-    parsing: EdgeWork
+    parsing: EdgeWork = field(default_factory=lambda: EdgeWork("parsing", PARSING_THREADS,
+                                                               PARSING_BACKLOG))
     """Parsing, tokenizing and checking requests, off the event loop (router/http/offload.py)."""
-    constraints: EdgeWork
+    constraints: EdgeWork = field(default_factory=lambda: EdgeWork(
+        "constraint", CONSTRAINT_THREADS, CONSTRAINT_BACKLOG))
     """Checking and compiling output constraints, apart from the rest."""
     request_log: TextIO | None = None
     """Where each finished request's trace goes (--log-requests), one JSON line each."""
