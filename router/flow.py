@@ -238,10 +238,10 @@ class RequestFlow:
                 tops = [top_from_proto(t) for t in chunk.top_logprobs]
                 if chunk.finished:  # nothing may resume this generator after the yield
                     router_spans.decode_done(span, chunk)
+                    req.held.forget(decode)  # it ended there: nothing left to abort
                 yield list(chunk.token_ids), chunk.finish_reason or None, [
                     (lp, tops[i] if i < len(tops) else []) for i, lp in enumerate(chunk.logprobs)]
                 if chunk.finished:
-                    req.held.forget(decode)
                     return
             raise _Retry(decode, "stream ended without a finished chunk")
         except grpc.aio.AioRpcError as e:

@@ -40,6 +40,7 @@ class FakeDecode:
                                        trace=decode_pb2.KVTrace())
 
     async def Abort(self, req, timeout):
+        self.aborts = getattr(self, "aborts", []) + [req.request_id]
         return common_pb2.AbortReply(aborted=True)
 
 
@@ -195,4 +196,15 @@ def test_a_salted_request_is_placed_by_its_salted_blocks_and_keeps_its_salt_on_r
         # an unsalted walk finds no overlap and the tie goes to the first decode worker
         assert (holder.ids, spare.ids) == (["rid-0"], ["rid-1"])
         assert holder.salts == spare.salts == [salt] and prefill.salts == [salt, salt]
+    asyncio.run(body())
+
+
+def test_a_request_that_finished_on_its_decode_worker_is_not_aborted_there() -> None:
+    """The flow returned at the finished delta, so the generator never reached the line
+    that forgot the decode worker, and every request ended with a needless Abort RPC."""
+    async def body():
+        decode = FakeDecode(None)
+        flow, _ = _flow(decode)
+        out = await _collect(flow, time.monotonic() + 10)
+        assert out[-1].finished and getattr(decode, "aborts", []) == []
     asyncio.run(body())
