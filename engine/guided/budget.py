@@ -36,6 +36,8 @@ MAX_JSON_DEPTH = 64
 """Deepest nesting of objects and arrays in a JSON Schema (or a choice list). The
 metaschema check (jsonschema) recurses about twice per level and hits Python's
 recursion limit near 130."""
+TOO_DEEP = f"nests too deeply; the budget is {MAX_JSON_DEPTH} levels"
+"""The error for a text nested past what Python's JSON parser (or recursion) takes."""
 PARSER_LIMITS = {
     "max_items_in_row": 2000,
     "initial_lexer_fuel": 1_000_000,

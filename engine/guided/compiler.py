@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import llguidance
 
 from engine.guided.acceptor import GrammarAcceptor
-from engine.guided.budget import (COMPILE_SECONDS, MAX_JSON_DEPTH, SEARCH_SECONDS, Deadline,
+from engine.guided.budget import (COMPILE_SECONDS, SEARCH_SECONDS, TOO_DEEP, Deadline,
                                   check_depth, parser_limits)
 from engine.guided.probe import probe
 from engine.guided.search import byte_tokenizer, fewest_tokens, shortest_output
@@ -101,7 +101,7 @@ def check_schema(schema: object) -> None:
         where = "/".join(str(p) for p in e.absolute_path) or "(root)"
         raise ValueError(f"is not a valid JSON Schema at {where}: {e.message}") from None
     except RecursionError:  # (called from deep in a stack: the depth check was not enough)
-        raise ValueError(f"nests too deeply; the budget is {MAX_JSON_DEPTH} levels") from None
+        raise ValueError(TOO_DEEP) from None
 
 
 def _schema(text: str) -> str:
@@ -115,7 +115,7 @@ def grammar_of(spec: GuidedSpec) -> str:
     try:
         return _grammar_of(spec)
     except RecursionError:  # a JSON text nested past what the parser can take
-        raise ValueError(f"nests too deeply; the budget is {MAX_JSON_DEPTH} levels") from None
+        raise ValueError(TOO_DEEP) from None
 
 
 def _grammar_of(spec: GuidedSpec) -> str:
