@@ -74,9 +74,9 @@ class DecodeService(WorkerBase, pb_grpc.DecodeServicer):
         await self.refuse_if_draining(context)
         try:
             params = sampling_from_proto(request.sampling)
-            req = self.engine.make_request(request.prompt_token_ids, params, rid,
-                                           request.priority, request.output_token_ids,
-                                           request.cache_salt)
+            req = await self.engine.make_request(request.prompt_token_ids, params, rid,
+                                                 request.priority, request.output_token_ids,
+                                                 request.cache_salt)
         except ValueError as e:
             return await invalid_argument(context, e)
         info = self.engine.info

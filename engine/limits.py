@@ -47,15 +47,15 @@ def check_prompt(prompt_ids: Sequence[int], vocab_size: int, max_model_len: int,
     the context window (and for max_tokens of it, when given)."""
     if not prompt_ids:
         raise ValueError("prompt is empty")
+    n = len(prompt_ids) + len(output_ids)
+    if n >= max_model_len:  # before reading the ids: an oversized prompt costs nothing
+        raise ValueError(f"prompt has {n} tokens; the context window (max_model_len) is "
+                         f"{max_model_len}, which leaves no room for output")
     for name, seq in (("prompt", prompt_ids), ("output_token_ids", output_ids)):
         for t in seq:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
                 raise ValueError(f"{name}: token id {t!r} is outside the vocabulary "
                                  f"[0, {vocab_size})")
-    n = len(prompt_ids) + len(output_ids)
-    if n >= max_model_len:
-        raise ValueError(f"prompt has {n} tokens; the context window (max_model_len) is "
-                         f"{max_model_len}, which leaves no room for output")
     if max_tokens is not None and len(prompt_ids) + max_tokens > max_model_len:
         raise ValueError(f"max_tokens {max_tokens} + {len(prompt_ids)} prompt tokens exceed "
                          f"the context window of {max_model_len}")

@@ -28,12 +28,12 @@ class OutputProcessor:
         self.text: dict[str, TextAssembler] = {}
 
     def register(self, req: Request) -> None:
-        # everything known at admission (prompt, plus outputs made elsewhere) is context
+        # everything known at admission (prompt, plus outputs made elsewhere) is context;
+        # the stop-string check starts from the grammar state after those outputs
         p = req.params
         accept = None
         if self.guided is not None and p.guided is not None and p.stop:
-            accept = self.guided.acceptor(p.guided, p.stop,
-                                          self.tokenizer.decode(req.output_token_ids))
+            accept = self.guided.acceptor(p.guided, p.stop, req.sampling.guide)
         self.text[req.request_id] = TextAssembler(self.tokenizer, req.token_ids, p.stop,
                                                   p.include_stop_str_in_output, accept)
 

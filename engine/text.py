@@ -7,16 +7,16 @@ Torch-free.
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Sequence
 
-from engine.sampling.stop import StopStringMatcher
+from engine.sampling.stop import Acceptor, StopStringMatcher
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 class TextAssembler:
     def __init__(self, tokenizer: Tokenizer, context_ids: Sequence[int],
                  stop: Sequence[str] = (), include_stop_str_in_output: bool = False,
-                 accept: Callable[[str], bool] | None = None) -> None:
+                 accept: Acceptor | None = None) -> None:
         """context_ids: what precedes the output (the prompt, plus outputs made
         elsewhere), so the first output token decodes in context. accept: for a
         constrained request, whether the output before a stop string is complete

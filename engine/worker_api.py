@@ -9,6 +9,11 @@ engine thread publishes after every iteration (``load``) are plain values.
 The engine is built *on* its thread (torch's OpenMP pool then lives on the thread
 that runs the model; building it elsewhere made every small op pay a futex wake-up).
 
+Building a request (``make_request``) whose cost depends on its content (compiling
+and searching a constraint, replaying outputs made elsewhere) runs on a small pool of
+its own threads, never on the event loop: health checks, Release and every stream go
+on meanwhile (the constraint's budgets, engine/guided/budget.py, bound each build).
+
 Streams: ``add`` and ``reserve`` open the request's output queue atomically with the
 id check, so two requests under one id can never share a queue or a block table
 (the second gets DuplicateRequestError). A request's outputs, its abort included,
@@ -25,6 +30,7 @@ import asyncio
 import logging
 import queue
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -36,6 +42,11 @@ from engine.request import (AbortedBeforeArrival, DuplicateRequestError, FinishR
 from engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
+
+BUILD_THREADS = 2
+"""Threads that build constrained or resumed requests. Their own pool, not the loop's
+default executor: a flood of costly constraints queues here, behind each other, and
+not in front of what else uses the default one (DNS lookups when dialing a KV peer)."""
 
 __all__ = ["AbortedBeforeArrival", "DuplicateRequestError", "EngineDead", "EngineInfo",
            "EngineLoad", "EngineWorker"]
@@ -121,6 +132,7 @@ class EngineWorker:
         self.kv_tensor = None
         """The paged KV tensor, for registering with a KV transfer backend (the backend's
         readers and the model write disjoint blocks; ownership is the lease's job)."""
+        self._builders = ThreadPoolExecutor(BUILD_THREADS, thread_name_prefix="build-request")
 
     # -- life ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -132,6 +144,7 @@ class EngineWorker:
         await ready
 
     def stop(self) -> None:
+        self._builders.shutdown(wait=False, cancel_futures=True)
         self._stopped.set()
         self._commands.put(None)
         if self._thread is not None:
@@ -142,15 +155,25 @@ class EngineWorker:
         return self._dead is None and self._thread is not None and self._thread.is_alive()
 
     # -- requests -----------------------------------------------------------------------
-    def make_request(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str,
-                     priority: int = 0, output_token_ids: Sequence[int] = (),
-                     cache_salt: bytes = b"") -> Request:
+    async def make_request(self, prompt_ids: Sequence[int], params: SamplingParams,
+                           request_id: str, priority: int = 0,
+                           output_token_ids: Sequence[int] = (), cache_salt: bytes = b""
+                           ) -> Request:
         """Validate and build a request (ValueError naming the field). Reads only fixed
-        configuration, so it runs here, off the engine thread."""
+        configuration, so it runs off the engine thread: here for a plain request (its
+        cost is bounded by the context window), on the build pool when it has a
+        constraint or outputs to replay. Cancelled: nothing is held yet; a build in
+        flight ends within its budget and its request is dropped."""
         if not request_id:
             raise ValueError("request_id is empty")
-        return self._engine.make_request(list(prompt_ids), params, request_id, priority,
-                                         list(output_token_ids), cache_salt)
+        engine = self._engine
+
+        def build() -> Request:
+            return engine.make_request(list(prompt_ids), params, request_id, priority,
+                                       list(output_token_ids), cache_salt)
+        if params.guided is None and not output_token_ids:
+            return build()
+        return await asyncio.get_running_loop().run_in_executor(self._builders, build)
 
     async def add(self, req: Request, prefill_only: bool = False) -> asyncio.Queue[RequestOutput]:
         """Queue a request; returns its output queue. DuplicateRequestError when the id

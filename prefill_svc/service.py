@@ -100,8 +100,9 @@ class PrefillService(WorkerBase, pb_grpc.PrefillServicer):
         await self.refuse_if_draining(context)
         try:
             params = sampling_from_proto(request.sampling)
-            req = self.engine.make_request(request.token_ids, params, rid, request.priority,
-                                           request.output_token_ids, request.cache_salt)
+            req = await self.engine.make_request(request.token_ids, params, rid,
+                                                 request.priority, request.output_token_ids,
+                                                 request.cache_salt)
         except ValueError as e:
             return await invalid_argument(context, e)
         if request.deadline_unix_ms and request.deadline_unix_ms < time.time() * 1000:

@@ -127,8 +127,10 @@ class RequestFlow:
         t0 = time.monotonic()
         req = _Request(rid, prompt_ids, params, priority,
                        deadline or t0 + self.config.request_timeout_s, cache_salt)
-        text = _TextStream(self.tokenizer, prompt_ids, params,
-                           self.guided.acceptor(params.guided, params.stop))
+        accept = None
+        if params.guided is not None and params.stop:  # a grammar to start: off the loop
+            accept = await asyncio.to_thread(self.guided.acceptor, params.guided, params.stop)
+        text = _TextStream(self.tokenizer, prompt_ids, params, accept)
         try:
             async for token_ids, reason, logprobs in self._tokens(req, trace):
                 if not trace.ttft_seconds:

@@ -85,3 +85,11 @@ def assert_valid(name: str, text: str) -> None:
 
 def assert_matches(regex: str, text: str) -> None:
     assert re.fullmatch(regex, text), f"{text!r} does not match {regex!r}"
+
+COSTLY_TO_COMPILE = {"allOf": [{"anyOf": [{"type": "string", "pattern": f"^.*{chr(97 + i)}{j}.*$"}
+                                          for j in range(4)]} for i in range(7)]}
+"""1.3 KB; llguidance builds it for about 30 s here (intersecting the patterns), in
+one call no ParserLimits field bounds."""
+COSTLY_TO_SEARCH = {"type": "array", "items": {"type": "string", "minLength": 50},
+                    "minItems": 1000}
+"""Compiles at once; its shortest-output search ran 16 s here before it gave up."""

@@ -14,11 +14,15 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import llguidance
 
+from engine.guided.acceptor import GrammarAcceptor
+from engine.guided.budget import (COMPILE_SECONDS, SEARCH_SECONDS, TOO_DEEP, Deadline,
+                                  check_depth, parser_limits)
+from engine.guided.probe import probe
 from engine.guided.search import byte_tokenizer, fewest_tokens, shortest_output
 from engine.guided.spec import GuidedSpec
 from engine.tokenizer import Tokenizer
@@ -65,11 +69,18 @@ def _short(message: str) -> str:
     return message if len(message) <= MAX_ERROR_CHARS else message[:MAX_ERROR_CHARS] + "..."
 
 
-def _choices(text: str) -> str:
+def _json(text: str, what: str) -> object:
+    """The parsed text, nested at most MAX_JSON_DEPTH deep; ValueError otherwise."""
     try:
-        choices = json.loads(text)
+        value = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ValueError(f"is not a JSON list of strings: {e}") from None
+        raise ValueError(f"is not {what}: {e}") from None
+    check_depth(value)
+    return value
+
+
+def _choices(text: str) -> str:
+    choices = _json(text, "a JSON list of strings")
     if not isinstance(choices, list) or not choices or not all(
             isinstance(c, str) and c for c in choices):
         raise ValueError("must be a non-empty list of non-empty strings")
@@ -77,29 +88,37 @@ def _choices(text: str) -> str:
 
 
 def check_schema(schema: object) -> None:
-    """ValueError saying where a JSON Schema breaks its metaschema."""
+    """ValueError saying where a JSON Schema breaks its metaschema, or that it nests
+    deeper than MAX_JSON_DEPTH (checked first: the metaschema check recurses)."""
     import jsonschema  # names what is wrong with a schema better than the compiler does
 
     if not isinstance(schema, (dict, bool)):
         raise ValueError(f"must be a JSON object, got {type(schema).__name__}")
+    check_depth(schema)
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as e:
         where = "/".join(str(p) for p in e.absolute_path) or "(root)"
         raise ValueError(f"is not a valid JSON Schema at {where}: {e.message}") from None
+    except RecursionError:  # (called from deep in a stack: the depth check was not enough)
+        raise ValueError(TOO_DEEP) from None
 
 
 def _schema(text: str) -> str:
-    try:
-        schema = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"is not valid JSON: {e}") from None
+    schema = _json(text, "valid JSON")
     check_schema(schema)
     return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_STYLE)
 
 
 def grammar_of(spec: GuidedSpec) -> str:
     """The llguidance grammar for a spec. ValueError saying what is wrong with it."""
+    try:
+        return _grammar_of(spec)
+    except RecursionError:  # a JSON text nested past what the parser can take
+        raise ValueError(TOO_DEEP) from None
+
+
+def _grammar_of(spec: GuidedSpec) -> str:
     if spec.kind == "json_schema":
         return _schema(spec.text)
     if spec.kind == "regex":  # \d is [0-9], as a client writing a phone number means it
@@ -145,7 +164,11 @@ class GrammarCompiler:
                 self._cache.move_to_end(key)
                 return hit
         grammar = grammar_of(spec)
-        matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+        error = probe().check(grammar, COMPILE_SECONDS)  # OverBudget past the budget
+        if error:
+            raise ValueError(_short(error))
+        matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0,
+                                       limits=parser_limits())
         if matcher.is_error():
             raise ValueError(_short(matcher.get_error()))
         compiled = _Compiled(grammar, matcher)
@@ -163,23 +186,38 @@ class GrammarCompiler:
 
     def min_tokens(self, spec: GuidedSpec) -> int | None:
         """Tokens in the shortest complete output (EOS counted when the grammar needs
-        one to end), or None when the search gave up (engine/guided/search.py)."""
+        one to end; at least that many when counting them ran out of time), or None
+        when the search gave up (engine/guided/search.py)."""
         compiled = self._compiled(spec)
         if not compiled.searched:
-            token_bytes, longest = self._vocab_bytes()
-            found = None
-            start = llguidance.LLMatcher(self._byte_ll, compiled.grammar, log_level=0)
-            if not start.is_error():  # (a grammar naming special tokens: no check)
-                found = shortest_output(start)
-            if found is not None:
-                data, stopped = found
-                compiled.min_tokens = fewest_tokens(data, token_bytes, longest) + (not stopped)
+            compiled.min_tokens = self._search(compiled.grammar)
             compiled.searched = True
         return compiled.min_tokens
 
-    def check(self, spec: GuidedSpec, max_tokens: int, field: str = "guided") -> None:
-        """ValueError naming ``field`` (the grammar does not compile) or max_tokens (no
-        complete output fits in it)."""
+    def _search(self, grammar: str) -> int | None:
+        deadline = Deadline(SEARCH_SECONDS)
+        token_bytes, longest = self._vocab_bytes()
+        start = llguidance.LLMatcher(self._byte_ll, grammar, log_level=0, limits=parser_limits())
+        if start.is_error():  # (a grammar naming special tokens: no check)
+            return None
+        found = shortest_output(start, deadline)
+        if found is None:
+            return None
+        data, stopped = found
+        return fewest_tokens(data, token_bytes, longest, deadline) + (not stopped)
+
+    def check(self, spec: GuidedSpec, max_tokens: int, field: str = "guided",
+              schemas: Sequence[tuple[str, object]] = ()) -> None:
+        """The whole check of one request's constraint, within the budgets of
+        engine/guided/budget.py: each of ``schemas`` ((its field, a JSON Schema), e.g. a
+        tool's parameters) is a valid schema, the grammar compiles, and a complete
+        output fits in max_tokens. ValueError naming the field (or max_tokens). Up to
+        about COMPILE_SECONDS + SEARCH_SECONDS of CPU: call it off any event loop."""
+        for name, schema in schemas:
+            try:
+                check_schema(schema)
+            except ValueError as e:
+                raise ValueError(f"{name}: {e}") from None
         try:
             self._compiled(spec)
         except ValueError as e:
@@ -191,19 +229,23 @@ class GrammarCompiler:
 
     def accepts(self, spec: GuidedSpec, text: str) -> bool:
         """Whether ``text`` is a complete output of the grammar."""
-        state = self.start(spec)
-        ids = self.ll_tokenizer.tokenize_bytes(text.encode("utf-8"))
-        return state.matcher.consume_tokens(ids) and state.matcher.is_accepting()
+        return self._acceptor(self.start(spec).matcher).accepts(text)
 
-    def acceptor(self, spec: GuidedSpec | None, stop: Sequence[str], before: str = ""
-                 ) -> Callable[[str], bool] | None:
+    def acceptor(self, spec: GuidedSpec | None, stop: Sequence[str],
+                 state: GuidedState | None = None) -> GrammarAcceptor | None:
         """For the stop-string matcher of a constrained request: a stop string ends the
-        output only where the text before it (after ``before``, what was generated
-        elsewhere) is complete; inside the structure it is just text. None when there
-        is nothing to decide."""
+        output only where the text before it is complete; inside the structure it is
+        just text. state: the request's grammar state where its text starts (after
+        outputs made elsewhere); a fresh one by default. None when there is nothing
+        to decide."""
         if spec is None or not stop:
             return None
-        return lambda text: self.accepts(spec, before + text)
+        matcher = state.matcher.deep_copy() if state is not None else self.start(spec).matcher
+        return self._acceptor(matcher)
+
+    def _acceptor(self, matcher: llguidance.LLMatcher) -> GrammarAcceptor:
+        ll = self.ll_tokenizer
+        return GrammarAcceptor(matcher, ll.tokenize_bytes)
 
     def _vocab_bytes(self) -> tuple[frozenset[bytes], int]:
         """Every plain token's bytes and the longest; the byte tokenizer built too."""

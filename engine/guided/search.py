@@ -15,9 +15,11 @@ Free text it must stay in is spelled with spaces, so the token count leans low
 (vocabularies spell long runs of spaces in one token: a max_tokens is refused only
 when not even that fits). That pruning makes
 the result an estimate from above of the shortest output in bytes, exact for the
-schemas, regexes and choices we test; a search that runs past ``NODE_BUDGET`` nodes
-gives up (no check), so a grammar is never refused for being hard to search.
-Torch-free.
+schemas, regexes and choices we test. A search that runs past its budgets
+(engine/guided/budget.py: ``SEARCH_NODES`` nodes, ``SEARCH_SECONDS`` of time, outputs
+of ``SEARCH_MAX_BYTES``) gives up (no check), so a grammar is never refused for
+being hard to search; each node's masks are bounded by llguidance's per-step fuel,
+so the deadline is checked often. Torch-free.
 """
 from __future__ import annotations
 
@@ -26,12 +28,13 @@ import itertools
 
 import llguidance
 
+from engine.guided.budget import SEARCH_MAX_BYTES, SEARCH_NODES, Deadline
+
 BRANCH = 6
 FREE_TEXT = 32
 """A node allowing more bytes than this is inside free text (a string's characters)."""
 _SAMPLE = b' "}]\n\t0a.,:<E'
 """The bytes tried inside free text (a space first: it is the representative kept)."""
-NODE_BUDGET = 20_000
 _PREFER = b'"}]0,:1[{ntfa-.e'
 """Bytes tried first where the grammar allows a choice: the ones that close or
 complete a JSON value soonest, then common starts of short values."""
@@ -65,25 +68,27 @@ def _candidates(allowed: list[int]) -> list[int]:
     return (first + rest)[:BRANCH]
 
 
-def shortest_output(start: llguidance.LLMatcher) -> tuple[bytes, bool] | None:
+def shortest_output(start: llguidance.LLMatcher, deadline: Deadline | None = None
+                    ) -> tuple[bytes, bool] | None:
     """(the shortest accepted output found, whether the grammar is then stopped, so no
     EOS is needed), or None when the search gave up or found nothing. start: a fresh
     matcher over ``byte_tokenizer()``."""
     tie = itertools.count()
     heap = [(0, next(tie), b"", start.deep_copy())]
-    for _ in range(NODE_BUDGET):
-        if not heap:
+    for _ in range(SEARCH_NODES):
+        if not heap or (deadline is not None and deadline.passed):
             return None
         _, _, out, m = heapq.heappop(heap)
         if m.is_accepting():
             return out, m.is_stopped()
         forced = m.compute_ff_bytes()
         if forced:
-            if m.consume_tokens(list(forced)):
+            if len(out) + len(forced) <= SEARCH_MAX_BYTES and m.consume_tokens(list(forced)):
                 heapq.heappush(heap, (len(out) + len(forced), next(tie), out + forced, m))
             continue
-        for b, child in _children(m):
-            heapq.heappush(heap, (len(out) + 1, next(tie), out + bytes([b]), child))
+        if len(out) < SEARCH_MAX_BYTES:
+            for b, child in _children(m):
+                heapq.heappush(heap, (len(out) + 1, next(tie), out + bytes([b]), child))
     return None
 
 
@@ -103,12 +108,16 @@ def _children(m: llguidance.LLMatcher) -> list[tuple[int, llguidance.LLMatcher]]
     return list(kept.values())
 
 
-def fewest_tokens(data: bytes, token_bytes: frozenset[bytes], longest: int) -> int:
+def fewest_tokens(data: bytes, token_bytes: frozenset[bytes], longest: int,
+                  deadline: Deadline | None = None) -> int:
     """The fewest tokens whose bytes concatenate to ``data`` (a matcher accepts any
-    tokenization, not only the canonical one)."""
+    tokenization, not only the canonical one). Past the deadline: a lower bound (no
+    token is longer than ``longest`` bytes)."""
     inf = len(data) + 1
     best = [0] + [inf] * len(data)
     for i in range(1, len(data) + 1):
+        if i % 1024 == 0 and deadline is not None and deadline.passed:
+            return -(-len(data) // longest)
         for j in range(max(0, i - longest), i):
             if best[j] + 1 < best[i] and data[j:i] in token_bytes:
                 best[i] = best[j] + 1

@@ -6,7 +6,20 @@ partial stop string that is later cut from the final output.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from typing import Protocol
+
+
+class Acceptor(Protocol):
+    """For a constrained request: whether the output up to a stop string is complete
+    (engine/guided/acceptor.py). Told the output as it is confirmed, so each question
+    costs only the text after it: the check stays O(new text) per step."""
+
+    def confirm(self, text: str) -> None:
+        """The output grew by ``text``: no stop string ends it before text's end."""
+
+    def accepts(self, text: str) -> bool:
+        """Whether the output confirmed so far, then ``text``, is complete."""
 
 
 class StopStringMatcher:
@@ -16,13 +29,13 @@ class StopStringMatcher:
     wins (smallest end position; on a tie, the one starting earliest), which is
     what a character-by-character stream would have hit.
 
-    ``accept`` (constrained requests): called with the whole output before a match;
-    False means the match falls inside the structure (a JSON string, say) and is
-    just text, so the search goes on past it.
+    ``accept`` (constrained requests): asked about the output before a match (the
+    text since what it was told last); False means the match falls inside the
+    structure (a JSON string, say) and is just text, so the search goes on past it.
     """
 
     def __init__(self, stops: Sequence[str], include_stop_str_in_output: bool = False,
-                 accept: Callable[[str], bool] | None = None) -> None:
+                 accept: Acceptor | None = None) -> None:
         stops = (stops,) if isinstance(stops, str) else tuple(stops)
         for s in stops:
             if not isinstance(s, str) or not s:
@@ -32,8 +45,6 @@ class StopStringMatcher:
         self._held = ""
         self._stopped = False
         self._accept = accept
-        self._emitted: list[str] = []
-        """What feed returned so far (kept only when accept is set)."""
         self.matched: str | None = None
         """The stop string that ended generation, once one has."""
 
@@ -57,14 +68,12 @@ class StopStringMatcher:
         keep = self._partial_suffix_len(text)
         self._held = text[len(text) - keep:] if keep else ""
         if self._accept is not None:
-            self._emitted.append(text[:len(text) - keep])
+            self._accept.confirm(text[:len(text) - keep])
         return text[:len(text) - keep], False
 
     def _accepted(self, before: str) -> bool:
-        if self._accept is None:
-            return True
-        self._emitted = ["".join(self._emitted)]
-        return self._accept(self._emitted[0] + before)
+        """before: the text of this feed (held back text first) up to the match."""
+        return self._accept is None or self._accept.accepts(before)
 
     def flush(self) -> str:
         """Release held-back text when generation ends for another reason (EOS, length)."""

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from engine.config import EngineConfig
+from engine.limits import check_prompt
 from engine.llm_engine import LLMEngine
 from engine.loader import load_checkpoint
 from engine.sampling import SamplingParams
@@ -86,6 +87,28 @@ def test_bad_requests_rejected_while_others_run(engine: LLMEngine) -> None:
     assert [o.request_id for o in finished] == [good]
     assert finished[0].num_output_tokens == 5
     engine.leak_check()
+
+
+class _Ids(list):
+    """Token ids that count how many of them were read."""
+
+    read = 0
+
+    def __iter__(self):
+        for t in super().__iter__():
+            _Ids.read += 1
+            yield t
+
+
+def test_an_oversized_prompt_is_refused_before_its_ids_are_read() -> None:
+    """A worker checks a prompt on its event loop: a million ids past the context
+    window cost one length check, not a million (gRPC takes 4 MB of them)."""
+    _Ids.read = 0
+    with pytest.raises(ValueError, match="^prompt has 1000000 tokens; the context window"):
+        check_prompt(_Ids([5] * 1_000_000), 320, 128)
+    assert _Ids.read == 0
+    check_prompt(_Ids([5] * 100), 320, 128)
+    assert _Ids.read == 100
 
 
 def test_generation_stops_at_context_window(engine: LLMEngine) -> None:

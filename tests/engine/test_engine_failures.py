@@ -213,7 +213,7 @@ def test_a_dead_engine_thread_fails_every_waiter(tiny_model_dir, monkeypatch) ->
     async def body():
         worker = EngineWorker(lambda: _engine(tiny_model_dir), on_death=deaths.append)
         await worker.start()
-        req = worker.make_request(_prompt(20), GREEDY, "r")
+        req = await worker.make_request(_prompt(20), GREEDY, "r")
 
         def die(self):
             raise SystemError("injected: the step loop itself broke")
@@ -224,7 +224,7 @@ def test_a_dead_engine_thread_fails_every_waiter(tiny_model_dir, monkeypatch) ->
         assert "engine thread died" in out.error
         assert not worker.alive
         with pytest.raises(EngineDead):
-            await worker.add(worker.make_request(_prompt(20), GREEDY, "late"))
+            await worker.add(await worker.make_request(_prompt(20), GREEDY, "late"))
         with pytest.raises(EngineDead):
             await worker.cached_hashes()
         worker.stop()

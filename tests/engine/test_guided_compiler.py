@@ -96,14 +96,28 @@ def test_bitmask_unpacking() -> None:
     assert allowed == [0, 2, *range(32, 40)]
 
 
+class _Outside:
+    """An Acceptor that takes an output as complete where its quotes balance."""
+
+    def __init__(self, complete=lambda text: text.count('"') % 2 == 0) -> None:
+        self.confirmed, self.asked, self.complete = "", [], complete
+
+    def confirm(self, text: str) -> None:
+        self.confirmed += text
+
+    def accepts(self, text: str) -> bool:
+        self.asked.append(text)
+        return self.complete(self.confirmed + text)
+
+
 def test_stop_strings_inside_a_structure_are_text() -> None:
-    outside_strings = []
-    m = StopStringMatcher(["}"], accept=lambda before: outside_strings.append(before) or
-                          before.count('"') % 2 == 0)
+    outside = _Outside()
+    m = StopStringMatcher(["}"], accept=outside)
     assert m.feed('{"a": "x}') == ('{"a": "x}', False)  # "}" inside the string: just text
     assert m.feed('"}') == ('"', True)  # the brace after the string ends it
-    assert outside_strings == ['{"a": "x', '{"a": "x}"']  # the whole output before each
-    guard = StopStringMatcher(["END"], accept=lambda text: text.rstrip().endswith("."))
+    # asked only about the text after what it was told (the first feed, once emitted)
+    assert outside.asked == ['{"a": "x', '"'] and outside.confirmed == '{"a": "x}'
+    guard = StopStringMatcher(["END"], accept=_Outside(lambda t: t.rstrip().endswith(".")))
     assert guard.feed("a END b. E") == ("a END b. ", False)
     assert guard.feed("ND") == ("", True) and guard.matched == "END"
 
