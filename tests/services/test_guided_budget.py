@@ -134,6 +134,10 @@ def test_a_caller_gone_during_the_check_leaves_nothing(tiny_model_dir, monkeypat
                 request_id="next", prompt_token_ids=[3, 4, 5],
                 sampling=common_pb2.SamplingParams(max_tokens=2, temperature=0,
                                                   ignore_eos=True)))]
+            for _ in range(100):  # the load is published just after the step's outputs
+                if (d.load_proto().num_running, d.load_proto().num_waiting) == (0, 0):
+                    break
+                await asyncio.sleep(0.05)
             return live, after, d.load_proto()
     live, after, load = asyncio.run(body())
     assert live == [] and sum(len(c.token_ids) for c in after) == 2
