@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 
 from router.config import RouterConfig
 from tandem.config_cli import add_config_args, config_from_args
@@ -33,5 +34,24 @@ def run_router(config: RouterConfig, log_level: str = "warning") -> None:
 
     from router.app import create_app
 
-    uvicorn.run(create_app(config), host=config.host, port=config.port, loop="uvloop",
-                log_level=log_level.lower(), timeout_graceful_shutdown=5)
+    app = create_app(config)
+    server = uvicorn.Config(app, host=config.host, port=config.port, loop="uvloop",
+                            log_level=log_level.lower(), timeout_graceful_shutdown=5)
+    sockets = [server.bind_socket()]
+    if config.metrics_port is not None:  # one server, two ports (router/http/metrics_port.py)
+        from router.http.metrics_port import split_metrics_port
+
+        sockets.append(_listen(config.host, config.metrics_port, "--metrics-port"))
+        metrics_port = sockets[1].getsockname()[1]
+        server.app = split_metrics_port(app, metrics_port)
+        logging.getLogger("tandem").info("router metrics on http://%s:%d/metrics",
+                                         config.host, metrics_port)
+    uvicorn.Server(server).run(sockets=sockets)
+
+
+def _listen(host: str, port: int, flag: str) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family, backlog=2048)
+    except OSError as e:
+        raise RuntimeError(f"{flag} {port}: cannot listen on {host}:{port} ({e.strerror})") from e
