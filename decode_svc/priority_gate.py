@@ -1,7 +1,7 @@
 """Serve waiting coroutines in priority order: lower priority value first, then
 arrival. Used by the decode worker for block reservations (one at a time, so
 the most important request gets freed blocks first) and for KV pulls (a few
-at a time, most important first)."""
+at a time per source and overall, most important first: decode_svc/peers.py)."""
 from __future__ import annotations
 
 import asyncio

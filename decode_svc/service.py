@@ -24,7 +24,6 @@ import logging
 import grpc
 
 from decode_svc.peers import KVPeerList, Peer, PeerCache
-from decode_svc.priority_gate import PriorityGate
 from engine.kv_cache import blocks_for
 from engine.request import RemoteReservation, Request
 from kvtransfer.base import (KVAuthError, KVCompatError, ReadPlan, SourceBlocks, TransferState,
@@ -47,7 +46,6 @@ class DecodeService(WorkerBase, pb_grpc.DecodeServicer):
 
     def __init__(self, config: WorkerConfig) -> None:
         super().__init__(config)
-        self._pull_gate = PriorityGate(2)  # transfers served in priority order
         self.kv_peers = KVPeerList(config.kv_peers)
 
     async def start(self) -> None:
@@ -56,7 +54,7 @@ class DecodeService(WorkerBase, pb_grpc.DecodeServicer):
         self.reader = backend.reader()
         self.reader.register(self.engine.kv_tensor, self.compat())
         self.peers = PeerCache(self.reader, self.compat, self.worker_id, backend.name,
-                               self.secret)
+                               self.secret, lambda: self.kv_peers.current())
         self.backend_name = backend.name
         pb_grpc.add_DecodeServicer_to_server(self, self.server)
         await self.start_server([pb.DESCRIPTOR.services_by_name["Decode"].full_name])
@@ -158,7 +156,7 @@ class DecodeService(WorkerBase, pb_grpc.DecodeServicer):
         try:
             ok = False
             if peer is not None:
-                async with self._pull_gate.hold(req.priority):
+                async with self.peers.turn(peer, req.priority):  # per source, by priority
                     ok = await self._pull(handle, peer, res, trace)
             await self.engine.end_pull(req.request_id, ok)
             joined = True
@@ -246,8 +244,11 @@ class DecodeService(WorkerBase, pb_grpc.DecodeServicer):
                 return
 
     async def SetKVPeers(self, request: pb.KVPeers, context) -> pb.KVPeersReply:
-        return pb.KVPeersReply(num_peers=self.kv_peers.update(request.router_id,
-                                                              list(request.prefill_endpoints)))
+        num_peers = self.kv_peers.update(request.router_id, list(request.prefill_endpoints))
+        # links to sources no list names any more; shielded: a caller that goes away
+        # must not leave a link half closed
+        await asyncio.shield(self.peers.prune())
+        return pb.KVPeersReply(num_peers=num_peers)
 
     async def Abort(self, request: common.AbortRequest, context) -> common.AbortReply:
         """Cancel a request; its Generate stream ends with finish_reason "abort" (at once,

@@ -40,6 +40,7 @@ quantized blocks as they are.
 from __future__ import annotations
 
 import enum
+import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, fields
@@ -49,6 +50,7 @@ import torch
 
 from engine.kv_cache.layout import SCALE_BYTES, is_quantized, kv_format_block_bytes, scale_layout
 from engine.registry import Registry, RegistryError
+from kvtransfer.peer_table import PeerTable
 
 KV_LAYOUT = "block_major:[L,2,B,Hkv,D]"
 """Layout string of the block-major KV tensor every backend assumes."""
@@ -345,15 +347,27 @@ class KVSource(ABC):
 class KVReader(ABC):
     """Destination side of one backend: pulls source blocks into one KV tensor.
 
-    Lifecycle: ``register`` once, ``connect`` once per source, any number of
-    reads, ``close`` once (idempotent). Every method is thread-safe and, except
-    ``wait``, non-blocking (``connect`` may take a few ms). A read whose
-    blocks are written into ``kv`` is the caller's to order against compute:
-    do not run attention on the local blocks until the read is DONE.
+    Lifecycle: ``register`` once, ``connect`` per source (again when the source
+    restarted), any number of reads, ``disconnect`` when a source left, ``close`` once
+    (idempotent). Every method is thread-safe and, except ``wait``, non-blocking
+    (``connect`` may take a few ms). A read whose blocks are written into ``kv`` is the
+    caller's to order against compute: do not run attention on the local blocks until
+    the read is DONE.
+
+    Per-peer state lives in ``_peers``, a PeerTable (peer_table.py): a re-connect or a
+    disconnect never frees state that a read in flight still uses; that read ends on
+    the state it started with, and the old state goes when the last such read ends.
+    Implementations call ``super().__init__()`` and take ``_lock`` in every method.
     """
 
     name: ClassVar[BackendName]
     confirms_lease: ClassVar[bool]
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        """Guards the reader's state; implementations hold it in every method."""
+        self._peers: PeerTable[Any] = PeerTable(self._release_peer)
+        """Per-peer state (what ``connect`` set up), shared by the reads that use it."""
     """True when DONE already proves the lease was live for the whole read (the
     source checked it before and after moving bytes: tcp, local). False for
     one-sided reads (nixl), whose bytes are valid only if Release then says
@@ -369,7 +383,27 @@ class KVReader(ABC):
         """Check ``info.compat`` against ours (KVCompatError naming the field on
         mismatch, before anything else) and set up the path to that source.
         Returns the peer id to pass to ``start_read``; connecting again to the
-        same worker returns the same id."""
+        same worker returns the same id (new reads use the new state; reads in flight
+        finish on the old one, which is released after them)."""
+
+    def disconnect(self, peer: PeerId) -> None:
+        """Forget ``peer`` (the source left): ``start_read`` on it raises KeyError until
+        it is connected again. Reads in flight on it are not cut: they end on their own
+        (or by ``abort``), and the peer's state (nixl: its remote agent and descriptors)
+        is released when the last of them ends. Unknown peers are a no-op."""
+        with self._lock:
+            self._peers.drop(peer)
+
+    def num_peers(self) -> int:
+        """Peer states held: connected peers plus left or replaced ones that reads in
+        flight still use (0 once every peer is disconnected and idle: the leak check)."""
+        with self._lock:
+            return len(self._peers)
+
+    def _release_peer(self, state: Any) -> None:
+        """Free what one peer state holds, once no read uses it (called under ``_lock``,
+        from connect, disconnect, close and the end of a read; must not raise). Nothing
+        by default: only nixl's states hold resources."""
 
     @abstractmethod
     def start_read(self, peer: PeerId, plan: ReadPlan) -> ReadHandle:

@@ -70,10 +70,9 @@ class LocalReader(KVReader):
     confirms_lease = True
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        super().__init__()
         self._blocks: torch.Tensor | None = None
         self._compat: CompatRecord | None = None
-        self._peers: dict[PeerId, tuple[str, int]] = {}
 
     def register(self, kv: torch.Tensor, compat: CompatRecord) -> None:
         compat.check_tensor(kv)
@@ -87,10 +86,12 @@ class LocalReader(KVReader):
                                   f"(backend {info.backend!r})")
         peer = PeerId(info.worker_id)
         with self._lock:
-            self._peers[peer] = (info.agent_name, info.num_blocks)
+            self._peers.set(peer, (info.agent_name, info.num_blocks))
         return peer
 
     def start_read(self, peer: PeerId, plan: ReadPlan) -> ReadHandle:
+        """The read runs here, on the caller's thread, outside the lock: it needs no peer
+        state beyond the source's name, so nothing is held for it in the PeerTable."""
         assert self._blocks is not None, "register before start_read"
         with self._lock:
             agent_name, remote_blocks = self._peers[peer]

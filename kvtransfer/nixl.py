@@ -16,6 +16,14 @@ new reader, so ``serve`` starts a thread that progresses the agent every
 complete without it). ``connect`` requests the connection at once so wire-up
 overlaps the wait for the first read (which still takes ~15-25 ms here).
 
+Re-handshake: a ``connect`` for a known peer whose agent changed (the source
+restarted) loads the new agent and points new reads at it; it neither waits nor
+cuts anything. Reads in flight on the old agent finish on it (DONE with the right
+bytes from a live source, FAILED when UCX reports the old source gone, or aborted
+at the pull's timeout), and the old descriptor list and remote agent are released
+when the last of them ends (kvtransfer/peer_table.py), never under a READ in flight.
+``disconnect`` (the source left) does the same without a new agent.
+
 Teardown: UCX aborts the whole process (an arbiter assertion) when an agent
 is destroyed while requests to a peer that died are still queued; ``close``
 progresses the agent for ~20 ms first, which flushes them.
@@ -27,9 +35,11 @@ involved in the READ.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -38,6 +48,9 @@ from nixl_cu12 import nixl_agent, nixl_agent_config
 
 from kvtransfer.base import (Backend, CompatRecord, KVCompatError, KVReader, KVSource, KVTransferError,
                              LeaseCheck, PeerId, ReadHandle, ReadPlan, SourceInfo, TransferState)
+from kvtransfer.peer_table import PeerState
+
+log = logging.getLogger(__name__)
 
 
 def _new_agent(prefix: str) -> nixl_agent:
@@ -137,11 +150,23 @@ def _drain(agent: nixl_agent, rounds: int = 20, pause_s: float = 0.001) -> None:
         time.sleep(pause_s)
 
 
-class _Peer:
-    def __init__(self, agent_name: str, remote_dlist: object, num_blocks: int) -> None:
-        self.agent_name = agent_name
-        self.remote_dlist = remote_dlist
-        self.num_blocks = num_blocks
+@dataclass(eq=False)
+class _Remote:
+    """One source as the reader knows it: its NIXL agent's name and the descriptor
+    list of its blocks."""
+
+    agent_name: str
+    remote_dlist: object
+    num_blocks: int
+
+
+@dataclass(eq=False)
+class _NixlRead:
+    """Backend state of one read (ReadHandle.impl): the NIXL request and the peer state
+    it reads through (kept alive by the PeerTable until the read ends)."""
+
+    peer: PeerState[_Remote]
+    xfer: object | None = None
 
 
 class NixlReader(KVReader):
@@ -152,13 +177,14 @@ class NixlReader(KVReader):
     confirms_lease = False
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        super().__init__()
         self._agent: nixl_agent | None = None
         self._reg = None
         self._local_dlist = None
         self._kv: torch.Tensor | None = None
         self._compat: CompatRecord | None = None
-        self._peers: dict[PeerId, _Peer] = {}
+        self._agents: dict[str, int] = {}
+        """Remote agent name -> peer states using it (the agent is loaded while > 0)."""
         self._pending: set[ReadHandle] = set()
 
     def register(self, kv: torch.Tensor, compat: CompatRecord) -> None:
@@ -188,28 +214,9 @@ class NixlReader(KVReader):
             known = self._peers.get(peer)
             if known is not None and known.agent_name == info.agent_name:
                 return peer
-            if known is not None:
-                self._drop_peer(peer)  # the source restarted (new agent): fresh metadata wins
-            name = self._agent.add_remote_agent(info.agent_metadata)
-            name = name.decode() if isinstance(name, bytes) else name
-            try:
-                if name != info.agent_name:
-                    raise KVTransferError(f"agent metadata names {name!r}, handshake says "
-                                          f"{info.agent_name!r}")
-                descs = _block_descs(info.base_addr, info.block_bytes, info.num_blocks,
-                                     info.device_id)
-                remote = self._agent.prep_xfer_dlist(name, descs, info.mem_type)
-            except Exception as e:
-                self._agent.remove_remote_agent(name)
-                if isinstance(e, KVTransferError):
-                    raise
-                raise KVTransferError(f"NIXL rejected the descriptors of {info.worker_id!r} "
-                                      f"({info.num_blocks} blocks at {info.base_addr:#x}): {e!r}") from e
-            self._peers[peer] = _Peer(name, remote, info.num_blocks)
-            try:
-                self._agent.make_connection(name)  # start UCX wire-up now, not on the first read
-            except Exception:
-                pass  # optional: the first READ connects anyway and reports real failures
+            # New or restarted source (new agent): new reads use the fresh metadata; reads in
+            # flight on the old agent end on it, which is released after them (PeerTable).
+            self._peers.set(peer, self._load_remote(info))
         return peer
 
     def start_read(self, peer: PeerId, plan: ReadPlan) -> ReadHandle:
@@ -217,23 +224,23 @@ class NixlReader(KVReader):
         with self._lock:
             remote = self._peers[peer]
             plan.check_bounds(remote.num_blocks, self._kv.shape[0])
-            handle = ReadHandle(peer, plan, plan.num_blocks * self._compat.block_bytes)
+            read = _NixlRead(self._peers.begin(peer))
+            handle = ReadHandle(peer, plan, plan.num_blocks * self._compat.block_bytes, impl=read)
+            self._pending.add(handle)
             try:
-                xfer = self._agent.make_prepped_xfer(
+                read.xfer = self._agent.make_prepped_xfer(
                     "READ", self._local_dlist, np.asarray(plan.local_block_ids, dtype=np.int32),
                     remote.remote_dlist, np.asarray(plan.remote_block_ids, dtype=np.int32))
             except Exception as e:
-                handle.finish(TransferState.FAILED, KVTransferError(f"NIXL refused the read: {e!r}"))
+                self._end(handle, TransferState.FAILED, KVTransferError(f"NIXL refused the read: {e!r}"))
                 return handle
-            handle.impl = xfer
-            self._pending.add(handle)
-            self._advance(handle, lambda: self._agent.transfer(xfer))
+            self._advance(handle, lambda: self._agent.transfer(read.xfer))
         return handle
 
     def poll(self, handle: ReadHandle) -> TransferState:
         with self._lock:
             if not handle.state.terminal and self._agent is not None:
-                self._advance(handle, lambda: self._agent.check_xfer_state(handle.impl))
+                self._advance(handle, lambda: self._agent.check_xfer_state(handle.impl.xfer))
         return handle.state
 
     def abort(self, handle: ReadHandle) -> None:
@@ -249,9 +256,8 @@ class NixlReader(KVReader):
         with self._lock:
             for handle in list(self._pending):
                 self._end(handle, TransferState.FAILED, KVTransferError("reader closed"))
-            for peer in list(self._peers):
-                self._drop_peer(peer)
             if self._agent is not None:
+                self._peers.clear()
                 _drain(self._agent)
                 if self._local_dlist is not None:
                     self._local_dlist.release()
@@ -260,6 +266,49 @@ class NixlReader(KVReader):
             self._agent, self._reg, self._local_dlist, self._kv = None, None, None, None
 
     # -- under self._lock -------------------------------------------------
+
+    def _load_remote(self, info: SourceInfo) -> _Remote:
+        """Load the source's agent (once per agent name) and prepare its descriptors."""
+        name = info.agent_name
+        if name not in self._agents:
+            loaded = self._agent.add_remote_agent(info.agent_metadata)
+            loaded = loaded.decode() if isinstance(loaded, bytes) else loaded
+            if loaded != name:
+                if loaded not in self._agents:
+                    self._agent.remove_remote_agent(loaded)
+                raise KVTransferError(f"agent metadata names {loaded!r}, handshake says {name!r}")
+            self._agents[name] = 0
+        self._agents[name] += 1
+        try:
+            descs = _block_descs(info.base_addr, info.block_bytes, info.num_blocks, info.device_id)
+            remote = self._agent.prep_xfer_dlist(name, descs, info.mem_type)
+        except Exception as e:
+            self._unref_agent(name)
+            raise KVTransferError(f"NIXL rejected the descriptors of {info.worker_id!r} "
+                                  f"({info.num_blocks} blocks at {info.base_addr:#x}): {e!r}") from e
+        try:
+            self._agent.make_connection(name)  # start UCX wire-up now, not on the first read
+        except Exception:
+            pass  # optional: the first READ connects anyway and reports real failures
+        return _Remote(name, remote, info.num_blocks)
+
+    def _release_peer(self, remote: _Remote) -> None:
+        """No read uses ``remote`` any more. It runs inside poll, abort, connect and
+        disconnect, so a NIXL error is logged, never raised."""
+        try:
+            remote.remote_dlist.release()
+        except Exception:  # noqa: BLE001 - the agent's own teardown frees it at close
+            log.exception("NIXL could not release the descriptors of %s", remote.agent_name)
+        self._unref_agent(remote.agent_name)
+
+    def _unref_agent(self, name: str) -> None:
+        self._agents[name] -= 1
+        if self._agents[name] == 0:
+            del self._agents[name]
+            try:
+                self._agent.remove_remote_agent(name)
+            except Exception:  # noqa: BLE001 - as above
+                log.exception("NIXL could not remove remote agent %s", name)
 
     def _advance(self, handle: ReadHandle, step: Callable[[], str]) -> None:
         """Run one NIXL post/check call and move the handle on accordingly."""
@@ -278,23 +327,21 @@ class NixlReader(KVReader):
     def _end(self, handle: ReadHandle, state: TransferState, error: Exception | None = None) -> None:
         """Finish ``handle`` and release its NIXL request; releasing an unfinished
         one makes NIXL abort it. A release that fails is left to the agent's
-        own leak list (nixl_xfer_handle.__del__), never retried by us."""
-        xfer, handle.impl = handle.impl, None
+        own leak list (nixl_xfer_handle.__del__), never retried by us, and the read
+        keeps its peer state (NIXL may still be using its descriptors) until close."""
+        read: _NixlRead = handle.impl
+        xfer, read.xfer = read.xfer, None
+        still_used = False
         if xfer is not None:
             try:
                 xfer.release()
             except Exception as e:
                 error = error or KVTransferError(f"NIXL could not release the read: {e!r}")
-                state = TransferState.FAILED
+                state, still_used = TransferState.FAILED, True
         handle.finish(state, error)
         self._pending.discard(handle)
-
-    def _drop_peer(self, peer: PeerId) -> None:
-        remote = self._peers.pop(peer)
-        try:
-            remote.remote_dlist.release()
-        finally:
-            self._agent.remove_remote_agent(remote.agent_name)
+        if not still_used:
+            self._peers.end(read.peer)
 
 
 BACKEND = Backend("nixl", NixlSource, NixlReader)

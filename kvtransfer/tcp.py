@@ -30,6 +30,7 @@ from google.protobuf.message import DecodeError, Message
 from kvtransfer.base import (Backend, CompatRecord, KVCompatError, KVReader, KVSource, KVTransferError,
                              LeaseCheck, LeaseError, PeerId, ReadHandle, ReadPlan, SourceInfo,
                              TransferState, block_view, contiguous_runs)
+from kvtransfer.peer_table import PeerState
 from proto import kv_link_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -249,10 +250,20 @@ class TcpSource(KVSource):
         send_frame(conn, pb.ReadTrailer(status=status, error=error))
 
 
+@dataclass(frozen=True)
+class _Address:
+    """Where a source serves reads (a TcpReader's per-peer state)."""
+
+    host: str
+    port: int
+    num_blocks: int
+
+
 @dataclass
 class _TcpRead:
     """Backend state of one read (ReadHandle.impl)."""
 
+    peer: PeerState[_Address]
     future: cf.Future[None] | None = None
     sock: socket.socket | None = None
     cancelled: bool = False
@@ -266,13 +277,12 @@ class TcpReader(KVReader):
 
     def __init__(self, max_parallel_reads: int = 4, connect_timeout_s: float = 5.0,
                  io_timeout_s: float = 30.0) -> None:
+        super().__init__()
         self._connect_timeout_s = connect_timeout_s
         self._io_timeout_s = io_timeout_s
-        self._lock = threading.Lock()
         self._pool = cf.ThreadPoolExecutor(max_parallel_reads, thread_name_prefix="kv-tcp-read")
         self._blocks: torch.Tensor | None = None
         self._compat: CompatRecord | None = None
-        self._peers: dict[PeerId, tuple[str, int, int]] = {}
         self._pending: set[ReadHandle] = set()
 
     def register(self, kv: torch.Tensor, compat: CompatRecord) -> None:
@@ -290,18 +300,18 @@ class TcpReader(KVReader):
                                 f"!= remote {info.block_bytes}")
         peer = PeerId(info.worker_id)
         with self._lock:
-            self._peers[peer] = (info.data_host, info.data_port, info.num_blocks)
+            self._peers.set(peer, _Address(info.data_host, info.data_port, info.num_blocks))
         return peer
 
     def start_read(self, peer: PeerId, plan: ReadPlan) -> ReadHandle:
         assert self._blocks is not None, "register before start_read"
         with self._lock:
-            host, port, remote_blocks = self._peers[peer]
-        plan.check_bounds(remote_blocks, self._blocks.shape[0])
-        handle = ReadHandle(peer, plan, plan.num_blocks * self._blocks.shape[1], impl=_TcpRead())
-        with self._lock:
+            address = self._peers[peer]
+            plan.check_bounds(address.num_blocks, self._blocks.shape[0])
+            handle = ReadHandle(peer, plan, plan.num_blocks * self._blocks.shape[1],
+                                impl=_TcpRead(self._peers.begin(peer)))
             self._pending.add(handle)
-        handle.impl.future = self._pool.submit(self._run, handle, host, port)
+        handle.impl.future = self._pool.submit(self._run, handle, address.host, address.port)
         return handle
 
     def poll(self, handle: ReadHandle) -> TransferState:
@@ -340,12 +350,16 @@ class TcpReader(KVReader):
         for handle in pending:
             self.abort(handle)
         self._pool.shutdown(wait=True)  # the aborted reads' threads end them
+        with self._lock:
+            self._peers.clear()
 
     def _end(self, handle: ReadHandle, state: TransferState, error: Exception | None = None) -> None:
         with self._lock:
-            if not handle.state.terminal:
-                handle.finish(state, error)
+            if handle.state.terminal:
+                return  # each read ends once
+            handle.finish(state, error)
             self._pending.discard(handle)
+            self._peers.end(handle.impl.peer)
 
     def _run(self, handle: ReadHandle, host: str, port: int) -> None:
         """Pool thread: the whole read; always ends the handle."""

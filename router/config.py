@@ -64,7 +64,10 @@ class RouterConfig:
     (README, "API keys"); re-read when it changes."""
     metrics_key_file: str | None = None
     """File holding the key /metrics requires (Bearer); default: $TANDEM_METRICS_KEY, else
-    /metrics is open (keep it off the public address with a NetworkPolicy)."""
+    /metrics is open (keep it off the public address: --metrics-port, a NetworkPolicy)."""
+    metrics_port: int | None = None
+    """Serve /metrics on this port of --host instead of --port, which then carries only
+    the API (its /metrics answers 404); 0 picks a free port. Default: /metrics on --port."""
     docs: bool = True
     """Serve /docs, /redoc and /openapi.json (behind the API key when keys are set)."""
     max_body_bytes: int = 8 * 1024 * 1024
@@ -89,6 +92,10 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        if self.metrics_port is not None and not (
+                0 <= self.metrics_port < 65536 and (self.metrics_port != self.port or self.port == 0)):
+            raise ValueError(f"--metrics-port must be in [0, 65535] and not --port "
+                             f"({self.port}), got {self.metrics_port}")
         DISCOVERY.check(self.discovery)
         if self.otlp_traces_endpoint is not None:
             traces_url(self.otlp_traces_endpoint)

@@ -21,12 +21,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import socket
 
 import uvicorn
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from router.config import RouterConfig
 
+log = logging.getLogger("tandem")
 CLOSE_KEY = "tandem.close"
 REFUSED_LINGER_S = 1.0
 """How long a refused connection stays open after its answer (see LimitedHTTP._refuse)."""
@@ -109,9 +112,25 @@ def protocol_class(max_connections: int, read_timeout_s: float) -> type[asyncio.
 
 
 def serve(app, config: RouterConfig, log_level: str = "warning") -> None:
-    """Serve the router's app until SIGINT/SIGTERM."""
-    server = uvicorn.Server(uvicorn.Config(
-        app, host=config.host, port=config.port, loop="uvloop", log_level=log_level.lower(),
-        timeout_graceful_shutdown=5,
-        http=protocol_class(config.max_connections, config.read_timeout_s)))
-    server.run()
+    """Serve the router's app until SIGINT/SIGTERM; with --metrics-port, /metrics on a
+    port of its own (one server, two sockets: router/http/metrics_port.py)."""
+    server = uvicorn.Config(app, host=config.host, port=config.port, loop="uvloop",
+                            log_level=log_level.lower(), timeout_graceful_shutdown=5,
+                            http=protocol_class(config.max_connections, config.read_timeout_s))
+    sockets = [server.bind_socket()]
+    if config.metrics_port is not None:
+        from router.http.metrics_port import split_metrics_port
+
+        sockets.append(_listen(config.host, config.metrics_port, "--metrics-port"))
+        metrics_port = sockets[1].getsockname()[1]
+        server.app = split_metrics_port(app, metrics_port)
+        log.info("router metrics on http://%s:%d/metrics", config.host, metrics_port)
+    uvicorn.Server(server).run(sockets=sockets)
+
+
+def _listen(host: str, port: int, flag: str) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family, backlog=2048)
+    except OSError as e:
+        raise RuntimeError(f"{flag} {port}: cannot listen on {host}:{port} ({e.strerror})") from e

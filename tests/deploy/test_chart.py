@@ -72,8 +72,11 @@ _DURATION = {"type": "string", "pattern": r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+
 _SELECTOR = {"type": "object", "additionalProperties": False, "properties": {"matchLabels": _STRMAP}}
 _NS_SELECTOR = {"type": "object", "additionalProperties": False,
                 "properties": {"matchNames": {"type": "array", "items": _STR}, "any": {"type": "boolean"}}}
+_SECRET_KEY = {"type": "object", "additionalProperties": False, "required": ["key"],
+               "properties": {"name": _STR, "key": _STR, "optional": {"type": "boolean"}}}
 _ENDPOINT = {"type": "object", "additionalProperties": False, "required": ["port"],
-             "properties": {"port": _STR, "path": _STR, "interval": _DURATION, "scrapeTimeout": _DURATION}}
+             "properties": {"port": _STR, "path": _STR, "interval": _DURATION, "scrapeTimeout": _DURATION,
+                            "bearerTokenSecret": _SECRET_KEY}}
 
 
 def _crd(api_version: str, kind: str, spec: dict[str, Any]) -> dict[str, Any]:
@@ -234,15 +237,19 @@ def test_router_pod(rendered):
     assert c["command"] == ["tandem"] and c["args"][1] == "router"
     assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
     assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
-    assert c["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+    assert c["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"},
+                          {"name": "metrics", "containerPort": 9100, "protocol": "TCP"}]
     assert _flag(c["args"], "port") == "8000" and _flag(c["args"], "host") == "0.0.0.0"
+    assert _flag(c["args"], "metrics-port") == "9100"  # /metrics leaves the API port
+    assert not any(a.startswith("--metrics-key-file") for a in c["args"])
     assert _flag(c["args"], "block-size") == "$(TANDEM_BLOCK_SIZE)"
     assert _flag(c["args"], "model") == "$(TANDEM_MODEL)"
     assert not any(e["name"] == "TANDEM_API_KEY" for e in c["env"])
     _assert_cluster_secret(dep)
     svc = one(docs, "Service", f"{FULL}-router")
     assert svc["spec"]["type"] == "ClusterIP"
-    assert svc["spec"]["ports"][0]["targetPort"] == "http"
+    assert [(p["name"], p["port"], p["targetPort"]) for p in svc["spec"]["ports"]] == [
+        ("http", 8000, "http"), ("metrics", 9100, "metrics")]
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
@@ -338,7 +345,10 @@ def test_config_change_rolls_every_deployment(chart, rendered):
 def test_default_network_policies(rendered):
     docs = rendered["default"]
     router_np = one(docs, "NetworkPolicy", f"{FULL}-router")
-    assert router_np["spec"]["ingress"] == [{"ports": [{"port": "http", "protocol": "TCP"}]}]
+    assert router_np["spec"]["ingress"] == [  # anyone on the API port, scrapers on metrics
+        {"ports": [{"port": "http", "protocol": "TCP"}]},
+        {"from": [{"namespaceSelector": {}, "podSelector": {}}],
+         "ports": [{"port": "metrics", "protocol": "TCP"}]}]
     workers = one(docs, "NetworkPolicy", f"{FULL}-workers")["spec"]
     assert workers["policyTypes"] == ["Ingress"]
     grpc_rule, transfer_rule, metrics_rule = workers["ingress"]
@@ -415,18 +425,37 @@ def test_autoscaling_and_service_monitor(rendered):
     selected = [s for s in by_kind(docs, "Service").values()
                 if sm["spec"]["selector"]["matchLabels"].items() <= s["metadata"]["labels"].items()]
     assert len(selected) == 3
-    port_names = {p["name"] for s in selected for p in s["spec"]["ports"]}
-    assert {e["port"] for e in sm["spec"]["endpoints"]} == {"http", "metrics"} <= port_names
+    assert all("metrics" in {p["name"] for p in s["spec"]["ports"]} for s in selected)
+    assert [e["port"] for e in sm["spec"]["endpoints"]] == ["metrics"]
     assert not by_kind(docs, "PodMonitor")
+
+
+SCRAPERS = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+            "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}
+
+
+def test_router_from_admits_only_its_peers_on_the_api_port(chart, rendered):
+    """With networkPolicy.router.from set, the API port admits those peers and nobody
+    else: the scrapers' peer (whose selectors default to {}, every pod of every
+    namespace) used to be appended to it. Scrapers get the metrics port, alone."""
+    gateway = {"podSelector": {"matchLabels": {"app": "gateway"}}}
+    docs = render(chart, {"networkPolicy": {"router": {"from": [gateway]}}})  # scrapers: {}
+    rules = one(docs, "NetworkPolicy", f"{FULL}-router")["spec"]["ingress"]
+    assert [r["from"] for r in rules if {"port": "http", "protocol": "TCP"} in r["ports"]] \
+        == [[gateway]]
+    rules = one(rendered["autoscaling"], "NetworkPolicy", f"{FULL}-router")["spec"]["ingress"]
+    (api_rule,) = [r for r in rules if {"port": "http", "protocol": "TCP"} in r["ports"]]
+    assert SCRAPERS not in api_rule["from"]
+    assert api_rule == {
+        "from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ingress-nginx"}}}],
+        "ports": [{"port": "http", "protocol": "TCP"}]}
+    (metrics_rule,) = [r for r in rules if {"port": "metrics", "protocol": "TCP"} in r["ports"]]
+    assert metrics_rule == {"from": [SCRAPERS], "ports": [{"port": "metrics", "protocol": "TCP"}]}
+    assert len(rules) == 2
 
 
 def test_restricted_network_policy(rendered):
     docs = rendered["autoscaling"]
-    router_np = one(docs, "NetworkPolicy", f"{FULL}-router")["spec"]["ingress"][0]
-    assert router_np["from"] == [
-        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ingress-nginx"}}},
-        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
-         "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}]
     _, transfer_rule, metrics_rule = one(docs, "NetworkPolicy", f"{FULL}-workers")["spec"]["ingress"]
     assert transfer_rule["ports"] == [{"port": "grpc", "protocol": "TCP"},
                                       {"port": 20000, "endPort": 20999, "protocol": "TCP"}]
@@ -489,8 +518,43 @@ def test_existing_secret_claim_and_pod_monitor(rendered):
     svc = one(docs, "Service", f"{FULL}-decode")
     assert "clusterIP" not in svc["spec"] and svc["spec"]["ports"][0]["name"] == "grpc"
     pm = one(docs, "PodMonitor", FULL)
-    assert {e["port"] for e in pm["spec"]["podMetricsEndpoints"]} == {"http", "metrics"}
+    assert [e["port"] for e in pm["spec"]["podMetricsEndpoints"]] == ["metrics"]
     assert not by_kind(docs, "ServiceMonitor")
+
+
+def test_the_metrics_key_reaches_the_router_and_the_monitors(rendered):
+    """metrics.key: a created Secret (autoscaling) or an existing one (existing), mounted
+    in the router and passed as --metrics-key-file; the ServiceMonitor or PodMonitor sends
+    it as a bearer token."""
+    for name, kind, field, secret, key in (
+            ("autoscaling", "ServiceMonitor", "endpoints", f"{FULL}-metrics-key", "metrics-key"),
+            ("existing", "PodMonitor", "podMetricsEndpoints", "tandem-metrics-key", "token")):
+        docs = rendered[name]
+        dep = one(docs, "Deployment", f"{FULL}-router")
+        c = container(dep)
+        assert _flag(c["args"], "metrics-key-file") == f"/etc/tandem/metrics/{key}", name
+        assert {"name": "metrics-key", "mountPath": "/etc/tandem/metrics",
+                "readOnly": True} in c["volumeMounts"]
+        assert {"name": "metrics-key", "secret": {"secretName": secret, "defaultMode": 0o400}} \
+            in dep["spec"]["template"]["spec"]["volumes"]
+        (endpoint,) = one(docs, kind, FULL)["spec"][field]
+        assert endpoint["bearerTokenSecret"] == {"name": secret, "key": key}, name
+    created = one(rendered["autoscaling"], "Secret", f"{FULL}-metrics-key")
+    assert len(base64.b64decode(created["data"]["metrics-key"])) == 32
+
+
+def test_a_public_router_service_carries_no_metrics_port(rendered):
+    """A LoadBalancer (or NodePort) router Service exposes the API only; the router's
+    metrics port gets a ClusterIP Service of its own, which the monitors select."""
+    docs = rendered["edge"]
+    public = one(docs, "Service", f"{FULL}-router")
+    assert [p["name"] for p in public["spec"]["ports"]] == ["http"]
+    private = one(docs, "Service", f"{FULL}-router-metrics")
+    assert private["spec"]["type"] == "ClusterIP"
+    assert [(p["name"], p["port"], p["targetPort"]) for p in private["spec"]["ports"]] == [
+        ("metrics", 9100, "metrics")]
+    assert private["spec"]["selector"] == public["spec"]["selector"]
+    assert private["metadata"]["labels"] == public["metadata"]["labels"]
 
 
 def test_created_api_key_is_random_when_not_given(chart):
@@ -529,6 +593,8 @@ def schema() -> dict[str, Any]:
     ({"decode": {"autoscaling": {"targetKvCacheUsage": "lots"}}}, "/decode/autoscaling/targetKvCacheUsage"),
     ({"prefill": {"tolerations": [{"key": "a", "operatr": "Exists"}]}}, "/prefill/tolerations/0"),
     ({"workers": {"probes": {"startup": {"periodSeconds": "5s"}}}}, "/workers/probes/startup/periodSeconds"),
+    ({"router": {"metricsPort": 0}}, "/router/metricsPort"),
+    ({"metrics": {"key": {"enabled": "yes"}}}, "/metrics/key/enabled"),
 ])
 def test_schema_rejects_wrong_types(chart, values, fragment):
     with pytest.raises(helm.HelmValuesError) as e:
@@ -547,6 +613,7 @@ def test_schema_rejects_wrong_types(chart, values, fragment):
     {"networkPolicy": {"workerTransfer": {"ports": [{"port": 1, "protocl": "TCP"}]}}},
     {"decode": {"affinity": {"nodeAfinity": {}}}},
     {"router": {"resources": {"limit": {"cpu": "1"}}}},
+    {"metrics": {"key": {"secretName": "mine"}}},
 ])
 def test_schema_rejects_unknown_keys(chart, values):
     with pytest.raises(helm.HelmValuesError, match="additional propert"):

@@ -111,3 +111,49 @@ def test_source_killed_fails_the_read() -> None:
             assert rd.in_flight() == 0
         finally:
             rd.close()
+
+
+def test_a_re_handshake_mid_read_lets_the_read_end_on_the_old_agent() -> None:
+    """A source restarted (same worker id, new NIXL agent) and the reader handshakes again
+    while a READ from the old agent is in flight: that connect used to free the old agent's
+    descriptors and the agent itself under the READ (NIXL then failed it with
+    NIXL_ERR_NOT_FOUND). Now the READ ends on the old agent with the right bytes, the old
+    state is released once it ended, and new reads go to the new agent."""
+    with SourceProcess("nixl", torch.float32, seed=41) as old, \
+            SourceProcess("nixl", torch.float32, seed=41) as new:  # same id and bytes
+        dest = Dest.make(torch.float32)
+        rd = get_backend("nixl").reader()
+        rd.register(dest.kv, dest.compat)
+        try:
+            info_old = asyncio.run(handshake(dest.compat, old.endpoint, "nixl"))
+            info_new = asyncio.run(handshake(dest.compat, new.endpoint, "nixl"))
+            assert info_old.worker_id == info_new.worker_id
+            assert info_old.agent_name != info_new.agent_name
+            blocks = old.grant("mid", list(range(32)))
+            old.call("pause")  # the old source stops progressing: the READ's wire-up waits
+            try:
+                peer = rd.connect(info_old)
+                handle = rd.start_read(peer, ReadPlan.from_source(blocks, list(range(31, -1, -1))))
+                assert rd.poll(handle) is TransferState.PENDING, "the read was not in flight"
+                assert rd.connect(info_new) == peer  # the re-handshake, mid-read
+            finally:
+                old.call("resume")
+            assert rd.wait(handle, 20) is TransferState.DONE, handle.error
+            assert_blocks_copied(dest.kv, dest.before, old.kv, handle.plan)
+            assert rd.num_peers() == 1 and rd.in_flight() == 0  # the old agent is gone
+            assert asyncio.run(release(old.endpoint, "mid", blocks.epoch, blocks.lease_token)) \
+                == (True, "released")
+            after = new.grant("after", [4, 5])
+            before = dest.kv.clone()
+            handle = rd.start_read(peer, ReadPlan.from_source(after, [0, 1]))
+            assert rd.wait(handle, 20) is TransferState.DONE, handle.error
+            assert_blocks_copied(dest.kv, before, new.kv, handle.plan)
+            assert asyncio.run(release(new.endpoint, "after", after.epoch, after.lease_token)) \
+                == (True, "released")
+            rd.disconnect(peer)  # the source left: nothing of it stays
+            assert rd.num_peers() == 0 and rd.in_flight() == 0
+            with pytest.raises(KeyError, match="disconnected"):
+                rd.start_read(peer, ReadPlan.from_source(after, [0, 1]))
+        finally:
+            rd.close()
+        assert old.active() == 0 and new.active() == 0, "leak: a lease outlived the test"

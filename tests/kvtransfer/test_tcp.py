@@ -96,6 +96,25 @@ def test_parallel_reads_and_second_read_of_a_lease(source: SourceProcess, reader
     assert asyncio.run(release(source.endpoint, "rb", b.epoch, b.lease_token)) == (True, "released")
 
 
+def test_a_disconnected_peer_leaves_nothing_and_can_come_back(source: SourceProcess,
+                                                              reader) -> None:
+    """A read in flight when its source is disconnected (or connected again) ends on the
+    address it started with; then the reader holds nothing for that source."""
+    peer, info = connect(reader, source)
+    blocks = source.grant("dc", [7, 8])
+    handle = reader.start_read(peer, ReadPlan.from_source(blocks, [2, 3]))
+    assert reader.connect(info) == peer  # a fresh handshake replaces the state...
+    reader.disconnect(peer)  # ...and the source leaves, both maybe mid-read
+    assert reader.wait(handle, 20) is TransferState.DONE, handle.error
+    assert_blocks_copied(reader.dest.kv, reader.dest.before, source.kv, handle.plan)
+    assert reader.num_peers() == 0 and reader.in_flight() == 0
+    with pytest.raises(KeyError, match="disconnected"):
+        reader.start_read(peer, ReadPlan.from_source(blocks, [2, 3]))
+    assert reader.connect(info) == peer and reader.num_peers() == 1
+    assert asyncio.run(release(source.endpoint, "dc", blocks.epoch, blocks.lease_token)) \
+        == (True, "released")
+
+
 def test_compat_mismatch_fails_at_connect(source: SourceProcess) -> None:
     wrong_size = Dest.make(source.dtype, block_size=8)
     with pytest.raises(KVCompatError, match="block_size: local 8 != remote 16"):

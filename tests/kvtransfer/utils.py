@@ -82,6 +82,12 @@ def _source_main(conn: Any, backend: str, dtype: torch.dtype, seed: int, fingerp
             conn.send(sorted(freed))
         elif cmd == "reap":
             conn.send(servicer.reap_expired())
+        elif cmd == "pause":  # nixl: its progress thread stops, so wire-up with a new reader waits
+            source._lock.acquire()
+            conn.send(True)
+        elif cmd == "resume":
+            source._lock.release()
+            conn.send(True)
         elif cmd == "stop":
             break
     asyncio.run_coroutine_threadsafe(server.stop(None), loop).result(10)

@@ -16,6 +16,21 @@ from proto import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_
 from worker.config import KVTransferConfig, WorkerConfig
 
 
+def worker_config(model_dir, backend: str = "tcp", engine: dict | None = None,
+                  lease_ttl_s: float = 30.0, transfer_timeout_s: float = 5.0,
+                  kv_blocks: int = 64) -> WorkerConfig:
+    base = EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=kv_blocks,
+                        max_model_len=256)
+    kv = KVTransferConfig(backend=backend, lease_ttl_s=lease_ttl_s,
+                          transfer_timeout_s=transfer_timeout_s)
+    return WorkerConfig(engine=replace(base, **(engine or {})), kv=kv)
+
+
+def kv_endpoint(prefill) -> str:
+    """Where a prefill service's KV handles point (what a router lists to decode workers)."""
+    return f"{prefill.config.public_host}:{prefill.port}"
+
+
 @contextlib.asynccontextmanager
 async def services(model_dir, backend: str = "tcp", prefill_engine: dict | None = None,
                    decode_engine: dict | None = None, lease_ttl_s: float = 30.0,
@@ -23,15 +38,14 @@ async def services(model_dir, backend: str = "tcp", prefill_engine: dict | None 
     from decode_svc.service import DecodeService
     from prefill_svc.service import PrefillService
 
-    base = EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=kv_blocks,
-                        max_model_len=256)
-    kv = KVTransferConfig(backend=backend, lease_ttl_s=lease_ttl_s,
-                          transfer_timeout_s=transfer_timeout_s)
-    p = PrefillService(WorkerConfig(engine=replace(base, **(prefill_engine or {})), kv=kv))
-    d = DecodeService(WorkerConfig(engine=replace(base, **(decode_engine or {})), kv=kv))
+    times = {"lease_ttl_s": lease_ttl_s, "transfer_timeout_s": transfer_timeout_s}
+    p = PrefillService(worker_config(model_dir, backend, prefill_engine, kv_blocks=kv_blocks,
+                                     **times))
+    d = DecodeService(worker_config(model_dir, backend, decode_engine, kv_blocks=kv_blocks,
+                                    **times))
     await p.start()
     await d.start()
-    d.kv_peers = KVPeerList((f"{p.config.public_host}:{p.port}",))  # as a router would push
+    d.kv_peers = KVPeerList((kv_endpoint(p),))  # as a router would push
     pch = auth_channel(f"127.0.0.1:{p.port}", p.secret)
     dch = auth_channel(f"127.0.0.1:{d.port}", d.secret)
     try:
@@ -41,6 +55,21 @@ async def services(model_dir, backend: str = "tcp", prefill_engine: dict | None 
         await dch.close()
         await p.stop(0)
         await d.stop(0)
+
+
+@contextlib.asynccontextmanager
+async def prefill_worker(model_dir, backend: str = "tcp", lease_ttl_s: float = 30.0):
+    """One more prefill worker (tests with several sources): the service and its stub."""
+    from prefill_svc.service import PrefillService
+
+    p = PrefillService(worker_config(model_dir, backend, lease_ttl_s=lease_ttl_s))
+    await p.start()
+    ch = auth_channel(f"127.0.0.1:{p.port}", p.secret)
+    try:
+        yield p, prefill_pb2_grpc.PrefillStub(ch)
+    finally:
+        await ch.close()
+        await p.stop(0)
 
 
 async def leak_check(*svcs) -> None:

@@ -84,6 +84,31 @@ app.kubernetes.io/component: {{ .component }}
 {{- default (include "tandem.componentName" (dict "root" . "component" "auth")) .Values.auth.existingSecret -}}
 {{- end -}}
 
+{{- define "tandem.metricsKeySecretName" -}}
+{{- default (include "tandem.componentName" (dict "root" . "component" "metrics-key")) .Values.metrics.key.existingSecret -}}
+{{- end -}}
+
+{{/* A monitor endpoint's bearer token: the metrics key, when there is one. */}}
+{{- define "tandem.metricsBearer" -}}
+{{- if .Values.metrics.key.enabled }}
+bearerTokenSecret:
+  name: {{ include "tandem.metricsKeySecretName" . }}
+  key: {{ .Values.metrics.key.secretKey }}
+{{- end }}
+{{- end -}}
+
+{{/* The value a created Secret keeps across upgrades: key "key" of the release's Secret
+     "name" when it exists, else "length" random characters.
+     dict "root" $ "name" SECRET "key" KEY "length" N */}}
+{{- define "tandem.keptRandom" -}}
+{{- $existing := lookup "v1" "Secret" .root.Release.Namespace .name -}}
+{{- if and $existing (hasKey (default dict $existing.data) .key) -}}
+{{- index $existing.data .key | b64dec -}}
+{{- else -}}
+{{- randAlphaNum .length -}}
+{{- end -}}
+{{- end -}}
+
 {{/* Image of a pod; gpu=true picks the CUDA tag. dict "root" $ "gpu" BOOL */}}
 {{- define "tandem.image" -}}
 {{- $img := .root.Values.image -}}
