@@ -167,7 +167,7 @@ def prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
 
 @guarded("compiled decode")
 def check_compiled(model: str) -> None:
-    from engine.sampling import SamplingParams
+    from core.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     ps = prompts(4, 32)
@@ -202,7 +202,7 @@ def check_swap(model: str) -> None:
 
 @guarded("throughput")
 def check_throughput(model: str, quick: bool) -> None:
-    from engine.sampling import SamplingParams
+    from core.sampling import SamplingParams
 
     eng = engine(model, "bfloat16", True, max_num_seqs=256, num_kv_blocks=8192,
                  max_num_batched_tokens=4096)

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-from engine.tokenizer import Tokenizer  # noqa: E402
+from core.tokenizer import Tokenizer  # noqa: E402
 from tandem.bench import datasets, load, report, stats  # noqa: E402
 from tandem.bench.client import Endpoint, RequestResult  # noqa: E402
 from tandem.bench.datasets import BenchRequest, LengthDist  # noqa: E402

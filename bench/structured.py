@@ -32,8 +32,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from engine.config import EngineConfig  # noqa: E402
-from engine.guided.compiler import GrammarCompiler  # noqa: E402
-from engine.guided.spec import GuidedSpec  # noqa: E402
+from core.guided.compiler import GrammarCompiler  # noqa: E402
+from core.guided.spec import GuidedSpec  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 from tests.guided_cases import SCHEMAS  # noqa: E402

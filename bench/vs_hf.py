@@ -66,7 +66,7 @@ def main() -> None:
                               datasets.LengthDist.parse(args.output_len), seed=0)
     conc, b1, timelines = run_tandem(args, reqs)
 
-    from engine.tokenizer import Tokenizer
+    from core.tokenizer import Tokenizer
 
     tok = Tokenizer.load(args.model)
     hf_prompts = [tok.encode(r.prompt) for r in reqs[:args.batch1_prompts]]

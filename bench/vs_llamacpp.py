@@ -45,7 +45,7 @@ def eos_bias(model: str) -> dict[str, float]:
     """logit_bias that keeps llama.cpp from ever sampling an end-of-sequence token
     (its server has no ignore_eos)."""
     from engine.loader import load_checkpoint
-    from engine.tokenizer import Tokenizer
+    from core.tokenizer import Tokenizer
 
     ckpt = load_checkpoint(model)
     eos = set(ckpt.config.eos_token_ids)

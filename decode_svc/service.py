@@ -24,7 +24,7 @@ import logging
 import grpc
 
 from decode_svc.peers import KVPeerList, Peer, PeerCache
-from engine.kv_cache import blocks_for
+from core.kv import blocks_for
 from engine.request import RemoteReservation, Request
 from kvtransfer.base import (KVAuthError, KVCompatError, ReadPlan, SourceBlocks, TransferState,
                              get_backend)
@@ -35,7 +35,7 @@ from proto import decode_pb2_grpc as pb_grpc
 from worker.base import WorkerBase, invalid_argument
 from worker.config import WorkerConfig
 from worker import spans as worker_spans
-from engine.wire import sampling_from_proto, top_to_proto
+from proto.convert import sampling_from_proto, top_to_proto
 
 log = logging.getLogger(__name__)
 _FALLBACK = {TransferState.EXPIRED: "lease_expired", TransferState.FAILED: "transfer_failed"}

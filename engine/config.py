@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from engine.attention.base import ATTENTION_BACKENDS
-from engine.kv_cache.layout import KV_CACHE_DTYPES, is_quantized
+from core.kv.layout import KV_CACHE_DTYPES, is_quantized
 
 
 @dataclass(frozen=True)

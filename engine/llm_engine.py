@@ -17,21 +17,22 @@ from typing import Protocol, Sequence
 
 from engine.aborts import AbortMemory
 from engine.config import EngineConfig
-from engine.guided.compiler import GrammarCompiler
+from core.guided.compiler import GrammarCompiler
 from engine.quant.base import resolve_method
-from engine.limits import check_priority, check_prompt
-from engine.kv_cache import KVCacheManager, blocks_for, check_salt
+from core.limits import check_priority, check_prompt
+from engine.kv_cache import KVCacheManager
+from core.kv import blocks_for, check_salt
 from engine.loader import load_checkpoint
 from engine.model_runner import ModelRunner
 from engine.models.llama import StepInterrupted
 from engine.output import OutputProcessor
 from engine.request import (DuplicateRequestError, FinishReason, RemoteAdmission,
                             RemoteReservation, Request, RequestOutput, RequestStatus)
-from engine.sampling import SamplingParams
+from core.sampling import SamplingParams
 from engine.kv_cache.swap import SwapPool
 from engine.scheduler import PreemptionPolicy, Scheduler
 from engine.spec.speculator import Speculator
-from engine.tokenizer import Tokenizer
+from core.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_MODEL_LEN = 8192

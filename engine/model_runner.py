@@ -14,7 +14,7 @@ import torch
 from engine.attention import build_metadata, get_backend
 from engine.config import EngineConfig
 from engine.cpu_limit import default_threads
-from engine.kv_cache import kv_format_block_bytes
+from core.kv import kv_format_block_bytes
 from engine.kv_cache.quant import row_width, storage_dtype
 from engine.loader import LoadedCheckpoint
 from engine.loader.gguf_loader import raw_rows
@@ -87,7 +87,7 @@ class ModelRunner:
                  self.block_bytes)
 
     def _allocate_kv(self, ckpt: LoadedCheckpoint) -> torch.Tensor:
-        """The block-major cache [num_blocks, L, 2, B, Hkv, row] (engine/kv_cache/layout.py):
+        """The block-major cache [num_blocks, L, 2, B, Hkv, row] (core/kv/layout.py):
         a row is head_dim values, or head_dim int8 codes and a float16 scale when quantized."""
         cfg = ckpt.config
         kv = torch.zeros(self.num_blocks, cfg.num_layers, 2, self.config.block_size,

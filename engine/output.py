@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import time
 
-from engine.guided.compiler import GrammarCompiler
+from core.guided.compiler import GrammarCompiler
 from engine.request import FinishReason, Request, RequestOutput, RequestStatus
 from engine.sampling import TokenLogprobs
-from engine.text import TextAssembler
-from engine.tokenizer import Tokenizer
+from core.text import TextAssembler
+from core.tokenizer import Tokenizer
 
 
 class OutputProcessor:

@@ -5,8 +5,9 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from engine.kv_cache.block_hash import BlockHash
-from engine.sampling import SamplingParams, SamplingState, TokenLogprobs
+from core.kv.block_hash import BlockHash
+from core.sampling import SamplingParams
+from engine.sampling import SamplingState, TokenLogprobs
 from engine.spec.state import SpecState, SpecSummary
 
 
@@ -74,7 +75,7 @@ class Request:
     """Prompt tokens served by the prefix cache at admission (metrics)."""
     block_hashes: list[BlockHash] = field(default_factory=list)
     cache_salt: bytes = field(default=b"", repr=False)
-    """Seeds block_hashes (engine/kv_cache/block_hash.py): the tenant's digest the router
+    """Seeds block_hashes (core/kv/block_hash.py): the tenant's digest the router
     sends; empty = the shared, unsalted cache. Kept out of repr: it names a tenant's
     cache, and a repr may reach a log."""
     finish_reason: FinishReason | None = None

@@ -12,7 +12,7 @@ that runs the model; building it elsewhere made every small op pay a futex wake-
 Building a request (``make_request``) whose cost depends on its content (compiling
 and searching a constraint, replaying outputs made elsewhere) runs on a small pool of
 its own threads, never on the event loop: health checks, Release and every stream go
-on meanwhile (the constraint's budgets, engine/guided/budget.py, bound each build).
+on meanwhile (the constraint's budgets, core/guided/budget.py, bound each build).
 
 Streams: ``add`` and ``reserve`` open the request's output queue atomically with the
 id check, so two requests under one id can never share a queue or a block table
@@ -35,11 +35,12 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from engine.config import ModelConfig, dtype_name
-from engine.kv_cache import BlockHash, KVEvent
+from core.kv import BlockHash
+from engine.kv_cache import KVEvent
 from engine.llm_engine import LLMEngine
 from engine.request import (AbortedBeforeArrival, DuplicateRequestError, FinishReason,
                             RemoteReservation, Request, RequestOutput)
-from engine.sampling import SamplingParams
+from core.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ class EngineInfo:
     num_blocks: int
     max_model_len: int
     block_bytes: int
-    """Bytes of one KV block, scales included (engine/kv_cache/layout.py)."""
+    """Bytes of one KV block, scales included (core/kv/layout.py)."""
     kv_cache_dtype: str = ""
     """How K/V are stored (--kv-cache-dtype, resolved: bfloat16, float32, int8, fp8_e4m3)."""
     dtype: str = ""

@@ -34,7 +34,7 @@ The KV tensor is ``[num_blocks, num_layers, 2, block_size, num_kv_heads,
 row]``, contiguous, so block ``b`` is one region of ``block_bytes`` at
 ``data_ptr() + b * block_bytes``. A row is head_dim values, or, for a quantized
 ``kv_cache_dtype``, head_dim codes and their bfloat16 scale (``kv_scale_layout``,
-engine/kv_cache/layout.py): the scales travel inside the block, so every backend moves
+core/kv/layout.py): the scales travel inside the block, so every backend moves
 quantized blocks as they are.
 """
 from __future__ import annotations
@@ -48,8 +48,8 @@ from typing import Any, Callable, ClassVar, Iterator, Literal, NewType, Sequence
 
 import torch
 
-from engine.kv_cache.layout import SCALE_BYTES, is_quantized, kv_format_block_bytes, scale_layout
-from engine.registry import Registry, RegistryError
+from core.kv.layout import SCALE_BYTES, is_quantized, kv_format_block_bytes, scale_layout
+from core.registry import Registry, RegistryError
 from kvtransfer.peer_table import PeerTable
 
 KV_LAYOUT = "block_major:[L,2,B,Hkv,D]"

@@ -19,7 +19,7 @@ import time
 import grpc
 
 from engine.request import FinishReason
-from engine.wire import sampling_from_proto, top_to_proto
+from proto.convert import sampling_from_proto, top_to_proto
 from kvtransfer.base import SourceBlocks, get_backend
 from kvtransfer.lease import Lease, LeaseTable
 from kvtransfer.link import KVLinkServicer, add_kv_link, blocks_to_proto

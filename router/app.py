@@ -10,7 +10,7 @@ from fastapi.exceptions import RequestValidationError
 
 from auth.keys import KeyRing, load_metrics_key
 from auth.secret import load_cluster_secret
-from engine.tokenizer import Tokenizer
+from core.tokenizer import Tokenizer
 from router.config import RouterConfig
 from router.http.middleware import EdgeGuard
 from router.http.routes import BODY_MODELS, invalid_request, routes

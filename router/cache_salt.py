@@ -1,7 +1,7 @@
 """Which prefix cache a request's KV belongs to: its cache salt, derived here at the
 edge and carried to every worker it touches (PrefillRequest and GenerateRequest
 ``cache_salt``), where it seeds the prompt's block hashes
-(engine/kv_cache/block_hash.py). The router hashes prompts for placement under the
+(core/kv/block_hash.py). The router hashes prompts for placement under the
 same salt, so routing stays prefix-aware within a tenant.
 
 - With API keys, every request is salted by its key's tenant (ApiKey.cache_tenant:

@@ -26,11 +26,11 @@ from typing import AsyncIterator
 import grpc
 from opentelemetry.trace import Span
 
-from engine.guided.compiler import GrammarCompiler
-from engine.kv_cache import blocks_for, hash_token_blocks
-from engine.sampling import SamplingParams
-from engine.text import TextAssembler
-from engine.tokenizer import Tokenizer
+from core.guided.compiler import GrammarCompiler
+from core.kv import blocks_for, hash_token_blocks
+from core.sampling import SamplingParams
+from core.text import TextAssembler
+from core.tokenizer import Tokenizer
 from proto import common_pb2 as common
 from proto import decode_pb2, prefill_pb2
 from router.config import RouterConfig
@@ -39,7 +39,7 @@ from router.placement import Placer
 from router.workers import Worker, WorkerPool
 from router import spans as router_spans
 from tracing.spans import calling
-from engine.wire import sampling_to_proto, top_from_proto
+from proto.convert import sampling_to_proto, top_from_proto
 
 log = logging.getLogger(__name__)
 
@@ -366,7 +366,7 @@ def _absorb(trace: Trace, t: decode_pb2.KVTrace) -> None:
 
 
 class _TextStream:
-    """The client's text (engine/text.py) turned into Deltas."""
+    """The client's text (core/text.py) turned into Deltas."""
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams,
                  accept=None) -> None:

@@ -14,10 +14,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from engine.guided.spec import GuidedSpec
-from engine.limits import (MAX_CACHE_SALT_CHARS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
-                           MAX_TOOLS, MAX_TOP_K, PRIORITY_MAX, PRIORITY_MIN)
-from engine.sampling import SamplingParams
+from core.guided.spec import GuidedSpec
+from core.limits import (MAX_CACHE_SALT_CHARS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_TOOLS,
+                         MAX_TOP_K, PRIORITY_MAX, PRIORITY_MIN)
+from core.sampling import SamplingParams
 
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
 FunctionName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")]

@@ -4,7 +4,7 @@ from __future__ import annotations
 import itertools
 from typing import Sequence
 
-from engine.kv_cache import BlockHash
+from core.kv import BlockHash
 from router.prefix_index import PrefixIndex
 from router.workers import Worker
 

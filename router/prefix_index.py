@@ -12,7 +12,7 @@ import time
 from collections import OrderedDict, defaultdict
 from typing import Callable, Sequence
 
-from engine.kv_cache import BlockHash
+from core.kv import BlockHash
 
 EXPECT_TTL_S = 60.0
 

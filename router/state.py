@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator, TextIO
 
-from engine.tokenizer import Tokenizer
+from core.tokenizer import Tokenizer
 from router.admission import Admission
 from router.config import RouterConfig
 from router.discovery.base import Discovery

@@ -16,9 +16,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from engine.guided.compiler import check_schema
-from engine.guided.spec import JSON_OBJECT_SCHEMA, GuidedSpec
-from engine.limits import MAX_GUIDED_CHARS
+from core.guided.compiler import check_schema
+from core.guided.spec import JSON_OBJECT_SCHEMA, GuidedSpec
+from core.limits import MAX_GUIDED_CHARS
 from router.http.errors import APIError
 from router.openai_api import NamedToolChoice, ResponseFormat
 from router.tools import ToolPlan

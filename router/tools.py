@@ -23,8 +23,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from engine.guided.compiler import JSON_STYLE
-from engine.guided.spec import GuidedSpec
+from core.guided.compiler import JSON_STYLE
+from core.guided.spec import GuidedSpec
 
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}

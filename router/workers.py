@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine.kv_cache import BlockHash
+from core.kv import BlockHash
 from proto import common_pb2 as common
 from auth.grpc_auth import channel as auth_channel
 from proto import decode_pb2, decode_pb2_grpc, prefill_pb2_grpc

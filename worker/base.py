@@ -11,7 +11,7 @@ import grpc
 from auth.grpc_auth import ServerAuth
 from auth.secret import load_cluster_secret
 from auth.targets import join, server_names
-from engine.kv_cache.layout import scale_layout
+from core.kv.layout import scale_layout
 from engine.llm_engine import Handoff, LLMEngine
 from engine.request import RequestOutput
 from engine.worker_api import (AbortedBeforeArrival, DuplicateRequestError, EngineDead, EngineLoad,
@@ -19,7 +19,7 @@ from engine.worker_api import (AbortedBeforeArrival, DuplicateRequestError, Engi
 from kvtransfer.base import CompatRecord
 from proto import common_pb2 as common
 from worker.config import WorkerConfig
-from engine.wire import events_to_proto
+from worker.events import events_to_proto
 from worker.events import KVEventHub
 from worker.metrics import WorkerMetrics
 from worker import server as grpc_server

@@ -15,7 +15,8 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
-from engine.kv_cache import KVEvent
+from engine.kv_cache import KVEvent, KVEventKind
+from proto import common_pb2 as common
 
 log = logging.getLogger(__name__)
 
@@ -94,3 +95,8 @@ class KVEventHub:
 
     def unsubscribe(self, sub: Subscription) -> None:
         self._subscribers.discard(sub)
+
+
+def events_to_proto(events: list[KVEvent]) -> list[common.KVEvent]:
+    kinds = {KVEventKind.STORED: common.KVEvent.STORED, KVEventKind.REMOVED: common.KVEvent.REMOVED}
+    return [common.KVEvent(kind=kinds[e.kind], block_hash=e.block_hash) for e in events]

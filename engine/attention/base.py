@@ -22,7 +22,7 @@ import torch
 
 from engine.attention.metadata import AttentionMetadata
 from engine.kv_cache.quant import decode, encode
-from engine.registry import Registry
+from core.registry import Registry
 
 BackendName = Literal["sdpa", "flash_attn", "naive"]
 

@@ -25,7 +25,7 @@ import llguidance
 import numpy as np
 import torch
 
-from engine.guided.compiler import GuidedState
+from core.guided.compiler import GuidedState
 
 
 @dataclass

@@ -12,7 +12,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
 
-from engine.kv_cache.block_hash import BlockHash
+from core.kv.block_hash import BlockHash
 
 
 class KVEventKind(enum.Enum):

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from engine.kv_cache.block_hash import BlockHash, hash_token_blocks
+from core.kv.block_hash import BlockHash, hash_token_blocks
 from engine.kv_cache.block_pool import BlockPool
-from engine.kv_cache.layout import blocks_for
+from core.kv.layout import blocks_for
 
 if TYPE_CHECKING:
     from engine.request import Request

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.kv_cache.layout import SCALE_BYTES, is_quantized
+from core.kv.layout import SCALE_BYTES, is_quantized
 
 _QMAX = {"int8": 127.0, "fp8_e4m3": 448.0}
 _SCALE_MIN = 1e-30  # an all-zero row: codes 0, never 0 / 0

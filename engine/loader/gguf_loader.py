@@ -16,7 +16,7 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 
 from engine.config import ModelConfig
-from engine.gguf_file import open_gguf
+from core.gguf_file import open_gguf
 from engine.loader.base import LoadedCheckpoint
 from engine.loader.fingerprint import weights_fingerprint
 

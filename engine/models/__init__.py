@@ -1,7 +1,7 @@
 """Model definitions, one family per file, found by architecture name."""
 from __future__ import annotations
 
-from engine.registry import Registry
+from core.registry import Registry
 
 MODELS: Registry = Registry("model architecture", "--model", {
     "llama": "engine.models.llama:LlamaForCausalLM",

@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.sampling.params import SamplingParams
+from core.sampling.params import SamplingParams
 from engine.sampling.processors import (apply_min_p_, apply_penalties_, apply_temperature_,
                                         apply_top_k_top_p_)
 
 if TYPE_CHECKING:
-    from engine.guided.compiler import GuidedState
+    from core.guided.compiler import GuidedState
 
 _TINY = torch.finfo(torch.float32).tiny
 

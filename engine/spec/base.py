@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from engine.config import EngineConfig
     from engine.model_runner import ModelRunner
     from engine.request import Request
-    from engine.tokenizer import Tokenizer
+    from core.tokenizer import Tokenizer
 
 
 class Proposer(ABC):

@@ -145,7 +145,7 @@ def _load_draft(config: EngineConfig, runner, tokenizer):
     vocabulary or tokenizer differs from the target's."""
     from engine.loader import load_checkpoint
     from engine.model_runner import ModelRunner
-    from engine.tokenizer import Tokenizer
+    from core.tokenizer import Tokenizer
 
     path = config.speculative_model
     if not Path(path).exists():

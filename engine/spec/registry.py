@@ -1,7 +1,7 @@
 """The names behind --speculative-method (torch-free; EngineConfig validates against it)."""
 from __future__ import annotations
 
-from engine.registry import Registry
+from core.registry import Registry
 
 PROPOSERS: Registry[type] = Registry(  # entries: engine.spec.base.Proposer subclasses
     "speculative method", "--speculative-method", {

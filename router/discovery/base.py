@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import AsyncIterator, Literal
 
-from engine.registry import Registry
+from core.registry import Registry
 
 Role = Literal["prefill", "decode"]
 

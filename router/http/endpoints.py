@@ -19,7 +19,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import generate_latest
 
-from engine.kv_cache import blocks_for
+from core.kv import blocks_for
 from router.flow import Delta, Trace
 from router.http.errors import APIError
 from router.http.intake import Intake, Reader

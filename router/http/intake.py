@@ -15,8 +15,8 @@ from typing import TypeVar
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from engine.limits import check_priority, check_prompt
-from engine.sampling import SamplingParams
+from core.limits import check_priority, check_prompt
+from core.sampling import SamplingParams
 from router.cache_salt import request_salt
 from router.http.errors import APIError
 from router.openai_api import ChatCompletionRequest, CompletionRequest

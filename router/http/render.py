@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from engine.tokenizer import Tokenizer
+from core.tokenizer import Tokenizer
 from router.flow import Delta, Logprob, Trace
 from router.tools import ToolPlan, parse_calls
 

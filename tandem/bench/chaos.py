@@ -441,7 +441,7 @@ def references(model: str, cases: list[Case], dtype: str = "float32") -> dict[in
     """The colocated engine's greedy text for each case (alone, in this process)."""
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
-    from engine.sampling import SamplingParams
+    from core.sampling import SamplingParams
 
     eng = LLMEngine(EngineConfig(model=model, dtype=dtype, num_kv_blocks=256, max_model_len=512))
     refs = {}

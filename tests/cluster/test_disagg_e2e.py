@@ -10,7 +10,7 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.sampling import SamplingParams
+from core.sampling import SamplingParams
 from tests.cluster.launch import cluster
 
 pytestmark = pytest.mark.slow
@@ -73,7 +73,7 @@ def disagg_cluster(request, model_path):
 
 
 def test_fifty_prompts_token_identical_to_colocated(model_path, colocated, disagg_cluster) -> None:
-    from engine.tokenizer import Tokenizer
+    from core.tokenizer import Tokenizer
 
     tok = Tokenizer.load(model_path)
     c = disagg_cluster
@@ -90,7 +90,7 @@ def test_fifty_prompts_token_identical_to_colocated(model_path, colocated, disag
 
 
 def test_second_request_moves_only_the_blocks_decode_lacks(model_path, disagg_cluster) -> None:
-    from engine.tokenizer import Tokenizer
+    from core.tokenizer import Tokenizer
 
     tok = Tokenizer.load(model_path)
     # a prefix no other test sent: exactly 3 blocks of 16
@@ -115,7 +115,7 @@ def test_killed_prefill_after_handle_makes_decode_recompute(model_path, colocate
     """Kill the prefill process once it has returned a handle: decode recomputes."""
 
     from proto import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
-    from engine.tokenizer import Tokenizer
+    from core.tokenizer import Tokenizer
 
     tok = Tokenizer.load(model_path)
     ids = tok.encode(prompts()[0])

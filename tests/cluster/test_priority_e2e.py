@@ -14,7 +14,7 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.sampling import SamplingParams
+from core.sampling import SamplingParams
 from tests.cluster.launch import cluster
 
 PROMPT_LEN, OUT = 20, 40

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from engine.config import EngineConfig
-from engine.limits import check_prompt
+from core.limits import check_prompt
 from engine.llm_engine import LLMEngine
 from engine.loader import load_checkpoint
-from engine.sampling import SamplingParams
+from core.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")

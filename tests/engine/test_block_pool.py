@@ -6,9 +6,10 @@ import sys
 
 import pytest
 
-from engine.kv_cache import BlockPool, KVCacheManager, KVEventKind, hash_token_blocks, root_hash
+from engine.kv_cache import BlockPool, KVCacheManager, KVEventKind
+from core.kv import hash_token_blocks, root_hash
 from engine.request import Request
-from engine.sampling import SamplingParams
+from core.sampling import SamplingParams
 
 
 def test_refcounts_lru_and_leak_check() -> None:

@@ -11,8 +11,8 @@ from pathlib import Path
 import jinja2
 import pytest
 
-from engine.chat_template import _compile, render_chat_template
-from engine.tokenizer import Tokenizer
+from core.chat_template import _compile, render_chat_template
+from core.tokenizer import Tokenizer
 
 DEFAULT_MODEL = "/root/.cache/tandem/SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_PATH = Path(os.environ.get("TANDEM_MODEL", DEFAULT_MODEL))

@@ -12,7 +12,7 @@ import torch
 from engine.compile.decode import CompiledDecode, decode_buckets
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.sampling import SamplingParams
+from core.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
@@ -108,7 +108,7 @@ def test_compile_failure_falls_back_and_says_so(tiny_model_dir: Path, caplog) ->
 def test_constrained_rows_in_a_compiled_step(compiled: LLMEngine, tiny_model_dir: Path) -> None:
     """The grammar masks apply around a compiled decode step as around an eager one:
     the same tokens, and every output validates."""
-    from engine.guided.spec import GuidedSpec
+    from core.guided.spec import GuidedSpec
     from tests.guided_cases import SCHEMAS, assert_valid
 
     names = ["nested_object", "bounded_int_array", "any_of_objects"]

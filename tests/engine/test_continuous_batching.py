@@ -5,7 +5,7 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.sampling import SamplingParams
+from core.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -60,9 +60,9 @@ def test_seeded_sampling_independent_of_batch(engine: LLMEngine) -> None:
 def test_prefix_cache_computes_only_suffix(engine: LLMEngine) -> None:
     engine.kv.pool.reset_prefix_cache()
     bs = engine.config.block_size
-    prefix = engine.tokenizer.encode(" ".join(WORDS * 3))[: 3 * bs]
-    first = prefix + engine.tokenizer.encode(" and then it rained")
-    second = prefix + engine.tokenizer.encode(" but nobody noticed at all")
+    prefix = core.tokenizer.encode(" ".join(WORDS * 3))[: 3 * bs]
+    first = prefix + core.tokenizer.encode(" and then it rained")
+    second = prefix + core.tokenizer.encode(" but nobody noticed at all")
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     _run(engine, [first], params)
     before = engine.num_computed_tokens_total

@@ -14,7 +14,7 @@ from engine.llm_engine import LLMEngine
 from engine.aborts import AbortMemory
 from engine.request import (AbortedBeforeArrival, DuplicateRequestError, FinishReason,
                             RequestStatus)
-from engine.sampling import SamplingParams
+from core.sampling import SamplingParams
 from engine.worker_api import EngineDead, EngineWorker
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)

@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 
 from engine.config import EngineConfig
-from engine.guided.spec import GuidedSpec
+from core.guided.spec import GuidedSpec
 from engine.llm_engine import LLMEngine
 from engine.request import FinishReason
-from engine.sampling import SamplingParams
+from core.sampling import SamplingParams
 from tests.guided_cases import (CHOICES, MAX_TOKENS, REGEXES, SCHEMAS, assert_matches,
                                 assert_valid)
 

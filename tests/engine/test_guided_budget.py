@@ -1,4 +1,4 @@
-"""What checking a constraint may cost (engine/guided/budget.py): a build past its
+"""What checking a constraint may cost (core/guided/budget.py): a build past its
 time budget and a JSON text nested past its depth budget are ValueErrors naming the
 field and the budget; a search past its deadline gives up; and the stop-string check
 of a constrained output is linear in the output, counted in the tokens its matchers
@@ -10,12 +10,12 @@ import json
 import llguidance
 import pytest
 
-from engine.guided.budget import COMPILE_SECONDS, MAX_JSON_DEPTH, Deadline, json_depth
-from engine.guided.compiler import GrammarCompiler, check_schema, grammar_of
-from engine.guided.search import byte_tokenizer, fewest_tokens, shortest_output
-from engine.guided.spec import GuidedSpec
-from engine.sampling.stop import StopStringMatcher
-from engine.tokenizer import Tokenizer
+from core.guided.budget import COMPILE_SECONDS, MAX_JSON_DEPTH, Deadline, json_depth
+from core.guided.compiler import GrammarCompiler, check_schema, grammar_of
+from core.guided.search import byte_tokenizer, fewest_tokens, shortest_output
+from core.guided.spec import GuidedSpec
+from core.sampling.stop import StopStringMatcher
+from core.tokenizer import Tokenizer
 from tests.guided_cases import COSTLY_TO_COMPILE
 
 

@@ -7,11 +7,11 @@ import llguidance
 import pytest
 import torch
 
-from engine.guided.compiler import GrammarCompiler, grammar_of
+from core.guided.compiler import GrammarCompiler, grammar_of
 from engine.guided.masks import MaskBuilder, banned
-from engine.guided.spec import GuidedSpec
-from engine.sampling.stop import StopStringMatcher
-from engine.tokenizer import Tokenizer
+from core.guided.spec import GuidedSpec
+from core.sampling.stop import StopStringMatcher
+from core.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

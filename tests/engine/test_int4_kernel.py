@@ -100,7 +100,7 @@ def test_an_int4_engine_runs_ours_or_reports_the_fallback(tiny_model_dir, monkey
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
     from engine.quant.linear import QuantLinear
-    from engine.sampling import SamplingParams
+    from core.sampling import SamplingParams
 
     def start():
         eng = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="bfloat16",

@@ -11,7 +11,7 @@ import engine.attention.paged_decode as pd
 from engine.attention import build_metadata, get_backend
 from engine.attention.naive import NaiveBackend
 from engine.config import EngineConfig
-from engine.kv_cache import kv_block_bytes, kv_format_block_bytes
+from core.kv import kv_block_bytes, kv_format_block_bytes
 from engine.kv_cache.quant import decode, encode, rotation
 
 
@@ -196,7 +196,7 @@ def test_int8_prefix_cache_hit_gives_the_same_tokens(tiny_model_dir) -> None:
 
     eng = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64,
                                  kv_cache_dtype="int8", max_model_len=256))
-    from engine.sampling import SamplingParams
+    from core.sampling import SamplingParams
 
     prompt = [(i * 11) % 300 + 3 for i in range(50)]
     sp = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
@@ -214,7 +214,7 @@ may part without either being wrong."""
 
 def _greedy(eng, ids: list[int], n: int) -> tuple[list[int], list[float]]:
     """n greedy tokens and, at each, the margin between the model's top two logprobs."""
-    from engine.sampling import SamplingParams
+    from core.sampling import SamplingParams
 
     eng.add_request(ids, SamplingParams(max_tokens=n, temperature=0, logprobs=2,
                                         ignore_eos=True))

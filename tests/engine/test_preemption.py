@@ -7,7 +7,7 @@ import pytest
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.request import RequestStatus
-from engine.sampling import SamplingParams
+from core.sampling import SamplingParams
 
 PROMPT_LEN, OUT = 20, 40  # 60 tokens = 4 blocks of 16 each: 16 blocks hold 4 requests
 

@@ -17,7 +17,7 @@ from engine.llm_engine import LLMEngine
 from engine.quant.base import get_method, resolve_method
 from engine.quant.linear import QuantLinear
 from engine.quant.packed import UnpackableWeight
-from engine.sampling import SamplingParams
+from core.sampling import SamplingParams
 
 
 def _w(n: int, k: int, seed: int = 0) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.sampling import SamplingParams
+from core.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
 

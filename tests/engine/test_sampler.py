@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from engine.sampling import (Sampler, SamplingParams, SamplingState, TokenLogprobs,
-                             apply_penalties)
+from engine.sampling import Sampler, SamplingState, TokenLogprobs, apply_penalties
+from core.sampling import SamplingParams
 
 V = 32
 

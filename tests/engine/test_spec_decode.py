@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.kv_cache.block_hash import hash_token_blocks
+from core.kv.block_hash import hash_token_blocks
 from engine.llm_engine import LLMEngine
 from engine.request import Request, RequestStatus
-from engine.sampling import SamplingParams
+from core.sampling import SamplingParams
 from engine.spec import ngram as ngram_mod
 from engine.spec import speculator as sp_mod
 from engine.spec import verify as verify_mod

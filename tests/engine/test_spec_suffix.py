@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 
 from engine.request import Request, RequestStatus
-from engine.sampling import SamplingParams
+from core.sampling import SamplingParams
 from engine.spec import suffix as sx
 
 

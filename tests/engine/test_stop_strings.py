@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.sampling import StopStringMatcher
+from core.sampling import StopStringMatcher
 
 
 def _stream(m: StopStringMatcher, deltas: list[str]) -> tuple[list[str], bool]:

@@ -1,4 +1,4 @@
-"""Tenants keep their own prefix cache (engine/kv_cache/block_hash.py): a request's
+"""Tenants keep their own prefix cache (core/kv/block_hash.py): a request's
 cache salt seeds its block hashes, so the same prompt under another salt finds nothing
 cached, under the same salt finds its blocks, and an unsalted request hashes exactly as
 before salts existed. Tiny model, exact token counts, leak check."""
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from engine.config import EngineConfig
-from engine.kv_cache import MAX_SALT_BYTES, hash_token_blocks, root_hash
+from core.kv import MAX_SALT_BYTES, hash_token_blocks, root_hash
 from engine.llm_engine import LLMEngine
-from engine.sampling import SamplingParams
+from core.sampling import SamplingParams
 
 SALT_A, SALT_B = b"\xaa" * 32, b"\xbb" * 32
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from core.tokenizer import IncrementalDetokenizer, Tokenizer
 
 DEFAULT_MODEL = "/root/.cache/tandem/SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_PATH = Path(os.environ.get("TANDEM_MODEL", DEFAULT_MODEL))
@@ -228,12 +228,12 @@ def test_incremental_detokenizer_prompt_ending_mid_character(tok: Tokenizer) -> 
 
 
 def test_open_gguf_reads_what_gguf_reads(model_path) -> None:
-    """engine.gguf_file parses the file over a plain ndarray view of gguf's memmap (3.8 s
+    """core.gguf_file parses the file over a plain ndarray view of gguf's memmap (3.8 s
     -> 1 s for the embedded model's vocabulary): every field and tensor is the same."""
     import numpy as np
     from gguf import GGUFReader
 
-    from engine.gguf_file import open_gguf
+    from core.gguf_file import open_gguf
 
     ours, theirs = open_gguf(model_path), GGUFReader(model_path)
     assert list(ours.fields) == list(theirs.fields)

@@ -12,7 +12,7 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.sampling import SamplingParams
+from core.sampling import SamplingParams
 from tests.cluster.launch import cluster
 
 pytestmark = pytest.mark.slow
@@ -70,7 +70,7 @@ def test_decode_killed_mid_stream_keeps_the_grammar(model_path) -> None:
     """A constrained request whose decode worker dies mid-stream: the replacement is
     re-prefilled with the tokens already streamed, both workers replay them through
     the grammar, and the client gets the uninterrupted (seeded) output, which validates."""
-    from engine.guided.spec import GuidedSpec
+    from core.guided.spec import GuidedSpec
 
     sp = dict(max_tokens=150, temperature=0.8, seed=99)
     eng = LLMEngine(EngineConfig(model=str(model_path), dtype="float32", max_model_len=1024,

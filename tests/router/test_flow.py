@@ -10,9 +10,9 @@ import time
 import grpc
 import pytest
 
-from engine.sampling import SamplingParams
+from core.sampling import SamplingParams
 from proto import common_pb2, decode_pb2, kv_link_pb2, prefill_pb2
-from engine.kv_cache import hash_token_blocks
+from core.kv import hash_token_blocks
 from router.config import RouterConfig
 from router.flow import RequestFlow, Trace
 from router.outcomes import WorkerError

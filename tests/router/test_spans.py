@@ -12,7 +12,7 @@ import httpx
 import pytest
 from opentelemetry.trace import SpanKind, StatusCode
 
-from engine.tokenizer import Tokenizer
+from core.tokenizer import Tokenizer
 from router.admission import Admission
 from router.app import create_app
 from router.config import RouterConfig

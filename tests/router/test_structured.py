@@ -10,7 +10,7 @@ import httpx
 import jsonschema
 import pytest
 
-from engine.limits import MAX_GUIDED_CHARS, MAX_TOOLS
+from core.limits import MAX_GUIDED_CHARS, MAX_TOOLS
 from router.http.errors import APIError
 from router.openai_api import ChatCompletionRequest
 from router.structured import constraint_of

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from engine.guided.compiler import GrammarCompiler
-from engine.tokenizer import Tokenizer
+from core.guided.compiler import GrammarCompiler
+from core.tokenizer import Tokenizer
 from router.tools import TOOL_OPEN, ToolCallText, ToolPlan, parse_calls, template_messages
 
 WEATHER = {"name": "get_weather", "description": "Weather in a city", "parameters": {
@@ -50,7 +50,7 @@ def test_named_and_auto_grammars(compiler) -> None:
     assert compiler.accepts(auto, "Sunny, 20 degrees.")
     assert compiler.accepts(auto, _text(_call("get_weather", {"city": "Rome"})))
     assert not compiler.accepts(auto, "<b>bold</b>")  # text may not look like a call
-    from engine.guided.spec import GuidedSpec
+    from core.guided.spec import GuidedSpec
     json_auto = ToolPlan("auto", (WEATHER,)).spec(GuidedSpec.json_schema({"type": "object"}))
     assert compiler.accepts(json_auto, '{"a": 1}')
     assert not compiler.accepts(json_auto, "plain text")

@@ -7,7 +7,7 @@ import logging
 
 from auth.grpc_auth import ServerAuth
 from auth.targets import server_names
-from engine.kv_cache import BlockHash
+from core.kv import BlockHash
 from proto import common_pb2, decode_pb2, decode_pb2_grpc
 from router.discovery.base import WorkerEndpoint
 from router.workers import WorkerPool

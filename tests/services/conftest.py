@@ -126,7 +126,7 @@ async def refused_handoff(pstub, dstub, rid: str, prompt: list[int]) -> str:
 def reference(tiny_model_dir):
     """Colocated greedy reference on the same tiny model."""
     from engine.llm_engine import LLMEngine
-    from engine.sampling import SamplingParams
+    from core.sampling import SamplingParams
 
     eng = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64,
                                  max_model_len=256))

@@ -12,10 +12,10 @@ import grpc
 import pytest
 
 from engine.config import EngineConfig
-from engine.guided.spec import GuidedSpec
+from core.guided.spec import GuidedSpec
 from engine.llm_engine import LLMEngine
-from engine.tokenizer import Tokenizer
-from engine.wire import sampling_from_proto
+from core.tokenizer import Tokenizer
+from proto.convert import sampling_from_proto
 from proto import common_pb2, decode_pb2, prefill_pb2
 from tests.guided_cases import CHOICES, REGEXES, SCHEMAS, assert_matches, assert_valid
 from tests.services.conftest import generate, leak_check, services

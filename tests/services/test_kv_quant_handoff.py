@@ -26,7 +26,7 @@ def _sample(exposition: str, name: str) -> list[tuple[str, float]]:
 
 def _colocated(model_dir, prompt: list[int], max_tokens: int) -> list[int]:
     from engine.llm_engine import LLMEngine
-    from engine.sampling import SamplingParams
+    from core.sampling import SamplingParams
 
     eng = LLMEngine(EngineConfig(model=str(model_dir), num_kv_blocks=64, max_model_len=256,
                                  **INT8))

@@ -221,7 +221,7 @@ def test_synthetic_lengths_and_prefix_groups():
 
 
 def test_synthetic_prompt_len_is_the_real_token_count(model_path):
-    from engine.tokenizer import Tokenizer
+    from core.tokenizer import Tokenizer
 
     tok = Tokenizer.load(model_path)
     reqs = datasets.synthetic(10, LengthDist.parse("uniform:50:300"), LengthDist.parse("1"),

@@ -1,14 +1,14 @@
 """What one request's output must match: a kind and its text, as the OpenAI edge
 (response_format, tools, vLLM's guided_*) or a worker's caller gives it. Torch-free
 and llguidance-free: SamplingParams carries it, the proto carries it, and every side
-builds the same grammar from it (engine/guided/compiler.py)."""
+builds the same grammar from it (core/guided/compiler.py)."""
 from __future__ import annotations
 
 import hashlib
 import json
 from dataclasses import dataclass
 
-from engine.limits import MAX_GUIDED_CHARS
+from core.limits import MAX_GUIDED_CHARS
 
 KINDS = ("json_schema", "regex", "choice", "grammar", "llguidance")
 """json_schema: a JSON Schema as JSON text; regex: a Rust-regex the whole output must

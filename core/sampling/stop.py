@@ -12,7 +12,7 @@ from typing import Protocol
 
 class Acceptor(Protocol):
     """For a constrained request: whether the output up to a stop string is complete
-    (engine/guided/acceptor.py). Told the output as it is confirmed, so each question
+    (core/guided/acceptor.py). Told the output as it is confirmed, so each question
     costs only the text after it: the check stays O(new text) per step."""
 
     def confirm(self, text: str) -> None:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from engine.sampling.stop import Acceptor, StopStringMatcher
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from core.sampling.stop import Acceptor, StopStringMatcher
+from core.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 class TextAssembler:

@@ -16,7 +16,7 @@ Free text it must stay in is spelled with spaces, so the token count leans low
 when not even that fits). That pruning makes
 the result an estimate from above of the shortest output in bytes, exact for the
 schemas, regexes and choices we test. A search that runs past its budgets
-(engine/guided/budget.py: ``SEARCH_NODES`` nodes, ``SEARCH_SECONDS`` of time, outputs
+(core/guided/budget.py: ``SEARCH_NODES`` nodes, ``SEARCH_SECONDS`` of time, outputs
 of ``SEARCH_MAX_BYTES``) gives up (no check), so a grammar is never refused for
 being hard to search; each node's masks are bounded by llguidance's per-step fuel,
 so the deadline is checked often. Torch-free.
@@ -28,7 +28,7 @@ import itertools
 
 import llguidance
 
-from engine.guided.budget import SEARCH_MAX_BYTES, SEARCH_NODES, Deadline
+from core.guided.budget import SEARCH_MAX_BYTES, SEARCH_NODES, Deadline
 
 BRANCH = 6
 FREE_TEXT = 32

@@ -6,7 +6,7 @@ A constraint is short to send and may be costly to build: an ``allOf`` of a few
 ``anyOf``s of string patterns (1.3 KB) takes llguidance about 30 s to compile on our
 machines, and no ``LLParserLimits`` field bounds that time (the size checks come
 after the work). So compiling is first tried in a child process that is killed at
-``COMPILE_SECONDS`` (engine/guided/probe.py); the search (Python, engine/guided/
+``COMPILE_SECONDS`` (core/guided/probe.py); the search (Python, engine/guided/
 search.py) watches a deadline itself. Threads cannot be killed: whatever runs in
 one must stop by itself within its budget.
 

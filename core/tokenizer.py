@@ -18,7 +18,7 @@ from typing import Any
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 
-from engine.chat_template import render_chat_template
+from core.chat_template import render_chat_template
 
 __all__ = ["IncrementalDetokenizer", "Tokenizer"]
 
@@ -59,7 +59,7 @@ def _gguf_fields(source: Any) -> dict[str, Any]:
     """The tokenizer.* metadata of a GGUF as plain Python values."""
     import gguf
 
-    from engine.gguf_file import open_gguf
+    from core.gguf_file import open_gguf
 
     reader = source if isinstance(source, gguf.GGUFReader) else open_gguf(source)
     return {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}

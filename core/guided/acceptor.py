@@ -1,6 +1,6 @@
 """Whether a constrained output is complete where a stop string occurs (a stop
 string inside the structure, in a JSON string say, is just text): the stop-string
-matcher's ``Acceptor`` (engine/sampling/stop.py) over a grammar.
+matcher's ``Acceptor`` (core/sampling/stop.py) over a grammar.
 
 One matcher is advanced over the output once, as it is confirmed; a candidate
 occurrence consumes only the text after it and is rolled back, so a step costs

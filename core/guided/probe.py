@@ -1,8 +1,8 @@
 """Grammars are built first in a child process that is killed when it runs past its
-time budget (engine/guided/budget.py: llguidance's build can take tens of seconds on a
+time budget (core/guided/budget.py: llguidance's build can take tens of seconds on a
 short schema, in one Rust call nothing can interrupt).
 
-The child (``python -m engine.guided.probe``) imports only llguidance, reads one JSON
+The child (``python -m core.guided.probe``) imports only llguidance, reads one JSON
 request per line (the grammar, the parser limits, a CPU budget) and answers one line
 (llguidance's validation error, "" when it builds). The parent keeps a few children
 warm (a start is not counted in the budget), one per concurrent check; one that runs
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import llguidance
 
-from engine.guided.budget import PARSER_LIMITS
+from core.guided.budget import PARSER_LIMITS
 
 PROBE_PROCESSES = 2
 """Children at most (one check each at a time): the workers build constraints on two
@@ -44,7 +44,7 @@ class _Child:
         root = str(Path(__file__).resolve().parents[2])  # the child imports this same code
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
-        self.proc = subprocess.Popen([sys.executable, "-m", "engine.guided.probe"],
+        self.proc = subprocess.Popen([sys.executable, "-m", "core.guided.probe"],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, env=env)
         if self._read(START_SECONDS) != {"ready": True}:

@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 
 import llguidance
 
-from engine.guided.acceptor import GrammarAcceptor
-from engine.guided.budget import (COMPILE_SECONDS, SEARCH_SECONDS, TOO_DEEP, Deadline,
-                                  check_depth, parser_limits)
-from engine.guided.probe import probe
-from engine.guided.search import byte_tokenizer, fewest_tokens, shortest_output
-from engine.guided.spec import GuidedSpec
-from engine.tokenizer import Tokenizer
+from core.guided.acceptor import GrammarAcceptor
+from core.guided.budget import (COMPILE_SECONDS, SEARCH_SECONDS, TOO_DEEP, Deadline, check_depth,
+                                parser_limits)
+from core.guided.probe import probe
+from core.guided.search import byte_tokenizer, fewest_tokens, shortest_output
+from core.guided.spec import GuidedSpec
+from core.tokenizer import Tokenizer
 
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 """How generated JSON is laid out: one space after ',' and ':', no other whitespace
@@ -187,7 +187,7 @@ class GrammarCompiler:
     def min_tokens(self, spec: GuidedSpec) -> int | None:
         """Tokens in the shortest complete output (EOS counted when the grammar needs
         one to end; at least that many when counting them ran out of time), or None
-        when the search gave up (engine/guided/search.py)."""
+        when the search gave up (core/guided/search.py)."""
         compiled = self._compiled(spec)
         if not compiled.searched:
             compiled.min_tokens = self._search(compiled.grammar)
@@ -209,7 +209,7 @@ class GrammarCompiler:
     def check(self, spec: GuidedSpec, max_tokens: int, field: str = "guided",
               schemas: Sequence[tuple[str, object]] = ()) -> None:
         """The whole check of one request's constraint, within the budgets of
-        engine/guided/budget.py: each of ``schemas`` ((its field, a JSON Schema), e.g. a
+        core/guided/budget.py: each of ``schemas`` ((its field, a JSON Schema), e.g. a
         tool's parameters) is a valid schema, the grammar compiles, and a complete
         output fits in max_tokens. ValueError naming the field (or max_tokens). Up to
         about COMPILE_SECONDS + SEARCH_SECONDS of CPU: call it off any event loop."""

@@ -9,9 +9,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from engine.guided.spec import GuidedSpec
-from engine.limits import (GREEDY_TEMPERATURE, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
-                           MAX_STOP_TOKEN_IDS, MAX_TOP_K)
+from core.guided.spec import GuidedSpec
+from core.limits import (GREEDY_TEMPERATURE, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
+                         MAX_STOP_TOKEN_IDS, MAX_TOP_K)
 
 MAX_LOGPROBS = 20
 """Most top alternatives a request may ask for (OpenAI's limit)."""

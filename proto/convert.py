@@ -1,13 +1,13 @@
-"""Proto <-> engine value conversions: sampling parameters, logprobs, KV events.
+"""Proto <-> core value conversions: sampling parameters and logprobs.
 
-Torch-free and model-free, so both sides of a link import them: the router (which
-fills the requests) and the workers (which read them). Load reports are the
-workers' own (worker/base.py)."""
+Hand-written beside the generated code: the values are core's (torch-free), so both
+sides of a link use one conversion, the router (which fills the requests) and the
+workers (which read them). KV events and load reports are the workers' own
+(worker/events.py, worker/base.py); the engine itself knows no proto."""
 from __future__ import annotations
 
-from engine.guided.spec import GuidedSpec
-from engine.kv_cache import KVEvent, KVEventKind
-from engine.sampling import SamplingParams
+from core.guided.spec import GuidedSpec
+from core.sampling import SamplingParams
 from proto import common_pb2 as common
 
 
@@ -40,11 +40,6 @@ def sampling_to_proto(p: SamplingParams) -> common.SamplingParams:
     if not p.speculate:
         m.speculate = False
     return m
-
-
-def events_to_proto(events: list[KVEvent]) -> list[common.KVEvent]:
-    kinds = {KVEventKind.STORED: common.KVEvent.STORED, KVEventKind.REMOVED: common.KVEvent.REMOVED}
-    return [common.KVEvent(kind=kinds[e.kind], block_hash=e.block_hash) for e in events]
 
 
 def top_to_proto(top: list[tuple[int, float]]) -> common.TopLogprobs:
