@@ -25,6 +25,14 @@ def _import_graph(root: Path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=60)
 
 
+def _run_python(code: str) -> str:
+    """What a fresh interpreter in the checkout prints for code (stripped)."""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip()
+
+
 def _tree(root: Path, files: dict[str, str]) -> Path:
     for pkg in ("core", "engine", "proto", "router", "tracing", "auth"):
         (root / pkg).mkdir(parents=True, exist_ok=True)
@@ -72,10 +80,7 @@ def test_core_loads_no_torch_numpy_or_proto() -> None:
              "'worker', 'kvtransfer', 'tracing', 'auth'})\n"
              "import core.gguf_file\n"
              "print(bad, 'torch' in sys.modules)")
-    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT,
-                       timeout=60)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == "[] False", f"core imported: {r.stdout.strip()}"
+    assert _run_python(probe) == "[] False", "core imported those"
 
 
 def test_the_router_loads_no_torch_and_no_model_code() -> None:
@@ -83,10 +88,7 @@ def test_the_router_loads_no_torch_and_no_model_code() -> None:
              "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'engine', "
              "'worker', 'kvtransfer', 'prefill_svc', 'decode_svc'))\n"
              "print(bad)")
-    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT,
-                       timeout=60)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == "[]", f"the router imported: {r.stdout.strip()}"
+    assert _run_python(probe) == "[]", "the router imported those"
 
 
 def test_no_function_outside_bench_is_longer_than_60_lines() -> None:
