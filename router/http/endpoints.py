@@ -13,7 +13,7 @@ import time
 import uuid
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable, Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -85,17 +85,16 @@ class Endpoints:
 
     # -- completions ------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        try:
-            intake = await Reader(self.state).completion(request)
-        except APIError as e:
-            return e.response(_echo(request, rid))
-        return await self._serve(request, intake, rid)
+        return await self._read_and_serve(request, "cmpl", Reader.completion)
 
     async def chat(self, request: Request) -> Response:
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        return await self._read_and_serve(request, "chatcmpl", Reader.chat)
+
+    async def _read_and_serve(self, request: Request, id_prefix: str,
+                              read: Callable[[Reader, Request], Awaitable[Intake]]) -> Response:
+        rid = f"{id_prefix}-{uuid.uuid4().hex}"
         try:
-            intake = await Reader(self.state).chat(request)
+            intake = await read(Reader(self.state), request)
         except APIError as e:
             return e.response(_echo(request, rid))
         return await self._serve(request, intake, rid)
