@@ -6,42 +6,30 @@ handoff without sockets. Reads complete synchronously inside ``start_read``.
 """
 from __future__ import annotations
 
-import threading
 import uuid
 import weakref
 
 import torch
 
-from kvtransfer.base import (Backend, CompatRecord, KVReader, KVSource, KVTransferError, LeaseCheck,
-                             LeaseError, PeerId, ReadHandle, ReadPlan, SourceInfo,
-                             TransferState, block_view)
+from kvtransfer.base import (Backend, CompatRecord, KVReader, KVTransferError, LeaseError, PeerId,
+                             ReadHandle, ReadPlan, SourceInfo, TransferState, block_view)
+from kvtransfer.copy_source import CopySource
 from kvtransfer.in_flight import InFlightReads
 
 _LIVE: weakref.WeakValueDictionary[str, LocalSource] = weakref.WeakValueDictionary()
 """Serving sources of this process by name; what ``connect`` resolves."""
 
 
-class LocalSource(KVSource):
+class LocalSource(CopySource):
     name = "local"
 
     def __init__(self, advertise_host: str | None = None) -> None:
         """advertise_host: unused (readers find an in-process source by name)."""
-        self._lock = threading.Lock()
+        super().__init__()
         self._agent_name = f"local-src-{uuid.uuid4().hex[:12]}"
-        self._blocks: torch.Tensor | None = None
-        self._compat: CompatRecord | None = None
-        self._lease_check: LeaseCheck | None = None
-
-    def register(self, kv: torch.Tensor, compat: CompatRecord, lease_check: LeaseCheck) -> None:
-        compat.check_tensor(kv)
-        with self._lock:
-            if self._blocks is not None:
-                raise RuntimeError("LocalSource.register called twice")
-            self._blocks, self._compat, self._lease_check = block_view(kv), compat, lease_check
 
     def serve(self, host: str = "127.0.0.1", port: int = 0) -> None:
-        if self._blocks is None:
-            raise RuntimeError("LocalSource.serve before register")
+        self._require_registered("serve")
         _LIVE[self._agent_name] = self
 
     def handshake_info(self, worker_id: str) -> SourceInfo:

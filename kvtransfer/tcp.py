@@ -27,9 +27,10 @@ from typing import TypeVar
 import torch
 from google.protobuf.message import DecodeError, Message
 
-from kvtransfer.base import (Backend, CompatRecord, KVReader, KVSource, KVTransferError,
-                             LeaseCheck, LeaseError, PeerId, ReadHandle, ReadPlan, SourceInfo,
-                             TransferState, block_view, contiguous_runs)
+from kvtransfer.base import (Backend, CompatRecord, KVReader, KVTransferError, LeaseError, PeerId,
+                             ReadHandle, ReadPlan, SourceInfo, TransferState, block_view,
+                             contiguous_runs)
+from kvtransfer.copy_source import CopySource
 from kvtransfer.in_flight import InFlightReads
 from proto import kv_link_pb2 as pb
 
@@ -89,7 +90,7 @@ def _flat(blocks: torch.Tensor) -> memoryview:
     return memoryview(blocks.numpy().reshape(-1))
 
 
-class TcpSource(KVSource):
+class TcpSource(CopySource):
     """Threads: one accept thread plus one daemon thread per open connection, at most
     ``max_connections`` of them; a connection beyond that is refused at once
     (READ_INTERNAL, "busy"), so the reader recomputes instead of the source running
@@ -103,28 +104,18 @@ class TcpSource(KVSource):
         """``advertise_host``: the address readers should dial when ``serve``
         binds a wildcard (0.0.0.0 in a pod: pass the pod IP); default: the
         bound host."""
+        super().__init__()
         self._slots = threading.BoundedSemaphore(max_connections)
         self._max_connections = max_connections
         self._io_timeout_s = io_timeout_s
         self._advertise_host = advertise_host
-        self._lock = threading.Lock()
-        self._blocks: torch.Tensor | None = None
-        self._compat: CompatRecord | None = None
-        self._lease_check: LeaseCheck | None = None
         self._listener: socket.socket | None = None
         self._accept_thread: threading.Thread | None = None
         self._conns: set[socket.socket] = set()
         self._closed = False
 
-    def register(self, kv: torch.Tensor, compat: CompatRecord, lease_check: LeaseCheck) -> None:
-        compat.check_tensor(kv)
-        if self._blocks is not None:
-            raise RuntimeError("TcpSource.register called twice")
-        self._blocks, self._compat, self._lease_check = block_view(kv), compat, lease_check
-
     def serve(self, host: str = "127.0.0.1", port: int = 0) -> None:
-        if self._blocks is None:
-            raise RuntimeError("TcpSource.serve before register")
+        self._require_registered("serve")
         self._listener = socket.create_server((host, port), backlog=128)
         self._accept_thread = threading.Thread(target=self._accept_loop, name="kv-tcp-accept",
                                                daemon=True)
