@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 from tandem.bench import datasets, load, profile, report, stats  # noqa: E402
 from tandem.bench.client import Endpoint  # noqa: E402
 from tandem.bench.datasets import LengthDist  # noqa: E402
-from tandem.bench.servers import Noise, load_note, tandem_up  # noqa: E402
+from tandem.bench.script import BenchRun, add_py_spy_flag  # noqa: E402
+from tandem.bench.servers import tandem_up  # noqa: E402
 from tandem.fetch_model import default_model_path  # noqa: E402
 
 
@@ -73,13 +73,9 @@ def main() -> None:
     ap.add_argument("--slo-ttft", type=float, default=3000.0, help="ms (default: 3000)")
     ap.add_argument("--slo-tpot", type=float, default=150.0, help="ms (default: 150)")
     ap.add_argument("--plot", default=None, help="PNG: latency CDFs of the short requests")
-    ap.add_argument("--py-spy", type=float, default=0, metavar="SECONDS",
-                    help="sample the decode worker with py-spy for the first SECONDS of each "
-                         "run and print a summary (default: off)")
+    add_py_spy_flag(ap, "the decode worker", "run")
     args = ap.parse_args()
-    t_start = time.perf_counter()
-    noise = Noise().start()
-    print(f"disagg_vs_colocated: {load_note()} at start", flush=True)
+    bench = BenchRun("disagg_vs_colocated")
     reqs, arrivals = mixed_workload(args)
     warm = datasets.synthetic(3, LengthDist.parse("64"), LengthDist.parse("8"), seed=9) + \
         datasets.synthetic(1, LengthDist.parse("1500"), LengthDist.parse("4"), seed=10)
@@ -119,8 +115,7 @@ def main() -> None:
         report.plot_cdfs(args.plot, [(f"{m} short", [r for r in res.results if r.request.tag ==
                                                      "short"]) for m, res in runs.items()],
                          "short requests under long-prompt arrivals")
-    print(f"\ntotal {time.perf_counter() - t_start:.0f}s; {load_note()} at end")
-    print(noise.report())
+    bench.end()
 
 
 if __name__ == "__main__":

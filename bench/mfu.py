@@ -29,7 +29,7 @@ from engine.quant.linear import QuantLinear  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 from tandem.bench.datasets import LengthDist, synthetic  # noqa: E402
 from tandem.bench.report import target_line  # noqa: E402
-from tandem.bench.servers import Noise, load_note  # noqa: E402
+from tandem.bench.script import BenchRun  # noqa: E402
 from tandem.fetch_model import default_model_path  # noqa: E402
 
 
@@ -137,9 +137,7 @@ def main() -> None:
                     help="also print torch.profiler op tables of decode steps at batch 1 and "
                          "--batch (after the measurement)")
     args = ap.parse_args()
-    t_start = time.perf_counter()
-    noise = Noise().start()
-    print(f"mfu: {load_note()} at start", flush=True)
+    bench = BenchRun("mfu")
     torch.set_num_threads(args.threads)
 
     t_load = time.perf_counter()
@@ -189,8 +187,7 @@ def main() -> None:
                              unit="%"))
     for table in profiles:
         print("\ntorch.profiler, " + table)
-    print(f"\ntotal {time.perf_counter() - t_start:.0f}s; {load_note()} at end")
-    print(noise.report())
+    bench.end()
 
 
 if __name__ == "__main__":

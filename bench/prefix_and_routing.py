@@ -20,7 +20,6 @@ bench/prefix_hit_rate.py measures, on 2 prefill + 2 decode workers.
 from __future__ import annotations
 
 import argparse
-import random
 import re
 import sys
 import time
@@ -29,10 +28,10 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-from tandem.bench import datasets, load, report, stats  # noqa: E402
+from tandem.bench import load, report, stats  # noqa: E402
 from tandem.bench.client import Endpoint  # noqa: E402
-from tandem.bench.datasets import LengthDist  # noqa: E402
-from tandem.bench.servers import Noise, load_note, tandem_up  # noqa: E402
+from tandem.bench.script import BenchRun, shared_prefix_requests, warmup_requests  # noqa: E402
+from tandem.bench.servers import tandem_up  # noqa: E402
 from tandem.fetch_model import default_model_path  # noqa: E402
 
 
@@ -86,16 +85,8 @@ def main() -> None:
                     help="KV pool per decode worker in part 2 (16-token blocks; default 640)")
     ap.add_argument("--plot", default=None, help="PNG: TTFT/TPOT/ITL/E2E CDFs of the four runs")
     args = ap.parse_args()
-    t_start = time.perf_counter()
-    noise = Noise().start()
-    print(f"prefix_and_routing: {load_note()} at start", flush=True)
-    reqs = datasets.synthetic(args.num_prompts, LengthDist.parse(args.suffix_len),
-                              LengthDist.parse(args.output_len), seed=0,
-                              prefix_groups=args.groups, prefix_len=args.prefix_len)
-    # Groups arrive in random order: in group order with an even number of groups,
-    # round_robin would pin each group to one worker by accident.
-    random.Random(1).shuffle(reqs)
-    warm = datasets.synthetic(2, LengthDist.parse("64"), LengthDist.parse("4"), seed=99)
+    bench = BenchRun("prefix_and_routing")
+    reqs, warm = shared_prefix_requests(args), warmup_requests()
     two = ["--mode", "disagg", "--prefill", "0", "--decode", "2",
            "--local-prefill-threshold", "100000", "--kv-blocks", str(args.kv_blocks)]
     configs = {
@@ -127,8 +118,7 @@ def main() -> None:
     if args.plot:
         report.plot_cdfs(args.plot, [(label, rs) for label, (_, _, rs) in out.items()],
                          "shared-prefix workload")
-    print(f"\ntotal {time.perf_counter() - t_start:.0f}s; {load_note()} at end")
-    print(noise.report())
+    bench.end()
 
 
 if __name__ == "__main__":

@@ -19,17 +19,16 @@ hits (at least half the prompt cached) against misses (target: hits <= 0.2x miss
 from __future__ import annotations
 
 import argparse
-import random
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 from core.tokenizer import Tokenizer  # noqa: E402
-from tandem.bench import datasets, load, report, stats  # noqa: E402
+from tandem.bench import load, report, stats  # noqa: E402
 from tandem.bench.client import Endpoint, RequestResult  # noqa: E402
-from tandem.bench.datasets import BenchRequest, LengthDist  # noqa: E402
-from tandem.bench.servers import Noise, load_note, tandem_up  # noqa: E402
+from tandem.bench.datasets import BenchRequest  # noqa: E402
+from tandem.bench.script import BenchRun, shared_prefix_requests, warmup_requests  # noqa: E402
+from tandem.bench.servers import tandem_up  # noqa: E402
 from tandem.fetch_model import default_model_path  # noqa: E402
 
 BLOCK = 16
@@ -83,14 +82,8 @@ def main() -> None:
                          "two system prompts of 1024 tokens)")
     ap.add_argument("--plot", default=None, help="PNG: TTFT CDFs of hits and misses per policy")
     args = ap.parse_args()
-    t_start = time.perf_counter()
-    noise = Noise().start()
-    print(f"prefix_hit_rate: {load_note()} at start", flush=True)
-    reqs = datasets.synthetic(args.num_prompts, LengthDist.parse(args.suffix_len),
-                              LengthDist.parse(args.output_len), seed=0,
-                              prefix_groups=args.groups, prefix_len=args.prefix_len)
-    random.Random(1).shuffle(reqs)
-    warm = datasets.synthetic(2, LengthDist.parse("64"), LengthDist.parse("4"), seed=99)
+    bench = BenchRun("prefix_hit_rate")
+    reqs, warm = shared_prefix_requests(args), warmup_requests()
     ideal = dict(zip(map(id, reqs), ideal_cached(reqs, Tokenizer.from_gguf(args.model))))
     ideal_total = sum(ideal.values())
 
@@ -131,8 +124,7 @@ def main() -> None:
                                         "<=", 0.2))
     if args.plot:
         report.plot_cdfs(args.plot, cdfs, "2P+2D shared system prompts")
-    print(f"\ntotal {time.perf_counter() - t_start:.0f}s; {load_note()} at end")
-    print(noise.report())
+    bench.end()
 
 
 if __name__ == "__main__":

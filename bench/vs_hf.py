@@ -16,7 +16,6 @@ import argparse
 import copy
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
@@ -24,7 +23,8 @@ from engine.config import dtype_name, resolve_dtype  # noqa: E402
 from tandem.bench import datasets, load, report, stats  # noqa: E402
 from tandem.bench.client import Endpoint  # noqa: E402
 from tandem.bench.hf_baseline import generate_timed, load_hf  # noqa: E402
-from tandem.bench.servers import Noise, load_note, tandem_up  # noqa: E402
+from tandem.bench.script import BenchRun, add_closed_loop_flags, closed_loop_requests  # noqa: E402
+from tandem.bench.servers import tandem_up  # noqa: E402
 from tandem.fetch_model import default_model_path  # noqa: E402
 
 
@@ -51,19 +51,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=str(default_model_path()))
     ap.add_argument("--dtype", default="auto", help="Tandem's dtype (HF runs fp32 and this)")
-    ap.add_argument("--prompt-len", type=int, default=32)
-    ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("--concurrency", type=int, default=32)
-    ap.add_argument("--num-prompts", type=int, default=96, help="requests of the c32 run")
-    ap.add_argument("--batch1-prompts", type=int, default=4,
-                    help="prompts run one at a time (Tandem c1 and each HF dtype)")
+    add_closed_loop_flags(ap, prompt_len=32, num_prompts=96)  # batch 1: Tandem c1 and each HF dtype
     ap.add_argument("--plot", default=None, help="PNG of the Tandem latency CDFs")
     args = ap.parse_args()
-    t_start = time.perf_counter()
-    noise = Noise().start()
-    print(f"vs_hf: {load_note()} at start", flush=True)
-    reqs = datasets.synthetic(args.num_prompts, datasets.LengthDist.parse(args.prompt_len),
-                              datasets.LengthDist.parse(args.output_len), seed=0)
+    bench = BenchRun("vs_hf")
+    reqs = closed_loop_requests(args)
     conc, b1, timelines = run_tandem(args, reqs)
 
     from core.tokenizer import Tokenizer
@@ -99,8 +91,7 @@ def main() -> None:
     print("  " + report.target_line("batch-1 TPOT ratio Tandem / HF", tpot, "<=", 1.0))
     if args.plot:
         report.plot_cdfs(args.plot, timelines, "Tandem colocated: c32 vs c1")
-    print(f"\ntotal {time.perf_counter() - t_start:.0f}s; {load_note()} at end")
-    print(noise.report())
+    bench.end()
 
 
 if __name__ == "__main__":

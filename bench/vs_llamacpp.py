@@ -19,13 +19,14 @@ import argparse
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-from tandem.bench import datasets, load, profile, report, stats  # noqa: E402
+from tandem.bench import load, profile, report, stats  # noqa: E402
 from tandem.bench.client import Endpoint  # noqa: E402
-from tandem.bench.servers import Noise, free_port, load_note, serve, tandem_up  # noqa: E402
+from tandem.bench.script import (BenchRun, add_closed_loop_flags, add_py_spy_flag,  # noqa: E402
+                                  closed_loop_requests)
+from tandem.bench.servers import free_port, serve, tandem_up  # noqa: E402
 from tandem.fetch_model import default_model_path  # noqa: E402
 
 
@@ -80,26 +81,17 @@ def _phase(ep: Endpoint, reqs, concurrency: int, label: str, args, pid: int | No
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=str(default_model_path()))
-    ap.add_argument("--prompt-len", type=int, default=32)
-    ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("--concurrency", type=int, default=32)
-    ap.add_argument("--num-prompts", type=int, default=64)
-    ap.add_argument("--batch1-prompts", type=int, default=4)
+    add_closed_loop_flags(ap, prompt_len=32, num_prompts=64)
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp threads (default: 2)")
     ap.add_argument("--plot", default=None, help="PNG of the latency CDFs of both servers")
-    ap.add_argument("--py-spy", type=float, default=0, metavar="SECONDS",
-                    help="sample Tandem's engine worker with py-spy for the first SECONDS of "
-                         "each phase and print a summary (default: off)")
+    add_py_spy_flag(ap, "Tandem's engine worker", "phase")
     args = ap.parse_args()
     why = llamacpp_available()
     if why:
         print(f"SKIP vs_llamacpp: {why}. Build it as this script's docstring says.")
         return 0
-    t_start = time.perf_counter()
-    noise = Noise().start()
-    print(f"vs_llamacpp: {load_note()} at start", flush=True)
-    reqs = datasets.synthetic(args.num_prompts, datasets.LengthDist.parse(args.prompt_len),
-                              datasets.LengthDist.parse(args.output_len), seed=0)
+    bench = BenchRun("vs_llamacpp")
+    reqs = closed_loop_requests(args)
     name = Path(args.model).name.removesuffix(".gguf")
 
     port = free_port()
@@ -136,8 +128,7 @@ def main() -> int:
     print("  " + report.target_line("batch-1 TPOT ratio tandem/llama.cpp", tpot, "<=", 1.5))
     if args.plot:
         report.plot_cdfs(args.plot, td_t + lc_t, "Tandem vs llama.cpp server")
-    print(f"\ntotal {time.perf_counter() - t_start:.0f}s; {load_note()} at end")
-    print(noise.report())
+    bench.end()
     return 0
 
 

@@ -27,14 +27,15 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 from bench.vs_llamacpp import eos_bias, llamacpp_available, measure  # noqa: E402
-from tandem.bench import datasets, report  # noqa: E402
+from tandem.bench import report  # noqa: E402
 from tandem.bench.client import Endpoint  # noqa: E402
-from tandem.bench.servers import Noise, free_port, load_note, serve, tandem_up  # noqa: E402
+from tandem.bench.script import (BenchRun, add_closed_loop_flags, add_py_spy_flag,  # noqa: E402
+                                  closed_loop_requests)
+from tandem.bench.servers import free_port, serve, tandem_up  # noqa: E402
 from tandem.fetch_model import default_model_path  # noqa: E402
 
 HF_DIR = Path.home() / ".cache" / "tandem" / "hf-SmolLM2-135M-bf16"
@@ -98,11 +99,7 @@ def run_llamacpp(python: Path, model: str, name: str, reqs, args):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=str(default_model_path()))
-    ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("--concurrency", type=int, default=32)
-    ap.add_argument("--num-prompts", type=int, default=64)
-    ap.add_argument("--batch1-prompts", type=int, default=4)
+    add_closed_loop_flags(ap, prompt_len=128, num_prompts=64)
     ap.add_argument("--threads", type=int, default=2, help="threads of each peer (default: 2)")
     ap.add_argument("--vllm-python", type=Path, default=Path("/work/venvs/vllm/bin/python"))
     ap.add_argument("--llamacpp-python", type=Path, default=Path("/work/venvs/llamacpp/bin/python"))
@@ -110,14 +107,10 @@ def main() -> int:
     ap.add_argument("--tandem-arg", action="append", default=[], metavar="ARG",
                     help="extra argument for Tandem's engine, e.g. --tandem-arg=--no-compile")
     ap.add_argument("--skip", action="append", default=[], choices=("vllm", "llamacpp"))
-    ap.add_argument("--py-spy", type=float, default=0, metavar="SECONDS",
-                    help="sample Tandem's engine worker with py-spy per phase (default: off)")
+    add_py_spy_flag(ap, "Tandem's engine worker", "phase")
     args = ap.parse_args()
-    t_start = time.perf_counter()
-    noise = Noise().start()
-    print(f"vs_peers: {load_note()} at start", flush=True)
-    reqs = datasets.synthetic(args.num_prompts, datasets.LengthDist.parse(args.prompt_len),
-                              datasets.LengthDist.parse(args.output_len), seed=0)
+    bench = BenchRun("vs_peers")
+    reqs = closed_loop_requests(args)
     name = Path(args.model).name.removesuffix(".gguf")
     rows, results, traces = [], {}, []
 
@@ -163,8 +156,7 @@ def main() -> int:
                                         td_c.output_throughput / vl_c.output_throughput, ">=", 3.0))
         print(f"  c1 TPOT p50 tandem/vLLM: {td_1.tpot.p50 / vl_1.tpot.p50:.2f}x; "
               f"c1 TTFT p50 tandem/vLLM: {td_1.ttft.p50 / vl_1.ttft.p50:.2f}x")
-    print(f"\ntotal {time.perf_counter() - t_start:.0f}s; {load_note()} at end")
-    print(noise.report())
+    bench.end()
     return 0
 
 

@@ -44,7 +44,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, ClassVar, Iterator, Literal, NewType, Sequence
+from typing import Any, Callable, ClassVar, Iterator, Literal, NewType, Sequence, Sized
 
 import torch
 
@@ -200,6 +200,18 @@ class SourceInfo:
     """TCP data server host (tcp only)."""
     data_port: int = 0
     """TCP data server port (tcp only)."""
+
+    def check_reader(self, compat: CompatRecord, backend: BackendName, reachable: bool) -> None:
+        """Raise unless a ``backend`` reader whose cache is ``compat`` can read this source:
+        KVCompatError naming the field that differs; KVTransferError when the source serves
+        another backend or left out its address (``reachable`` False)."""
+        compat.check(self.compat)
+        if self.backend != backend or not reachable:
+            raise KVTransferError(f"source {self.worker_id!r} serves backend {self.backend!r}, "
+                                  f"not {backend}")
+        if self.block_bytes != compat.block_bytes:
+            raise KVCompatError(f"block_bytes: local {compat.block_bytes} "
+                                f"!= remote {self.block_bytes}")
 
 
 @dataclass(frozen=True)
@@ -357,21 +369,25 @@ class KVReader(ABC):
     Per-peer state lives in ``_peers``, a PeerTable (peer_table.py): a re-connect or a
     disconnect never frees state that a read in flight still uses; that read ends on
     the state it started with, and the old state goes when the last such read ends.
-    Implementations call ``super().__init__()`` and take ``_lock`` in every method.
+    Implementations call ``super().__init__()``, take ``_lock`` in every method, and keep
+    their reads in flight in ``_reads``, an InFlightReads over ``_peers`` (in_flight.py:
+    each read starts and ends there, once, whoever ends it).
     """
 
     name: ClassVar[BackendName]
     confirms_lease: ClassVar[bool]
+    """True when DONE already proves the lease was live for the whole read (the
+    source checked it before and after moving bytes: tcp, local). False for
+    one-sided reads (nixl), whose bytes are valid only if Release then says
+    ``released=True``."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         """Guards the reader's state; implementations hold it in every method."""
         self._peers: PeerTable[Any] = PeerTable(self._release_peer)
         """Per-peer state (what ``connect`` set up), shared by the reads that use it."""
-    """True when DONE already proves the lease was live for the whole read (the
-    source checked it before and after moving bytes: tcp, local). False for
-    one-sided reads (nixl), whose bytes are valid only if Release then says
-    ``released=True``."""
+        self._reads: Sized = ()
+        """The reads in flight: the implementation's InFlightReads over ``_peers``."""
 
     @abstractmethod
     def register(self, kv: torch.Tensor, compat: CompatRecord) -> None:
@@ -423,9 +439,10 @@ class KVReader(ABC):
         poll until it is terminal before those blocks are reused. Local blocks may
         be partly written."""
 
-    @abstractmethod
     def in_flight(self) -> int:
         """Reads started and not yet terminal (0 once idle: the leak check)."""
+        with self._lock:
+            return len(self._reads)
 
     @abstractmethod
     def close(self) -> None:

@@ -6,41 +6,30 @@ handoff without sockets. Reads complete synchronously inside ``start_read``.
 """
 from __future__ import annotations
 
-import threading
 import uuid
 import weakref
 
 import torch
 
-from kvtransfer.base import (Backend, CompatRecord, KVReader, KVSource, KVTransferError, LeaseCheck,
-                             LeaseError, PeerId, ReadHandle, ReadPlan, SourceInfo,
-                             TransferState, block_view)
+from kvtransfer.base import (Backend, CompatRecord, KVReader, KVTransferError, LeaseError, PeerId,
+                             ReadHandle, ReadPlan, SourceInfo, TransferState, block_view)
+from kvtransfer.copy_source import CopySource
+from kvtransfer.in_flight import InFlightReads
 
 _LIVE: weakref.WeakValueDictionary[str, LocalSource] = weakref.WeakValueDictionary()
 """Serving sources of this process by name; what ``connect`` resolves."""
 
 
-class LocalSource(KVSource):
+class LocalSource(CopySource):
     name = "local"
 
     def __init__(self, advertise_host: str | None = None) -> None:
         """advertise_host: unused (readers find an in-process source by name)."""
-        self._lock = threading.Lock()
+        super().__init__()
         self._agent_name = f"local-src-{uuid.uuid4().hex[:12]}"
-        self._blocks: torch.Tensor | None = None
-        self._compat: CompatRecord | None = None
-        self._lease_check: LeaseCheck | None = None
-
-    def register(self, kv: torch.Tensor, compat: CompatRecord, lease_check: LeaseCheck) -> None:
-        compat.check_tensor(kv)
-        with self._lock:
-            if self._blocks is not None:
-                raise RuntimeError("LocalSource.register called twice")
-            self._blocks, self._compat, self._lease_check = block_view(kv), compat, lease_check
 
     def serve(self, host: str = "127.0.0.1", port: int = 0) -> None:
-        if self._blocks is None:
-            raise RuntimeError("LocalSource.serve before register")
+        self._require_registered("serve")
         _LIVE[self._agent_name] = self
 
     def handshake_info(self, worker_id: str) -> SourceInfo:
@@ -73,6 +62,8 @@ class LocalReader(KVReader):
         super().__init__()
         self._blocks: torch.Tensor | None = None
         self._compat: CompatRecord | None = None
+        self._reads: InFlightReads[tuple[str, int]] = InFlightReads(self._peers)
+        """A read is in flight only while ``start_read`` copies it, and ends there."""
 
     def register(self, kv: torch.Tensor, compat: CompatRecord) -> None:
         compat.check_tensor(kv)
@@ -90,39 +81,43 @@ class LocalReader(KVReader):
         return peer
 
     def start_read(self, peer: PeerId, plan: ReadPlan) -> ReadHandle:
-        """The read runs here, on the caller's thread, outside the lock: it needs no peer
-        state beyond the source's name, so nothing is held for it in the PeerTable."""
+        """The read runs here, on the caller's thread, outside the lock, and has ended when
+        this returns."""
         assert self._blocks is not None, "register before start_read"
         with self._lock:
             agent_name, remote_blocks = self._peers[peer]
-        plan.check_bounds(remote_blocks, self._blocks.shape[0])
-        handle = ReadHandle(peer, plan, plan.num_blocks * self._blocks.shape[1])
-        source = _LIVE.get(agent_name)
-        try:
-            if source is None:
-                raise KVTransferError(f"local source {agent_name!r} is gone")
-            source.read_into(plan, self._blocks)
-        except LeaseError as e:
-            handle.finish(TransferState.EXPIRED, e)
-        except KVTransferError as e:
-            handle.finish(TransferState.FAILED, e)
-        else:
-            handle.finish(TransferState.DONE)
+            plan.check_bounds(remote_blocks, self._blocks.shape[0])
+            handle = self._reads.start(peer, plan, self._blocks.shape[1])
+        state, error = _copy(agent_name, plan, self._blocks)
+        with self._lock:
+            self._reads.end(handle, state, error)
         return handle
 
     def poll(self, handle: ReadHandle) -> TransferState:
         return handle.state
 
     def abort(self, handle: ReadHandle) -> None:
-        """Reads finish inside ``start_read``; nothing is ever left to abort."""
-
-    def in_flight(self) -> int:
-        return 0
+        """Reads end inside ``start_read``, which ends one that another thread tries to
+        abort meanwhile (its bytes are still landing)."""
 
     def close(self) -> None:
         with self._lock:
             self._peers.clear()
         self._blocks = None
+
+
+def _copy(agent_name: str, plan: ReadPlan, dst: torch.Tensor) -> tuple[TransferState, Exception | None]:
+    """Copy ``plan``'s blocks from the in-process source ``agent_name`` into ``dst``."""
+    source = _LIVE.get(agent_name)
+    try:
+        if source is None:
+            raise KVTransferError(f"local source {agent_name!r} is gone")
+        source.read_into(plan, dst)
+    except LeaseError as e:
+        return TransferState.EXPIRED, e
+    except KVTransferError as e:
+        return TransferState.FAILED, e
+    return TransferState.DONE, None
 
 
 BACKEND = Backend("local", LocalSource, LocalReader)

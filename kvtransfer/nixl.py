@@ -46,9 +46,9 @@ import numpy as np
 import torch
 from nixl_cu12 import nixl_agent, nixl_agent_config
 
-from kvtransfer.base import (Backend, CompatRecord, KVCompatError, KVReader, KVSource, KVTransferError,
+from kvtransfer.base import (Backend, CompatRecord, KVReader, KVSource, KVTransferError,
                              LeaseCheck, PeerId, ReadHandle, ReadPlan, SourceInfo, TransferState)
-from kvtransfer.peer_table import PeerState
+from kvtransfer.in_flight import InFlightReads
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,14 @@ def _new_agent(prefix: str) -> nixl_agent:
 def _mem(kv: torch.Tensor) -> tuple[str, int]:
     """NIXL memory type and device id of ``kv``."""
     return ("DRAM", 0) if kv.device.type == "cpu" else ("VRAM", kv.device.index or 0)
+
+
+def _agent_holding(kv: torch.Tensor, prefix: str) -> tuple[nixl_agent, object]:
+    """A new agent and its registration of the whole of ``kv`` (pinned until deregistered)."""
+    mem, device = _mem(kv)
+    agent = _new_agent(prefix)
+    nbytes = kv.numel() * kv.element_size()
+    return agent, agent.register_memory([(kv.data_ptr(), nbytes, device, "")], mem)
 
 
 def _block_descs(base_addr: int, block_bytes: int, num_blocks: int, device: int) -> np.ndarray:
@@ -99,10 +107,7 @@ class NixlSource(KVSource):
         with self._lock:
             if self._agent is not None:
                 raise RuntimeError("NixlSource.register called twice")
-            mem, device = _mem(kv)
-            self._agent = _new_agent("tandem-kvsrc")
-            nbytes = kv.numel() * kv.element_size()
-            self._reg = self._agent.register_memory([(kv.data_ptr(), nbytes, device, "")], mem)
+            self._agent, self._reg = _agent_holding(kv, "tandem-kvsrc")
             self._kv, self._compat = kv, compat
 
     def serve(self, host: str = "127.0.0.1", port: int = 0) -> None:
@@ -160,15 +165,6 @@ class _Remote:
     num_blocks: int
 
 
-@dataclass(eq=False)
-class _NixlRead:
-    """Backend state of one read (ReadHandle.impl): the NIXL request and the peer state
-    it reads through (kept alive by the PeerTable until the read ends)."""
-
-    peer: PeerState[_Remote]
-    xfer: object | None = None
-
-
 class NixlReader(KVReader):
     """All agent calls happen under one lock (the agent runs without NIXL's
     own thread-safety: sync mode NONE)."""
@@ -185,30 +181,23 @@ class NixlReader(KVReader):
         self._compat: CompatRecord | None = None
         self._agents: dict[str, int] = {}
         """Remote agent name -> peer states using it (the agent is loaded while > 0)."""
-        self._pending: set[ReadHandle] = set()
+        self._reads: InFlightReads[_Remote] = InFlightReads(self._peers, _release_xfer)
+        """Each read's ``impl`` is its NIXL request (None until made, and once released)."""
 
     def register(self, kv: torch.Tensor, compat: CompatRecord) -> None:
         compat.check_tensor(kv)
         with self._lock:
             if self._agent is not None:
                 raise RuntimeError("NixlReader.register called twice")
+            self._agent, self._reg = _agent_holding(kv, "tandem-kvread")
             mem, device = _mem(kv)
-            self._agent = _new_agent("tandem-kvread")
-            nbytes = kv.numel() * kv.element_size()
-            self._reg = self._agent.register_memory([(kv.data_ptr(), nbytes, device, "")], mem)
             descs = _block_descs(kv.data_ptr(), compat.block_bytes, kv.shape[0], device)
             self._local_dlist = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs, mem)
             self._kv, self._compat = kv, compat
 
     def connect(self, info: SourceInfo) -> PeerId:
         assert self._agent is not None and self._compat is not None, "register before connect"
-        self._compat.check(info.compat)
-        if info.backend != "nixl" or not info.agent_metadata:
-            raise KVTransferError(f"source {info.worker_id!r} serves backend {info.backend!r}, "
-                                  f"not nixl")
-        if info.block_bytes != self._compat.block_bytes:
-            raise KVCompatError(f"block_bytes: local {self._compat.block_bytes} "
-                                f"!= remote {info.block_bytes}")
+        info.check_reader(self._compat, "nixl", reachable=bool(info.agent_metadata))
         peer = PeerId(info.worker_id)
         with self._lock:
             known = self._peers.get(peer)
@@ -224,38 +213,33 @@ class NixlReader(KVReader):
         with self._lock:
             remote = self._peers[peer]
             plan.check_bounds(remote.num_blocks, self._kv.shape[0])
-            read = _NixlRead(self._peers.begin(peer))
-            handle = ReadHandle(peer, plan, plan.num_blocks * self._compat.block_bytes, impl=read)
-            self._pending.add(handle)
+            handle = self._reads.start(peer, plan, self._compat.block_bytes)
             try:
-                read.xfer = self._agent.make_prepped_xfer(
+                handle.impl = self._agent.make_prepped_xfer(
                     "READ", self._local_dlist, np.asarray(plan.local_block_ids, dtype=np.int32),
                     remote.remote_dlist, np.asarray(plan.remote_block_ids, dtype=np.int32))
             except Exception as e:
-                self._end(handle, TransferState.FAILED, KVTransferError(f"NIXL refused the read: {e!r}"))
+                self._reads.end(handle, TransferState.FAILED,
+                                KVTransferError(f"NIXL refused the read: {e!r}"))
                 return handle
-            self._advance(handle, lambda: self._agent.transfer(read.xfer))
+            self._advance(handle, lambda: self._agent.transfer(handle.impl))
         return handle
 
     def poll(self, handle: ReadHandle) -> TransferState:
         with self._lock:
             if not handle.state.terminal and self._agent is not None:
-                self._advance(handle, lambda: self._agent.check_xfer_state(handle.impl.xfer))
+                self._advance(handle, lambda: self._agent.check_xfer_state(handle.impl))
         return handle.state
 
     def abort(self, handle: ReadHandle) -> None:
+        """Ends the read FAILED now: releasing its NIXL request aborts the READ."""
         with self._lock:
-            if not handle.state.terminal:
-                self._end(handle, TransferState.FAILED, KVTransferError("read aborted"))
-
-    def in_flight(self) -> int:
-        with self._lock:
-            return len(self._pending)
+            self._reads.end(handle, TransferState.FAILED, KVTransferError("read aborted"))
 
     def close(self) -> None:
         with self._lock:
-            for handle in list(self._pending):
-                self._end(handle, TransferState.FAILED, KVTransferError("reader closed"))
+            for handle in self._reads.pending():
+                self._reads.end(handle, TransferState.FAILED, KVTransferError("reader closed"))
             if self._agent is not None:
                 self._peers.clear()
                 _drain(self._agent)
@@ -315,33 +299,29 @@ class NixlReader(KVReader):
         try:
             status = step()
         except Exception as e:  # e.g. nixlRemoteDisconnectError: the source is gone
-            self._end(handle, TransferState.FAILED,
-                      KVTransferError(f"NIXL read from {handle.peer} failed: {e!r}"))
+            self._reads.end(handle, TransferState.FAILED,
+                            KVTransferError(f"NIXL read from {handle.peer} failed: {e!r}"))
             return
         if status == "DONE":
-            self._end(handle, TransferState.DONE)
+            self._reads.end(handle, TransferState.DONE)
         elif status != "PROC":
-            self._end(handle, TransferState.FAILED,
-                      KVTransferError(f"NIXL read from {handle.peer} ended in {status}"))
+            self._reads.end(handle, TransferState.FAILED,
+                            KVTransferError(f"NIXL read from {handle.peer} ended in {status}"))
 
-    def _end(self, handle: ReadHandle, state: TransferState, error: Exception | None = None) -> None:
-        """Finish ``handle`` and release its NIXL request; releasing an unfinished
-        one makes NIXL abort it. A release that fails is left to the agent's
-        own leak list (nixl_xfer_handle.__del__), never retried by us, and the read
-        keeps its peer state (NIXL may still be using its descriptors) until close."""
-        read: _NixlRead = handle.impl
-        xfer, read.xfer = read.xfer, None
-        still_used = False
-        if xfer is not None:
-            try:
-                xfer.release()
-            except Exception as e:
-                error = error or KVTransferError(f"NIXL could not release the read: {e!r}")
-                state, still_used = TransferState.FAILED, True
-        handle.finish(state, error)
-        self._pending.discard(handle)
-        if not still_used:
-            self._peers.end(read.peer)
+
+def _release_xfer(handle: ReadHandle) -> Exception | None:
+    """InFlightReads' ``free_read``: release the read's NIXL request (releasing an unfinished
+    one makes NIXL abort it). A release that fails is left to the agent's own leak list
+    (nixl_xfer_handle.__del__), never retried by us, and the read keeps its peer state (NIXL
+    may still be using its descriptors) until close."""
+    xfer, handle.impl = handle.impl, None
+    if xfer is None:
+        return None
+    try:
+        xfer.release()
+    except Exception as e:  # noqa: BLE001 - reported through the handle
+        return KVTransferError(f"NIXL could not release the read: {e!r}")
+    return None
 
 
 BACKEND = Backend("nixl", NixlSource, NixlReader)

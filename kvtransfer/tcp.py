@@ -27,10 +27,11 @@ from typing import TypeVar
 import torch
 from google.protobuf.message import DecodeError, Message
 
-from kvtransfer.base import (Backend, CompatRecord, KVCompatError, KVReader, KVSource, KVTransferError,
-                             LeaseCheck, LeaseError, PeerId, ReadHandle, ReadPlan, SourceInfo,
-                             TransferState, block_view, contiguous_runs)
-from kvtransfer.peer_table import PeerState
+from kvtransfer.base import (Backend, CompatRecord, KVReader, KVTransferError, LeaseError, PeerId,
+                             ReadHandle, ReadPlan, SourceInfo, TransferState, block_view,
+                             contiguous_runs)
+from kvtransfer.copy_source import CopySource
+from kvtransfer.in_flight import InFlightReads
 from proto import kv_link_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -89,7 +90,7 @@ def _flat(blocks: torch.Tensor) -> memoryview:
     return memoryview(blocks.numpy().reshape(-1))
 
 
-class TcpSource(KVSource):
+class TcpSource(CopySource):
     """Threads: one accept thread plus one daemon thread per open connection, at most
     ``max_connections`` of them; a connection beyond that is refused at once
     (READ_INTERNAL, "busy"), so the reader recomputes instead of the source running
@@ -103,28 +104,18 @@ class TcpSource(KVSource):
         """``advertise_host``: the address readers should dial when ``serve``
         binds a wildcard (0.0.0.0 in a pod: pass the pod IP); default: the
         bound host."""
+        super().__init__()
         self._slots = threading.BoundedSemaphore(max_connections)
         self._max_connections = max_connections
         self._io_timeout_s = io_timeout_s
         self._advertise_host = advertise_host
-        self._lock = threading.Lock()
-        self._blocks: torch.Tensor | None = None
-        self._compat: CompatRecord | None = None
-        self._lease_check: LeaseCheck | None = None
         self._listener: socket.socket | None = None
         self._accept_thread: threading.Thread | None = None
         self._conns: set[socket.socket] = set()
         self._closed = False
 
-    def register(self, kv: torch.Tensor, compat: CompatRecord, lease_check: LeaseCheck) -> None:
-        compat.check_tensor(kv)
-        if self._blocks is not None:
-            raise RuntimeError("TcpSource.register called twice")
-        self._blocks, self._compat, self._lease_check = block_view(kv), compat, lease_check
-
     def serve(self, host: str = "127.0.0.1", port: int = 0) -> None:
-        if self._blocks is None:
-            raise RuntimeError("TcpSource.serve before register")
+        self._require_registered("serve")
         self._listener = socket.create_server((host, port), backlog=128)
         self._accept_thread = threading.Thread(target=self._accept_loop, name="kv-tcp-accept",
                                                daemon=True)
@@ -263,7 +254,6 @@ class _Address:
 class _TcpRead:
     """Backend state of one read (ReadHandle.impl)."""
 
-    peer: PeerState[_Address]
     future: cf.Future[None] | None = None
     sock: socket.socket | None = None
     cancelled: bool = False
@@ -283,7 +273,8 @@ class TcpReader(KVReader):
         self._pool = cf.ThreadPoolExecutor(max_parallel_reads, thread_name_prefix="kv-tcp-read")
         self._blocks: torch.Tensor | None = None
         self._compat: CompatRecord | None = None
-        self._pending: set[ReadHandle] = set()
+        self._reads: InFlightReads[_Address] = InFlightReads(self._peers)
+        """A read is ended by its pool thread, or by ``abort`` when it never started."""
 
     def register(self, kv: torch.Tensor, compat: CompatRecord) -> None:
         compat.check_tensor(kv)
@@ -291,13 +282,7 @@ class TcpReader(KVReader):
 
     def connect(self, info: SourceInfo) -> PeerId:
         assert self._compat is not None and self._blocks is not None, "register before connect"
-        self._compat.check(info.compat)
-        if info.backend != "tcp" or not info.data_port:
-            raise KVTransferError(f"source {info.worker_id!r} serves backend {info.backend!r}, "
-                                  f"not tcp")
-        if info.block_bytes != self._blocks.shape[1]:
-            raise KVCompatError(f"block_bytes: local {self._blocks.shape[1]} "
-                                f"!= remote {info.block_bytes}")
+        info.check_reader(self._compat, "tcp", reachable=bool(info.data_port))
         peer = PeerId(info.worker_id)
         with self._lock:
             self._peers.set(peer, _Address(info.data_host, info.data_port, info.num_blocks))
@@ -308,9 +293,7 @@ class TcpReader(KVReader):
         with self._lock:
             address = self._peers[peer]
             plan.check_bounds(address.num_blocks, self._blocks.shape[0])
-            handle = ReadHandle(peer, plan, plan.num_blocks * self._blocks.shape[1],
-                                impl=_TcpRead(self._peers.begin(peer)))
-            self._pending.add(handle)
+            handle = self._reads.start(peer, plan, self._blocks.shape[1], impl=_TcpRead())
         handle.impl.future = self._pool.submit(self._run, handle, address.host, address.port)
         return handle
 
@@ -340,13 +323,9 @@ class TcpReader(KVReader):
         if read.future is not None and read.future.cancel():
             self._end(handle, TransferState.FAILED, KVTransferError("read aborted"))
 
-    def in_flight(self) -> int:
-        with self._lock:
-            return len(self._pending)
-
     def close(self) -> None:
         with self._lock:
-            pending = list(self._pending)
+            pending = self._reads.pending()
         for handle in pending:
             self.abort(handle)
         self._pool.shutdown(wait=True)  # the aborted reads' threads end them
@@ -355,11 +334,7 @@ class TcpReader(KVReader):
 
     def _end(self, handle: ReadHandle, state: TransferState, error: Exception | None = None) -> None:
         with self._lock:
-            if handle.state.terminal:
-                return  # each read ends once
-            handle.finish(state, error)
-            self._pending.discard(handle)
-            self._peers.end(handle.impl.peer)
+            self._reads.end(handle, state, error)  # a no-op when abort got there first
 
     def _run(self, handle: ReadHandle, host: str, port: int) -> None:
         """Pool thread: the whole read; always ends the handle."""

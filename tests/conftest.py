@@ -32,6 +32,23 @@ def model_path() -> Path:
     return real_model_path()
 
 
+@pytest.fixture(scope="module")
+def tok(model_path: Path):
+    """The real model's Tokenizer (tests of tokenizing and chat templates)."""
+    from core.tokenizer import Tokenizer
+
+    return Tokenizer.load(model_path)
+
+
+@pytest.fixture(scope="module")
+def hf(model_path: Path):
+    """transformers' tokenizer for the same model file: the reference ``tok`` must match."""
+    transformers = pytest.importorskip("transformers", reason="transformers is the reference implementation")
+    if model_path.is_dir():
+        return transformers.AutoTokenizer.from_pretrained(str(model_path))
+    return transformers.AutoTokenizer.from_pretrained(str(model_path.parent), gguf_file=model_path.name)
+
+
 @pytest.fixture
 def span_exporter():
     """Tracing on in this process for one test, its spans kept in memory (the SDK's

@@ -5,17 +5,12 @@ or a missing default system prompt silently changes its behaviour.
 """
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import jinja2
 import pytest
 
 from core.chat_template import _compile, render_chat_template
 from core.tokenizer import Tokenizer
 
-DEFAULT_MODEL = "/root/.cache/tandem/SmolLM2-135M-Instruct.Q4_1.gguf"
-MODEL_PATH = Path(os.environ.get("TANDEM_MODEL", DEFAULT_MODEL))
 
 SYSTEM = {"role": "system", "content": "You are terse."}
 USER = {"role": "user", "content": "What is 2+2? Answer with <b>tags</b> & émoji 🙂"}
@@ -29,26 +24,6 @@ CONVERSATIONS = {
     "system multi-turn": [SYSTEM, USER, ASSISTANT, USER2],
     "ends with assistant": [USER, ASSISTANT],
 }
-
-
-@pytest.fixture(scope="module")
-def model_path() -> Path:
-    if not MODEL_PATH.exists():
-        pytest.skip(f"model not found at {MODEL_PATH}; set TANDEM_MODEL to a SmolLM2 .gguf")
-    return MODEL_PATH
-
-
-@pytest.fixture(scope="module")
-def tok(model_path: Path) -> Tokenizer:
-    return Tokenizer.load(model_path)
-
-
-@pytest.fixture(scope="module")
-def hf(model_path: Path):
-    transformers = pytest.importorskip("transformers", reason="transformers is the reference implementation")
-    if model_path.is_dir():
-        return transformers.AutoTokenizer.from_pretrained(str(model_path))
-    return transformers.AutoTokenizer.from_pretrained(str(model_path.parent), gguf_file=model_path.name)
 
 
 @pytest.mark.parametrize("agp", [True, False])

@@ -17,10 +17,29 @@ def _stream(m: StopStringMatcher, deltas: list[str]) -> tuple[list[str], bool]:
     return emitted, False
 
 
-def test_no_stops_passes_through() -> None:
-    m = StopStringMatcher(())
-    assert m.feed("hello") == ("hello", False)
-    assert m.flush() == ""
+FLUSH = None
+"""In a script, the step that calls ``flush()`` instead of ``feed``."""
+
+SCRIPTS = [  # (stops, [(delta or FLUSH, what feed/flush returns), ...]), steps in order
+    pytest.param((), [("hello", ("hello", False)), (FLUSH, "")], id="no stops pass through"),
+    pytest.param(("STOP",), [("a ST", ("a ", False)), ("OR", ("STOR", False)), ("y", ("y", False))],
+                 id="false alarm is released"),
+    pytest.param(("\n\n",), [("line one\n\nline two", ("line one", True))],
+                 id="stop inside one delta"),
+    pytest.param(("<|end|>",), [("done <|en", ("done ", False)), (FLUSH, "<|en"), (FLUSH, "")],
+                 id="flush releases held text"),
+    pytest.param(("xyz", "yq"), [("axy", ("a", False)),  # "xy" could start xyz
+                                 ("q", ("x", True))],  # "yq" hit; "x" released before it
+                 id="hold back uses the longest candidate prefix"),
+]
+
+
+@pytest.mark.parametrize("stops, script", SCRIPTS)
+def test_feed_and_flush_return_what_the_script_says(stops: tuple[str, ...],
+                                                    script: list[tuple[str | None, object]]) -> None:
+    m = StopStringMatcher(stops)
+    got = [m.flush() if delta is FLUSH else m.feed(delta) for delta, _ in script]
+    assert got == [want for _, want in script]
 
 
 def test_partial_prefix_is_held_then_stop_truncates() -> None:
@@ -31,13 +50,6 @@ def test_partial_prefix_is_held_then_stop_truncates() -> None:
     assert m.matched == "STOP"
     assert m.feed("ignored") == ("", True)
     assert m.flush() == ""
-
-
-def test_false_alarm_is_released() -> None:
-    m = StopStringMatcher(("STOP",))
-    assert m.feed("a ST") == ("a ", False)
-    assert m.feed("OR") == ("STOR", False)
-    assert m.feed("y") == ("y", False)
 
 
 def test_stop_split_over_many_deltas() -> None:
@@ -51,18 +63,6 @@ def test_include_stop_str_in_output() -> None:
     m = StopStringMatcher(("##",), include_stop_str_in_output=True)
     emitted, hit = _stream(m, ["ab#", "#cd"])
     assert hit and "".join(emitted) == "ab##"
-
-
-def test_stop_inside_one_delta() -> None:
-    m = StopStringMatcher(("\n\n",))
-    assert m.feed("line one\n\nline two") == ("line one", True)
-
-
-def test_flush_releases_held_text() -> None:
-    m = StopStringMatcher(("<|end|>",))
-    assert m.feed("done <|en") == ("done ", False)
-    assert m.flush() == "<|en"
-    assert m.flush() == ""
 
 
 def test_overlapping_candidate_restarts_inside_held_text() -> None:
@@ -85,12 +85,6 @@ def test_multiple_stops_first_to_complete_wins() -> None:
     # Same end: the longer (earlier-starting) one cuts.
     m = StopStringMatcher(("bc", "abc"), include_stop_str_in_output=False)
     assert m.feed("zabcq") == ("z", True)
-
-
-def test_hold_back_uses_longest_candidate_prefix() -> None:
-    m = StopStringMatcher(("xyz", "yq"))
-    assert m.feed("axy") == ("a", False)  # "xy" could start xyz
-    assert m.feed("q") == ("x", True)  # "yq" hit; "x" released before it
 
 
 @pytest.mark.parametrize("bad", [("",), (3,)])

@@ -7,16 +7,12 @@ tokenize differently from it, prompts differ from what users of transformers
 from __future__ import annotations
 
 import json
-import os
 import random
 from pathlib import Path
 
 import pytest
 
 from core.tokenizer import IncrementalDetokenizer, Tokenizer
-
-DEFAULT_MODEL = "/root/.cache/tandem/SmolLM2-135M-Instruct.Q4_1.gguf"
-MODEL_PATH = Path(os.environ.get("TANDEM_MODEL", DEFAULT_MODEL))
 
 WORDS = ["the", "The", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "Hello", "world", "don't",
          "I'll", "they're", "API", "tokenizer", "def", "return", "x_1", "foo.bar()", "e-mail", "C++", "œuvre"]
@@ -60,26 +56,6 @@ def make_corpus(n: int = 600, seed: int = 1234) -> list[str]:
 
 
 CORPUS = make_corpus()
-
-
-@pytest.fixture(scope="module")
-def model_path() -> Path:
-    if not MODEL_PATH.exists():
-        pytest.skip(f"model not found at {MODEL_PATH}; set TANDEM_MODEL to a SmolLM2 .gguf")
-    return MODEL_PATH
-
-
-@pytest.fixture(scope="module")
-def tok(model_path: Path) -> Tokenizer:
-    return Tokenizer.load(model_path)
-
-
-@pytest.fixture(scope="module")
-def hf(model_path: Path):
-    transformers = pytest.importorskip("transformers", reason="transformers is the reference implementation")
-    if model_path.is_dir():
-        return transformers.AutoTokenizer.from_pretrained(str(model_path))
-    return transformers.AutoTokenizer.from_pretrained(str(model_path.parent), gguf_file=model_path.name)
 
 
 def _mismatches(pairs: list[tuple[str, object, object]]) -> str:

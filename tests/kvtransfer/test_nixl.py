@@ -10,29 +10,13 @@ import torch
 
 pytest.importorskip("nixl_cu12", reason="nixl_cu12 is not installed (pip install nixl-cu12)")
 
-from kvtransfer.base import (KVCompatError, KVTransferError, LeaseError, ReadPlan,  # noqa: E402
-                             TransferState, get_backend)
+from kvtransfer.base import KVTransferError, LeaseError, ReadPlan, TransferState, get_backend  # noqa: E402
 from tests.kvtransfer.utils import (Dest, SourceProcess, assert_blocks_copied,  # noqa: E402
-                                    handshake, handshake_and_pull, plan_for, release)
+                                    assert_compat_mismatch_fails_at_connect, handshake,
+                                    handshake_and_pull, plan_for, release)
 
-
-@pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def source(request: pytest.FixtureRequest):
-    with SourceProcess("nixl", request.param, seed=21) as src:
-        yield src
-        assert src.active() == 0, "leak: a lease outlived the tests"
-
-
-@pytest.fixture
-def reader(source: SourceProcess):
-    dest = Dest.make(source.dtype)
-    rd = get_backend("nixl").reader()
-    rd.register(dest.kv, dest.compat)
-    rd.dest = dest  # type: ignore[attr-defined]
-    yield rd
-    assert rd.in_flight() == 0, "leak: a read still in flight"
-    rd.close()
-    assert source.active() == 0, "leak: lease left active"
+BACKEND, SOURCE_SEED = "nixl", 21
+"""What the ``source`` and ``reader`` fixtures (conftest.py) serve and read with."""
 
 
 def test_read_subset_cross_process(source: SourceProcess, reader) -> None:
@@ -51,16 +35,7 @@ def test_read_subset_cross_process(source: SourceProcess, reader) -> None:
 
 
 def test_compat_mismatch_fails_at_connect(source: SourceProcess) -> None:
-    wrong_size = Dest.make(source.dtype, block_size=8)
-    with pytest.raises(KVCompatError, match="block_size: local 8 != remote 16"):
-        asyncio.run(handshake(wrong_size.compat, source.endpoint, "nixl"))
-    info = asyncio.run(handshake(Dest.make(source.dtype).compat, source.endpoint, "nixl"))
-    other_model = Dest.make(source.dtype, fingerprint="another-model")
-    rd = get_backend("nixl").reader()
-    rd.register(other_model.kv, other_model.compat)
-    with pytest.raises(KVCompatError, match="model_fingerprint: local 'another-model'"):
-        rd.connect(info)
-    rd.close()
+    assert_compat_mismatch_fails_at_connect(source)
 
 
 def test_expired_lease_read_fails(source: SourceProcess, reader) -> None:

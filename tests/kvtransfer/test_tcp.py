@@ -9,34 +9,18 @@ import time
 import pytest
 import torch
 
-from kvtransfer.base import (KVCompatError, LeaseError, PeerId, ReadHandle, ReadPlan,
-                             SourceInfo, TransferState, get_backend)
+from kvtransfer.base import LeaseError, PeerId, ReadHandle, ReadPlan, SourceInfo, TransferState
 from kvtransfer.link import KVLinkClient
 from kvtransfer.tcp import recv_frame, send_frame
 from proto import kv_link_pb2 as pb
 from tandem.process import free_port
-from tests.kvtransfer.utils import (TEST_SECRET, Dest, SourceProcess, assert_blocks_copied,
-                                    handshake, handshake_and_pull, plan_for, release,
-                                    start_dying_source)
+from tests.kvtransfer.utils import (TEST_SECRET, SourceProcess, assert_blocks_copied,
+                                    assert_compat_mismatch_fails_at_connect, handshake,
+                                    handshake_and_pull, plan_for, release, start_dying_source)
 
 
-@pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def source(request: pytest.FixtureRequest):
-    with SourceProcess("tcp", request.param, seed=11) as src:
-        yield src
-        assert src.active() == 0, "leak: a lease outlived the tests"
-
-
-@pytest.fixture
-def reader(source: SourceProcess):
-    dest = Dest.make(source.dtype)
-    rd = get_backend("tcp").reader()
-    rd.register(dest.kv, dest.compat)
-    rd.dest = dest  # type: ignore[attr-defined]
-    yield rd
-    assert rd.in_flight() == 0, "leak: a read still in flight"
-    rd.close()
-    assert source.active() == 0, "leak: lease left active"
+BACKEND, SOURCE_SEED = "tcp", 11
+"""What the ``source`` and ``reader`` fixtures (conftest.py) serve and read with."""
 
 
 def connect(reader, source: SourceProcess) -> tuple[PeerId, SourceInfo]:
@@ -116,17 +100,7 @@ def test_a_disconnected_peer_leaves_nothing_and_can_come_back(source: SourceProc
 
 
 def test_compat_mismatch_fails_at_connect(source: SourceProcess) -> None:
-    wrong_size = Dest.make(source.dtype, block_size=8)
-    with pytest.raises(KVCompatError, match="block_size: local 8 != remote 16"):
-        asyncio.run(handshake(wrong_size.compat, source.endpoint, "tcp"))
-    good = Dest.make(source.dtype)
-    info = asyncio.run(handshake(good.compat, source.endpoint, "tcp"))
-    other_model = Dest.make(source.dtype, fingerprint="another-model")
-    rd = get_backend("tcp").reader()
-    rd.register(other_model.kv, other_model.compat)
-    with pytest.raises(KVCompatError, match="model_fingerprint: local 'another-model'"):
-        rd.connect(info)
-    rd.close()
+    assert_compat_mismatch_fails_at_connect(source)
 
 
 def test_expired_lease_read_fails(source: SourceProcess, reader) -> None:

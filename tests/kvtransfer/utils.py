@@ -11,9 +11,11 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import pytest
 import torch
 
-from kvtransfer.base import CompatRecord, KVReader, ReadHandle, ReadPlan, SourceBlocks, block_view
+from kvtransfer.base import (CompatRecord, KVCompatError, KVReader, ReadHandle, ReadPlan, SourceBlocks,
+                             block_view, get_backend)
 
 SHAPE = dict(num_blocks=32, num_layers=3, block_size=16, num_kv_heads=2, head_dim=16)
 """12 KiB (fp32) per block: small, but several blocks per socket buffer."""
@@ -228,6 +230,21 @@ def start_dying_source(block_bytes: int) -> tuple[mp.Process, int]:
         proc.kill()
         raise TimeoutError("dying source did not start")
     return proc, parent.recv()
+
+
+def assert_compat_mismatch_fails_at_connect(source: SourceProcess) -> None:
+    """A reader whose cache differs from the source's is refused, naming the field: at the
+    handshake (block_size) and at ``connect`` (model_fingerprint)."""
+    wrong_size = Dest.make(source.dtype, block_size=8)
+    with pytest.raises(KVCompatError, match="block_size: local 8 != remote 16"):
+        asyncio.run(handshake(wrong_size.compat, source.endpoint, source.backend))
+    info = asyncio.run(handshake(Dest.make(source.dtype).compat, source.endpoint, source.backend))
+    other_model = Dest.make(source.dtype, fingerprint="another-model")
+    rd = get_backend(source.backend).reader()
+    rd.register(other_model.kv, other_model.compat)
+    with pytest.raises(KVCompatError, match="model_fingerprint: local 'another-model'"):
+        rd.connect(info)
+    rd.close()
 
 
 def plan_for(blocks: SourceBlocks, local_ids: Sequence[int]) -> Any:

@@ -80,13 +80,7 @@ def test_model_fingerprint_mismatch(tiny_model_dir, tmp_path) -> None:
 
     async def body():
         async with services(tiny_model_dir, decode_engine={"model": str(other)}) as (p, d, ps, ds):
-            prompt = _prompt(40, 6)
-            r = await ps.Prefill(prefill_pb2.PrefillRequest(request_id="f", token_ids=prompt,
-                                                            sampling=sampling()))
-            with pytest.raises(grpc.aio.AioRpcError) as e:
-                await generate(ds, "f", prompt, [r.first_token], sampling(), r.kv_handle)
-            assert "model_fingerprint" in e.value.details()
-            await ps.Abort(common_pb2.AbortRequest(request_id="f"))
+            assert "model_fingerprint" in await refused_handoff(ps, ds, "f", _prompt(40, 6))
             await leak_check(p, d)
     run(body())
 
