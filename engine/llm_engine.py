@@ -31,6 +31,7 @@ from engine.sampling import SamplingParams
 from engine.kv_cache.swap import SwapPool
 from engine.scheduler import PreemptionPolicy, Scheduler
 from engine.spec.speculator import Speculator
+from engine.states import PreemptionMode
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -52,8 +53,8 @@ class Handoff(Protocol):
 class EngineStats:
     """Cumulative counters the services export as metrics."""
 
-    preemptions: dict[str, int] = field(default_factory=dict)
-    """By mode: swap | recompute."""
+    preemptions: dict[PreemptionMode, int] = field(default_factory=dict)
+    """By mode."""
     swap_out_bytes: int = 0
     swap_in_bytes: int = 0
     swap_seconds: float = 0.0

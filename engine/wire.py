@@ -1,14 +1,45 @@
-"""Proto <-> engine value conversions: sampling parameters, logprobs, KV events.
+"""Proto <-> engine value conversions: sampling parameters, logprobs, KV events, and
+the enums of the states that cross a link (``WireEnum``).
 
 Torch-free and model-free, so both sides of a link import them: the router (which
 fills the requests) and the workers (which read them). Load reports are the
 workers' own (worker/base.py)."""
 from __future__ import annotations
 
+from enum import Enum
+from typing import Generic, TypeVar
+
+from google.protobuf.internal.enum_type_wrapper import EnumTypeWrapper
+
 from engine.guided.spec import GuidedSpec
 from engine.kv_cache import KVEvent, KVEventKind
 from engine.sampling import SamplingParams
+from engine.states import FallbackReason
 from proto import common_pb2 as common
+from proto import decode_pb2
+
+E = TypeVar("E", bound=Enum)
+
+
+class WireEnum(Generic[E]):
+    """A Python enum and its proto twin, paired by name (proto name = prefix + member
+    name; building the pair fails at import when a member has no twin). The proto's
+    0 (..._UNSPECIFIED: "none", or "no answer") is None here, and so is a value newer
+    than this process knows, which reads as no answer too."""
+
+    def __init__(self, members: type[E], wire: EnumTypeWrapper, prefix: str) -> None:
+        self._to = {m: wire.Value(prefix + m.name) for m in members}
+        self._from = {v: m for m, v in self._to.items()}
+
+    def to_proto(self, member: E | None) -> int:
+        return 0 if member is None else self._to[member]
+
+    def from_proto(self, value: int) -> E | None:
+        return self._from.get(value)
+
+
+FALLBACK = WireEnum(FallbackReason, decode_pb2.FallbackReason, "FALLBACK_")
+"""KVTrace.fallback."""
 
 
 def sampling_from_proto(m: common.SamplingParams) -> SamplingParams:
@@ -54,3 +85,4 @@ def top_to_proto(top: list[tuple[int, float]]) -> common.TopLogprobs:
 
 def top_from_proto(m: common.TopLogprobs) -> list[tuple[int, float]]:
     return list(zip(m.token_ids, m.logprobs))
+
