@@ -1,5 +1,6 @@
-"""Proto <-> engine value conversions: sampling parameters, logprobs, KV events, and
-the enums of the states that cross a link (``WireEnum``).
+"""Proto <-> engine value conversions: sampling parameters, logprobs, KV events, the
+enums of the states that cross a link (``WireEnum``), and the field a client's error
+names (``field_error_trailer``).
 
 Torch-free and model-free, so both sides of a link import them: the router (which
 fills the requests) and the workers (which read them). Load reports are the
@@ -7,10 +8,13 @@ workers' own (worker/base.py)."""
 from __future__ import annotations
 
 from enum import Enum
-from typing import Generic, TypeVar
+from typing import Generic, Iterable, TypeVar
 
+from google.protobuf.any_pb2 import Any
 from google.protobuf.internal.enum_type_wrapper import EnumTypeWrapper
+from google.rpc import code_pb2, error_details_pb2, status_pb2
 
+from engine.errors import FieldError
 from engine.guided.spec import GuidedSpec
 from engine.kv_cache import KVEvent, KVEventKind
 from engine.sampling import SamplingParams
@@ -86,3 +90,30 @@ def top_to_proto(top: list[tuple[int, float]]) -> common.TopLogprobs:
 def top_from_proto(m: common.TopLogprobs) -> list[tuple[int, float]]:
     return list(zip(m.token_ids, m.logprobs))
 
+
+STATUS_DETAILS_KEY = "grpc-status-details-bin"
+"""The trailer of gRPC's rich error model: a google.rpc.Status, which grpcio-status
+and every other language's gRPC read. Written here in a few lines rather than with
+grpcio-status, which would pin protobuf for two functions."""
+
+
+def field_error_trailer(e: FieldError) -> tuple[tuple[str, bytes], ...]:
+    """The trailing metadata of an INVALID_ARGUMENT for a client's error: a Status whose
+    google.rpc.BadRequest names the field, so no caller parses the message for it."""
+    violation = error_details_pb2.BadRequest.FieldViolation(field=e.field, description=str(e))
+    detail = Any()
+    detail.Pack(error_details_pb2.BadRequest(field_violations=[violation]))
+    status = status_pb2.Status(code=code_pb2.INVALID_ARGUMENT, message=str(e), details=[detail])
+    return ((STATUS_DETAILS_KEY, status.SerializeToString()),)
+
+
+def field_of(trailers: Iterable[tuple[str, str | bytes]] | None) -> str | None:
+    """The field a peer's error named (``field_error_trailer``), or None."""
+    for key, value in trailers or ():
+        if key != STATUS_DETAILS_KEY or not isinstance(value, bytes):
+            continue
+        for detail in status_pb2.Status.FromString(value).details:
+            bad = error_details_pb2.BadRequest()
+            if detail.Unpack(bad) and bad.field_violations:
+                return bad.field_violations[0].field
+    return None

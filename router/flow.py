@@ -39,7 +39,7 @@ from router.trace import Failover, RequestPath, Trace
 from router.workers import Worker, WorkerPool
 from router import spans as router_spans
 from tracing.spans import calling
-from engine.wire import FALLBACK, sampling_to_proto, top_from_proto
+from engine.wire import FALLBACK, field_of, sampling_to_proto, top_from_proto
 
 log = logging.getLogger(__name__)
 
@@ -307,7 +307,8 @@ def _failure(worker: Worker, e: grpc.aio.AioRpcError, req: _Request) -> Exceptio
                                 f"{e.details()}")
     if e.code() in RETRYABLE:
         return _Retry(worker, e.code().name)
-    return WorkerError(e.code(), f"{worker.role} worker {worker.name}: {e.details()}")
+    return WorkerError(e.code(), f"{worker.role} worker {worker.name}: {e.details()}",
+                       field_of(e.trailing_metadata()))
 
 
 class _Retry(Exception):

@@ -11,6 +11,7 @@ import grpc
 from auth.grpc_auth import ServerAuth
 from auth.secret import load_cluster_secret
 from auth.targets import join, server_names
+from engine.errors import FieldError
 from engine.kv_cache.layout import scale_layout
 from engine.llm_engine import Handoff, LLMEngine
 from engine.request import RequestOutput
@@ -19,7 +20,7 @@ from engine.worker_api import (AbortedBeforeArrival, DuplicateRequestError, Engi
 from kvtransfer.base import CompatRecord
 from proto import common_pb2 as common
 from worker.config import WorkerConfig
-from engine.wire import events_to_proto
+from engine.wire import events_to_proto, field_error_trailer
 from worker.events import KVEventHub
 from worker.metrics import WorkerMetrics
 from worker import server as grpc_server
@@ -182,7 +183,7 @@ class WorkerBase:
             await context.abort(grpc.StatusCode.CANCELLED, str(error))
         if isinstance(error, EngineDead):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.worker_id}: {error}")
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        await invalid_argument(context, error)
 
 
 def load_to_proto(load: EngineLoad, worker_id: str, block_size: int,
@@ -198,4 +199,7 @@ def load_to_proto(load: EngineLoad, worker_id: str, block_size: int,
 
 
 async def invalid_argument(context: grpc.aio.ServicerContext, error: Exception) -> None:
-    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+    """INVALID_ARGUMENT with the error's message; a FieldError's field travels in the
+    status details (engine/wire.py field_error_trailer)."""
+    trailer = field_error_trailer(error) if isinstance(error, FieldError) else ()
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error), trailer)
