@@ -37,7 +37,7 @@ def run(backend: str, model: Path, n: int, tokens: int, dtype: str) -> dict:
                 t = chunks[0].trace
                 if i == 0:
                     continue
-                assert t.fallback == "", t.fallback
+                assert t.fallback == decode_pb2.FALLBACK_REASON_UNSPECIFIED, t.fallback
                 prefill_s.append(r.prefill_seconds)
                 transfer_s.append(t.transfer_seconds)
                 nbytes.append(t.bytes_pulled)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from core.errors import FieldError
+
 PRIORITY_MIN = -(2**31)
 PRIORITY_MAX = 2**31 - 1
 """Priorities travel as int32 (lower = more important)."""
@@ -32,30 +34,31 @@ by a subnormal temperature gives inf/NaN, and the limit of sampling is the argma
 
 
 def check_priority(priority: object, field: str = "priority") -> int:
-    """ValueError naming the field unless priority is an int32."""
+    """FieldError naming the field unless priority is an int32."""
     if isinstance(priority, bool) or not isinstance(priority, int):
-        raise ValueError(f"{field} must be an integer, got {priority!r}")
+        raise FieldError(field, f"{field} must be an integer, got {priority!r}")
     if not PRIORITY_MIN <= priority <= PRIORITY_MAX:
-        raise ValueError(f"{field} must be in [{PRIORITY_MIN}, {PRIORITY_MAX}], got {priority}")
+        raise FieldError(field, f"{field} must be in [{PRIORITY_MIN}, {PRIORITY_MAX}], "
+                                f"got {priority}")
     return priority
 
 
 def check_prompt(prompt_ids: Sequence[int], vocab_size: int, max_model_len: int,
                  output_ids: Sequence[int] = (), max_tokens: int | None = None) -> None:
-    """ValueError naming the field (prompt, output_token_ids, max_tokens) unless the
+    """FieldError naming the field (prompt, output_token_ids, max_tokens) unless the
     prompt can be served: non-empty, every id in the vocabulary, room for output in
     the context window (and for max_tokens of it, when given)."""
     if not prompt_ids:
-        raise ValueError("prompt is empty")
+        raise FieldError("prompt", "prompt is empty")
     n = len(prompt_ids) + len(output_ids)
     if n >= max_model_len:  # before reading the ids: an oversized prompt costs nothing
-        raise ValueError(f"prompt has {n} tokens; the context window (max_model_len) is "
-                         f"{max_model_len}, which leaves no room for output")
+        raise FieldError("prompt", f"prompt has {n} tokens; the context window (max_model_len) "
+                                   f"is {max_model_len}, which leaves no room for output")
     for name, seq in (("prompt", prompt_ids), ("output_token_ids", output_ids)):
         for t in seq:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
-                raise ValueError(f"{name}: token id {t!r} is outside the vocabulary "
-                                 f"[0, {vocab_size})")
+                raise FieldError(name, f"{name}: token id {t!r} is outside the vocabulary "
+                                       f"[0, {vocab_size})")
     if max_tokens is not None and len(prompt_ids) + max_tokens > max_model_len:
-        raise ValueError(f"max_tokens {max_tokens} + {len(prompt_ids)} prompt tokens exceed "
-                         f"the context window of {max_model_len}")
+        raise FieldError("max_tokens", f"max_tokens {max_tokens} + {len(prompt_ids)} prompt "
+                                       f"tokens exceed the context window of {max_model_len}")

@@ -26,6 +26,7 @@ import grpc
 from decode_svc.peers import KVPeerList, Peer, PeerCache
 from core.kv import blocks_for
 from engine.request import RemoteReservation, Request
+from core.states import FallbackReason
 from kvtransfer.base import (KVAuthError, KVCompatError, ReadPlan, SourceBlocks, TransferState,
                              get_backend)
 from kvtransfer.link import blocks_from_proto, ends_lease
@@ -35,10 +36,12 @@ from proto import decode_pb2_grpc as pb_grpc
 from worker.base import WorkerBase, invalid_argument
 from worker.config import WorkerConfig
 from worker import spans as worker_spans
+from proto.convert import FALLBACK
 from proto.convert import sampling_from_proto, top_to_proto
 
 log = logging.getLogger(__name__)
-_FALLBACK = {TransferState.EXPIRED: "lease_expired", TransferState.FAILED: "transfer_failed"}
+_FALLBACK = {TransferState.EXPIRED: FallbackReason.LEASE_EXPIRED,
+             TransferState.FAILED: FallbackReason.TRANSFER_FAILED}
 
 
 class DecodeService(WorkerBase, pb_grpc.DecodeServicer):
@@ -110,7 +113,7 @@ class DecodeService(WorkerBase, pb_grpc.DecodeServicer):
                 log.warning("kv handle of %s names %s, which no router's discovery lists (nor "
                             "--kv-peer); not dialing it, recomputing", req.request_id,
                             handle.endpoint)
-                self._fallback(trace, "unknown_peer")
+                self._fallback(trace, FallbackReason.UNKNOWN_PEER)
             else:
                 peer = await self._connect(stack, handle, req, trace, context)
             want = blocks_for(handle.num_tokens, self.engine.info.block_size)
@@ -132,11 +135,11 @@ class DecodeService(WorkerBase, pb_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except KVAuthError as e:
             log.warning("%s; recomputing %s", e, req.request_id)
-            self._fallback(trace, "unauthenticated_peer")
+            self._fallback(trace, FallbackReason.UNAUTHENTICATED_PEER)
         except Exception as e:  # noqa: BLE001 - unreachable peer: recompute here
             log.warning("prefill worker %s unreachable (%s); recomputing %s",
                         handle.endpoint, e, req.request_id)
-            self._fallback(trace, "peer_unreachable")
+            self._fallback(trace, FallbackReason.PEER_UNREACHABLE)
         return None
 
     async def _reserve_and_pull(self, req: Request, request: pb.GenerateRequest,
@@ -189,14 +192,15 @@ class DecodeService(WorkerBase, pb_grpc.DecodeServicer):
         except Exception as e:  # noqa: BLE001 - peer died mid-pull, malformed reply, ...
             log.warning("pull of %s failed (%s); recomputing", handle.request_id, e)
             self.peers.invalidate(peer)
-            return self._fallback(trace, "transfer_failed")
+            return self._fallback(trace, FallbackReason.TRANSFER_FAILED)
         trace.lease_ended = done.lease_ended
         if done.state is not TransferState.DONE:
             log.warning("pull of %s ended %s (%s); recomputing", handle.request_id,
                         done.state.name, done.error)
             if done.state is TransferState.FAILED:  # the source may have restarted
                 self.peers.invalidate(peer)
-            return self._fallback(trace, _FALLBACK.get(done.state, "transfer_failed"))
+            return self._fallback(trace, _FALLBACK.get(done.state,
+                                                       FallbackReason.TRANSFER_FAILED))
         trace.blocks_pulled, trace.bytes_pulled = plan.num_blocks, done.nbytes
         trace.transfer_seconds, trace.backend = done.seconds or 0.0, self.backend_name
         m = self.metrics
@@ -205,10 +209,10 @@ class DecodeService(WorkerBase, pb_grpc.DecodeServicer):
         m.labelled(m.kv_seconds).observe(done.seconds or 0.0)
         return True
 
-    def _fallback(self, trace: pb.KVTrace, reason: str) -> bool:
-        trace.fallback = reason
+    def _fallback(self, trace: pb.KVTrace, reason: FallbackReason) -> bool:
+        trace.fallback = FALLBACK.to_proto(reason)
         worker_spans.fallback(reason)
-        self.metrics.labelled(self.metrics.kv_fallbacks, reason=reason).inc()
+        self.metrics.labelled(self.metrics.kv_fallbacks, reason=reason.value).inc()
         return False
 
     async def _stream(self, q: asyncio.Queue, trace: pb.KVTrace, context, local: bool) -> None:

@@ -32,6 +32,7 @@ from core.sampling import SamplingParams
 from engine.kv_cache.swap import SwapPool
 from engine.scheduler import PreemptionPolicy, Scheduler
 from engine.spec.speculator import Speculator
+from core.states import PreemptionMode
 from core.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -53,8 +54,8 @@ class Handoff(Protocol):
 class EngineStats:
     """Cumulative counters the services export as metrics."""
 
-    preemptions: dict[str, int] = field(default_factory=dict)
-    """By mode: swap | recompute."""
+    preemptions: dict[PreemptionMode, int] = field(default_factory=dict)
+    """By mode."""
     swap_out_bytes: int = 0
     swap_in_bytes: int = 0
     swap_seconds: float = 0.0

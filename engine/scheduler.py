@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from engine.kv_cache.manager import KVCacheManager
 from engine.kv_cache.swap import SwapPool
 from engine.request import RemoteReservation, Request, RequestStatus
+from core.states import PreemptionMode
 
 
 @dataclass
@@ -40,8 +41,7 @@ class ScheduledBatch:
     rows, which verify 1 + k tokens, count as decodes)."""
 
     entries: list[tuple[Request, int]] = field(default_factory=list)
-    preempted: list[tuple[Request, str]] = field(default_factory=list)
-    """(request, "swap" | "recompute")"""
+    preempted: list[tuple[Request, PreemptionMode]] = field(default_factory=list)
     swap_out: list[tuple[list[int], list[int]]] = field(default_factory=list)
     """(device blocks, host blocks) to copy device -> host before the forward."""
     swap_in: list[tuple[list[int], list[int]]] = field(default_factory=list)
@@ -61,6 +61,11 @@ class PreemptionPolicy:
     """swap | recompute | auto (swap unless the context is short or the swap pool full)."""
     recompute_below_tokens: int = 256
     """auto: contexts shorter than this are recomputed (cheaper than two copies)."""
+
+    @property
+    def forced(self) -> PreemptionMode | None:
+        """The mode every preemption takes; None under auto."""
+        return None if self.mode == "auto" else PreemptionMode(self.mode)
 
 
 class Scheduler:
@@ -303,7 +308,7 @@ class Scheduler:
         req.num_preemptions += 1
         req.preempted_at = time.monotonic()
         mode = self._mode(req)
-        if mode == "swap":
+        if mode is PreemptionMode.SWAP:
             nblocks = self.kv.blocks_needed(req.num_computed_tokens)
             host = self.swap.allocate(req.request_id, nblocks)
             batch.swap_out.append((self.kv.table(req.request_id)[:nblocks], host))
@@ -318,12 +323,12 @@ class Scheduler:
             self.waiting.sort(key=Request.sort_key)
         batch.preempted.append((req, mode))
 
-    def _mode(self, req: Request) -> str:
-        p = self.policy
-        if p.mode == "recompute" or self.swap is None or req.num_computed_tokens == 0:
-            return "recompute"
-        if p.mode == "auto" and req.num_computed_tokens < p.recompute_below_tokens:
-            return "recompute"
+    def _mode(self, req: Request) -> PreemptionMode:
+        p, recompute = self.policy, PreemptionMode.RECOMPUTE
+        if p.forced is recompute or self.swap is None or req.num_computed_tokens == 0:
+            return recompute
+        if p.forced is None and req.num_computed_tokens < p.recompute_below_tokens:
+            return recompute
         if self.swap.num_free < self.kv.blocks_needed(req.num_computed_tokens):
-            return "recompute"  # the swap pool is full: recompute is the fallback
-        return "swap"
+            return recompute  # the swap pool is full: recompute is the fallback
+        return PreemptionMode.SWAP

@@ -296,7 +296,7 @@ class ReadHandle:
     """Backend-private state (xfer handle, future, socket)."""
     lease_ended: bool = False
     """Set by ``KVLinkClient.pull``: the source answered the Release, so the lease is over
-    (released, expired, a duplicate; not "unauthorized", which ends nothing)."""
+    (released, expired, a duplicate; not UNAUTHORIZED, which ends nothing)."""
 
     @property
     def seconds(self) -> float | None:

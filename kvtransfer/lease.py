@@ -14,12 +14,30 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Callable, Sequence
 
 from kvtransfer.base import LeaseError
 
 _ENDED_MEMORY = 4096
 """Ended leases remembered to tell a duplicate release from an unknown one."""
+
+
+class ReleaseReason(Enum):
+    """What a release found (the ReleaseReply's reason; kvtransfer/link.py converts)."""
+
+    RELEASED = "released"
+    """This call ended the live lease."""
+    DUPLICATE = "duplicate"
+    """Already released."""
+    EXPIRED = "expired"
+    """The lease expired first."""
+    EPOCH_MISMATCH = "epoch_mismatch"
+    """The request holds a newer lease."""
+    UNKNOWN = "unknown"
+    """No such lease (or one ended too long ago to be remembered)."""
+    UNAUTHORIZED = "unauthorized"
+    """Wrong lease token: nothing ended."""
 
 
 @dataclass(frozen=True)
@@ -54,7 +72,7 @@ class LeaseTable:
         self._wall_clock = wall_clock
         self._lock = threading.Lock()
         self._leases: dict[str, Lease] = {}
-        self._ended: OrderedDict[tuple[str, int], tuple[str, Lease]] = OrderedDict()
+        self._ended: OrderedDict[tuple[str, int], tuple[ReleaseReason, Lease]] = OrderedDict()
         self._next_epoch = time.time_ns()
 
     def grant(self, request_id: str, block_ids: Sequence[int], ttl_s: float) -> Lease:
@@ -84,9 +102,8 @@ class LeaseTable:
         return self.release_with_reason(request_id, epoch, token)[0]
 
     def release_with_reason(self, request_id: str, epoch: int, token: str
-                            ) -> tuple[list[int] | None, str]:
-        """``release`` plus why: "released", "duplicate", "expired",
-        "epoch_mismatch", "unknown" or "unauthorized" (the ReleaseReply reasons)."""
+                            ) -> tuple[list[int] | None, ReleaseReason]:
+        """``release`` plus why (the ReleaseReply's reason)."""
         lease, reason = self.end(request_id, epoch, token)
         return (None if lease is None else list(lease.block_ids)), reason
 
@@ -96,10 +113,11 @@ class LeaseTable:
         with self._lock:
             lease = self._leases.pop(request_id, None)
             if lease is not None:
-                self._remember(lease, "released")
+                self._remember(lease, ReleaseReason.RELEASED)
             return lease
 
-    def end(self, request_id: str, epoch: int, token: str) -> tuple[Lease | None, str]:
+    def end(self, request_id: str, epoch: int, token: str
+            ) -> tuple[Lease | None, ReleaseReason]:
         """Like ``release_with_reason``, returning the ended lease itself."""
         with self._lock:
             lease = self._leases.get(request_id)
@@ -107,16 +125,19 @@ class LeaseTable:
                 how, ended = self._ended.get((request_id, epoch), (None, None))
                 if ended is not None:
                     if not ended.admits(token):
-                        return None, "unauthorized"
-                    return None, "duplicate" if how == "released" else how
-                return None, "unknown" if lease is None else "epoch_mismatch"
+                        return None, ReleaseReason.UNAUTHORIZED
+                    # how it ended: released (so this is a duplicate) or expired
+                    return None, (ReleaseReason.DUPLICATE if how is ReleaseReason.RELEASED
+                                  else how)
+                return None, (ReleaseReason.UNKNOWN if lease is None
+                              else ReleaseReason.EPOCH_MISMATCH)
             if not lease.admits(token):
-                return None, "unauthorized"
+                return None, ReleaseReason.UNAUTHORIZED
             if self._clock() >= lease.deadline:
-                return None, "expired"
+                return None, ReleaseReason.EXPIRED
             del self._leases[request_id]
-            self._remember(lease, "released")
-            return lease, "released"
+            self._remember(lease, ReleaseReason.RELEASED)
+            return lease, ReleaseReason.RELEASED
 
     def expire(self, now: float | None = None) -> list[Lease]:
         """Remove every lease whose deadline is at or before ``now`` (default:
@@ -126,7 +147,7 @@ class LeaseTable:
             gone = [lease for lease in self._leases.values() if lease.deadline <= now]
             for lease in gone:
                 del self._leases[lease.request_id]
-                self._remember(lease, "expired")
+                self._remember(lease, ReleaseReason.EXPIRED)
             return gone
 
     def check_readable(self, request_id: str, epoch: int, token: str,
@@ -139,7 +160,7 @@ class LeaseTable:
             if lease is None or lease.epoch != epoch:
                 how, ended = self._ended.get((request_id, epoch), (None, None))
                 if ended is not None and ended.admits(token):
-                    raise LeaseError(f"lease {request_id!r} epoch {epoch} was {how}")
+                    raise LeaseError(f"lease {request_id!r} epoch {epoch} was {how.value}")
                 if lease is None:
                     raise LeaseError(f"no lease for request {request_id!r}")
                 raise LeaseError(f"lease {request_id!r}: epoch {epoch} != live epoch {lease.epoch}")
@@ -160,7 +181,8 @@ class LeaseTable:
         with self._lock:
             return len(self._leases)
 
-    def _remember(self, lease: Lease, how: str) -> None:
+    def _remember(self, lease: Lease, how: ReleaseReason) -> None:
+        """how: RELEASED or EXPIRED."""
         self._ended[(lease.request_id, lease.epoch)] = (how, lease)
         while len(self._ended) > _ENDED_MEMORY:
             self._ended.popitem(last=False)

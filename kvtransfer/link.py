@@ -27,7 +27,8 @@ from kvtransfer.base import (CompatRecord, KVAuthError, KVCompatError, KVReader,
                              TransferState, poll_pauses)
 from auth.grpc_auth import channel as auth_channel
 from auth.tokens import proof
-from kvtransfer.lease import Lease, LeaseTable
+from proto.convert import WireEnum
+from kvtransfer.lease import Lease, LeaseTable, ReleaseReason
 from proto import kv_link_pb2 as pb
 from proto import kv_link_pb2_grpc as pb_grpc
 from tracing.rpc import client_interceptors
@@ -69,10 +70,14 @@ def info_from_proto(m: pb.HandshakeReply) -> SourceInfo:
                       data_host=m.data_host, data_port=m.data_port)
 
 
-def ends_lease(reason: str) -> bool:
+RELEASE = WireEnum(ReleaseReason, pb.ReleaseReason, "RELEASE_")
+"""ReleaseReply.reason."""
+
+
+def ends_lease(reason: ReleaseReason | None) -> bool:
     """Whether a ReleaseReply's reason means the lease is over: any answer but
-    "unauthorized" (a wrong token ends nothing); "" stands for no answer at all."""
-    return reason not in ("", "unauthorized")
+    UNAUTHORIZED (a wrong token ends nothing); None stands for no answer at all."""
+    return reason is not None and reason is not ReleaseReason.UNAUTHORIZED
 
 
 def blocks_to_proto(b: SourceBlocks) -> pb.KVHandle:
@@ -124,7 +129,7 @@ class KVLinkServicer(pb_grpc.KVLinkServicer):
         lease, reason = self.leases.end(request.request_id, request.epoch, request.lease_token)
         if lease is not None:
             self.lease_ended(lease)
-        return pb.ReleaseReply(released=lease is not None, reason=reason)
+        return pb.ReleaseReply(released=lease is not None, reason=RELEASE.to_proto(reason))
 
     def reap_expired(self) -> int:
         """Free the blocks of every expired lease; returns how many leases.
@@ -173,12 +178,14 @@ class KVLinkClient:
                               "holds the cluster secret; not reading KV from it")
         return info_from_proto(reply)
 
-    async def release(self, request_id: str, epoch: int, token: str) -> tuple[bool, str]:
-        """(released, reason) as the source's ReleaseReply says."""
+    async def release(self, request_id: str, epoch: int, token: str
+                      ) -> tuple[bool, ReleaseReason | None]:
+        """(released, reason) as the source's ReleaseReply says (reason None: a source
+        that predates the enum gave none)."""
         reply = await self._stub.Release(
             pb.ReleaseRequest(request_id=request_id, epoch=epoch, lease_token=token),
             timeout=self._rpc_timeout_s)
-        return reply.released, reply.reason
+        return reply.released, RELEASE.from_proto(reply.reason)
 
     async def pull(self, reader: KVReader, peer: PeerId, plan: ReadPlan,
                    timeout_s: float = 30.0) -> ReadHandle:
@@ -200,25 +207,25 @@ class KVLinkClient:
             released, reason = await self._release_quietly(plan)
         handle.lease_ended = ends_lease(reason)
         if handle.state is TransferState.DONE and not released and not reader.confirms_lease:
-            if reason:
+            if reason is not None:
                 handle.finish(TransferState.EXPIRED, LeaseError(
-                    f"lease {plan.request_id!r} epoch {plan.epoch} was {reason} at release; "
-                    f"the {handle.nbytes} bytes read are discarded"))
+                    f"lease {plan.request_id!r} epoch {plan.epoch} was {reason.value} at "
+                    f"release; the {handle.nbytes} bytes read are discarded"))
             else:
                 handle.finish(TransferState.FAILED, KVTransferError(
                     f"could not release lease {plan.request_id!r} epoch {plan.epoch}, so the "
                     f"one-sided read is unconfirmed; the {handle.nbytes} bytes are discarded"))
         return handle
 
-    async def _release_quietly(self, plan: ReadPlan) -> tuple[bool, str]:
-        """Release; a failed RPC is logged and reads as (False, "") (the
+    async def _release_quietly(self, plan: ReadPlan) -> tuple[bool, ReleaseReason | None]:
+        """Release; a failed RPC is logged and reads as (False, None): no answer (the
         source will expire the lease itself)."""
         try:
             return await self.release(plan.request_id, plan.epoch, plan.lease_token)
         except grpc.aio.AioRpcError as e:
             log.warning("kv release of %s epoch %d at %s failed: %s %s", plan.request_id,
                         plan.epoch, self.endpoint, e.code().name, e.details())
-            return False, ""
+            return False, None
 
     async def close(self) -> None:
         await self._channel.close()

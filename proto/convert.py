@@ -1,4 +1,6 @@
-"""Proto <-> core value conversions: sampling parameters and logprobs.
+"""Proto <-> core value conversions: sampling parameters, logprobs, the enums of the
+states that cross a link (``WireEnum``), and the field a client's error names
+(``field_error_trailer``).
 
 Hand-written beside the generated code: the values are core's (torch-free), so both
 sides of a link use one conversion, the router (which fills the requests) and the
@@ -6,9 +8,42 @@ workers (which read them). KV events and load reports are the workers' own
 (worker/events.py, worker/base.py); the engine itself knows no proto."""
 from __future__ import annotations
 
+from enum import Enum
+from typing import Generic, Iterable, TypeVar
+
+from google.protobuf.any_pb2 import Any
+from google.protobuf.internal.enum_type_wrapper import EnumTypeWrapper
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+
+from core.errors import FieldError
 from core.guided.spec import GuidedSpec
 from core.sampling import SamplingParams
+from core.states import FallbackReason
 from proto import common_pb2 as common
+from proto import decode_pb2
+
+E = TypeVar("E", bound=Enum)
+
+
+class WireEnum(Generic[E]):
+    """A Python enum and its proto twin, paired by name (proto name = prefix + member
+    name; building the pair fails at import when a member has no twin). The proto's
+    0 (..._UNSPECIFIED: "none", or "no answer") is None here, and so is a value newer
+    than this process knows, which reads as no answer too."""
+
+    def __init__(self, members: type[E], wire: EnumTypeWrapper, prefix: str) -> None:
+        self._to = {m: wire.Value(prefix + m.name) for m in members}
+        self._from = {v: m for m, v in self._to.items()}
+
+    def to_proto(self, member: E | None) -> int:
+        return 0 if member is None else self._to[member]
+
+    def from_proto(self, value: int) -> E | None:
+        return self._from.get(value)
+
+
+FALLBACK = WireEnum(FallbackReason, decode_pb2.FallbackReason, "FALLBACK_")
+"""KVTrace.fallback."""
 
 
 def sampling_from_proto(m: common.SamplingParams) -> SamplingParams:
@@ -49,3 +84,31 @@ def top_to_proto(top: list[tuple[int, float]]) -> common.TopLogprobs:
 
 def top_from_proto(m: common.TopLogprobs) -> list[tuple[int, float]]:
     return list(zip(m.token_ids, m.logprobs))
+
+
+STATUS_DETAILS_KEY = "grpc-status-details-bin"
+"""The trailer of gRPC's rich error model: a google.rpc.Status, which grpcio-status
+and every other language's gRPC read. Written here in a few lines rather than with
+grpcio-status, which would pin protobuf for two functions."""
+
+
+def field_error_trailer(e: FieldError) -> tuple[tuple[str, bytes], ...]:
+    """The trailing metadata of an INVALID_ARGUMENT for a client's error: a Status whose
+    google.rpc.BadRequest names the field, so no caller parses the message for it."""
+    violation = error_details_pb2.BadRequest.FieldViolation(field=e.field, description=str(e))
+    detail = Any()
+    detail.Pack(error_details_pb2.BadRequest(field_violations=[violation]))
+    status = status_pb2.Status(code=code_pb2.INVALID_ARGUMENT, message=str(e), details=[detail])
+    return ((STATUS_DETAILS_KEY, status.SerializeToString()),)
+
+
+def field_of(trailers: Iterable[tuple[str, str | bytes]] | None) -> str | None:
+    """The field a peer's error named (``field_error_trailer``), or None."""
+    for key, value in trailers or ():
+        if key != STATUS_DETAILS_KEY or not isinstance(value, bytes):
+            continue
+        for detail in status_pb2.Status.FromString(value).details:
+            bad = error_details_pb2.BadRequest()
+            if detail.Unpack(bad) and bad.field_violations:
+                return bad.field_violations[0].field
+    return None

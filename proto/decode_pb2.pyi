@@ -1,12 +1,28 @@
 from proto import common_pb2 as _common_pb2
 from proto import kv_link_pb2 as _kv_link_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class FallbackReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FALLBACK_REASON_UNSPECIFIED: _ClassVar[FallbackReason]
+    FALLBACK_LEASE_EXPIRED: _ClassVar[FallbackReason]
+    FALLBACK_PEER_UNREACHABLE: _ClassVar[FallbackReason]
+    FALLBACK_TRANSFER_FAILED: _ClassVar[FallbackReason]
+    FALLBACK_UNKNOWN_PEER: _ClassVar[FallbackReason]
+    FALLBACK_UNAUTHENTICATED_PEER: _ClassVar[FallbackReason]
+FALLBACK_REASON_UNSPECIFIED: FallbackReason
+FALLBACK_LEASE_EXPIRED: FallbackReason
+FALLBACK_PEER_UNREACHABLE: FallbackReason
+FALLBACK_TRANSFER_FAILED: FallbackReason
+FALLBACK_UNKNOWN_PEER: FallbackReason
+FALLBACK_UNAUTHENTICATED_PEER: FallbackReason
 
 class KVPeers(_message.Message):
     __slots__ = ("router_id", "prefill_endpoints")
@@ -55,10 +71,10 @@ class KVTrace(_message.Message):
     blocks_pulled: int
     bytes_pulled: int
     transfer_seconds: float
-    fallback: str
+    fallback: FallbackReason
     backend: str
     lease_ended: bool
-    def __init__(self, local_cached_tokens: _Optional[int] = ..., blocks_pulled: _Optional[int] = ..., bytes_pulled: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., fallback: _Optional[str] = ..., backend: _Optional[str] = ..., lease_ended: _Optional[bool] = ...) -> None: ...
+    def __init__(self, local_cached_tokens: _Optional[int] = ..., blocks_pulled: _Optional[int] = ..., bytes_pulled: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., fallback: _Optional[_Union[FallbackReason, str]] = ..., backend: _Optional[str] = ..., lease_ended: _Optional[bool] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
     __slots__ = ("token_ids", "finished", "finish_reason", "num_prompt_tokens", "num_output_tokens", "trace", "logprobs", "top_logprobs", "spec")

@@ -7,6 +7,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ReleaseReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RELEASE_REASON_UNSPECIFIED: _ClassVar[ReleaseReason]
+    RELEASE_RELEASED: _ClassVar[ReleaseReason]
+    RELEASE_DUPLICATE: _ClassVar[ReleaseReason]
+    RELEASE_EXPIRED: _ClassVar[ReleaseReason]
+    RELEASE_EPOCH_MISMATCH: _ClassVar[ReleaseReason]
+    RELEASE_UNKNOWN: _ClassVar[ReleaseReason]
+    RELEASE_UNAUTHORIZED: _ClassVar[ReleaseReason]
+
 class ReadStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     READ_STATUS_UNSPECIFIED: _ClassVar[ReadStatus]
@@ -14,6 +24,13 @@ class ReadStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     READ_MALFORMED: _ClassVar[ReadStatus]
     READ_LEASE: _ClassVar[ReadStatus]
     READ_INTERNAL: _ClassVar[ReadStatus]
+RELEASE_REASON_UNSPECIFIED: ReleaseReason
+RELEASE_RELEASED: ReleaseReason
+RELEASE_DUPLICATE: ReleaseReason
+RELEASE_EXPIRED: ReleaseReason
+RELEASE_EPOCH_MISMATCH: ReleaseReason
+RELEASE_UNKNOWN: ReleaseReason
+RELEASE_UNAUTHORIZED: ReleaseReason
 READ_STATUS_UNSPECIFIED: ReadStatus
 READ_OK: ReadStatus
 READ_MALFORMED: ReadStatus
@@ -119,8 +136,8 @@ class ReleaseReply(_message.Message):
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     released: bool
-    reason: str
-    def __init__(self, released: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+    reason: ReleaseReason
+    def __init__(self, released: _Optional[bool] = ..., reason: _Optional[_Union[ReleaseReason, str]] = ...) -> None: ...
 
 class ReadRequest(_message.Message):
     __slots__ = ("request_id", "epoch", "block_ids", "block_bytes", "lease_token")

@@ -16,7 +16,6 @@ any duplicate id outright. One deadline bounds the whole request, retries includ
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -36,9 +35,11 @@ from proto import decode_pb2, prefill_pb2
 from router.config import RouterConfig
 from router.outcomes import DeadlineExceeded, NoWorkerError, WorkerError
 from router.placement import Placer
+from router.trace import Failover, RequestPath, Trace
 from router.workers import Worker, WorkerPool
 from router import spans as router_spans
 from tracing.spans import calling
+from proto.convert import FALLBACK, field_of
 from proto.convert import sampling_to_proto, top_from_proto
 
 log = logging.getLogger(__name__)
@@ -67,42 +68,6 @@ class Delta:
     finish_reason: str | None = None
     logprobs: list[Logprob] = field(default_factory=list)
     """One per token id, when logprobs were requested."""
-
-
-@dataclass
-class Trace:
-    request_id: str
-    client_request_id: str = ""
-    """The client's x-request-id, if it sent one (echoed and logged, never a key)."""
-    path: str = ""
-    """disaggregated | local_prefill"""
-    prefill_worker: str = ""
-    decode_worker: str = ""
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    predicted_cached_tokens: int = 0
-    """Prompt tokens the chosen worker's KV events said it held (the one that prefills)."""
-    realized_cached_tokens: int = 0
-    """Prompt tokens that worker really served from its prefix cache: the prefill
-    worker's on the disaggregated path, the decode worker's on the local one."""
-    decode_cached_tokens: int = 0
-    """Prompt tokens the decode worker already held, so it did not pull them."""
-    blocks_pulled: int = 0
-    bytes_pulled: int = 0
-    transfer_seconds: float = 0.0
-    fallback: str = ""
-    retries: int = 0
-    """Workers replaced after a failure (prefill before its first token, decode mid-stream)."""
-    spec_proposed_tokens: int = 0
-    spec_accepted_tokens: int = 0
-    spec_verifications: int = 0
-    """Speculative decoding on the decode workers (summed over attempts)."""
-    queue_seconds: float = 0.0
-    ttft_seconds: float = 0.0
-    e2e_seconds: float = 0.0
-
-    def json(self) -> str:
-        return json.dumps(self.__dict__, sort_keys=True)
 
 
 class RequestFlow:
@@ -166,7 +131,7 @@ class RequestFlow:
                 self.pool.mark_down(r.worker)
                 trace.retries += 1
                 router_spans.retry(r.worker, r.reason, attempt, len(req.generated))
-                trace.fallback = trace.fallback or f"{r.worker.role}_failover"
+                trace.fallback = trace.fallback or Failover.of(r.worker.role)
                 log.warning("request %s: %s worker %s failed (%s); retrying elsewhere with %d "
                             "tokens generated", req.rid, r.worker.role, r.worker.name, r.reason,
                             len(req.generated))
@@ -196,7 +161,7 @@ class RequestFlow:
                                          cache_salt=req.cache_salt)
         threshold = self.config.local_prefill_threshold
         if threshold is not None and prefillers and len(context) - cached > threshold:
-            trace.path = "disaggregated"
+            trace.path = RequestPath.DISAGGREGATED
             prefill, p_overlap = self.placer.choose(prefillers, hashes, need)
             trace.prefill_worker = prefill.name
             trace.predicted_cached_tokens = max(cached, p_overlap * bs)
@@ -212,7 +177,7 @@ class RequestFlow:
             gen.output_token_ids.append(first.first_token)
             gen.kv_handle.CopyFrom(first.kv_handle)
         else:
-            trace.path = "local_prefill"
+            trace.path = RequestPath.LOCAL_PREFILL
             trace.predicted_cached_tokens = cached
         with router_spans.decode_call(decode, wid) as span:
             async for item in self._decode(decode, wid, gen, req, trace, span):
@@ -343,7 +308,8 @@ def _failure(worker: Worker, e: grpc.aio.AioRpcError, req: _Request) -> Exceptio
                                 f"{e.details()}")
     if e.code() in RETRYABLE:
         return _Retry(worker, e.code().name)
-    return WorkerError(e.code(), f"{worker.role} worker {worker.name}: {e.details()}")
+    return WorkerError(e.code(), f"{worker.role} worker {worker.name}: {e.details()}",
+                       field_of(e.trailing_metadata()))
 
 
 class _Retry(Exception):
@@ -356,13 +322,14 @@ class _Retry(Exception):
 
 def _absorb(trace: Trace, t: decode_pb2.KVTrace) -> None:
     trace.decode_cached_tokens = t.local_cached_tokens
-    if trace.path == "local_prefill":
+    if trace.path is RequestPath.LOCAL_PREFILL:
         trace.realized_cached_tokens = t.local_cached_tokens
     trace.blocks_pulled += t.blocks_pulled
     trace.bytes_pulled += t.bytes_pulled
     trace.transfer_seconds += t.transfer_seconds
-    if t.fallback:
-        trace.fallback = t.fallback
+    reason = FALLBACK.from_proto(t.fallback)
+    if reason is not None:
+        trace.fallback = reason
 
 
 class _TextStream:

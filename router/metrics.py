@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from router.trace import RequestPath
+
 _TTFT = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _ITL = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1, 2.5)
 _E2E = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -37,6 +39,6 @@ class RouterMetrics:
                              registry=r)
         for role in ("prefill", "decode"):  # every series exists from the start
             self.healthy.labels(role=role)
-        for path in ("disaggregated", "local_prefill"):
+        for path in RequestPath:
             for reason in ("stop", "length", "abort", "error"):
-                self.requests.labels(path=path, finish_reason=reason)
+                self.requests.labels(path=path.value, finish_reason=reason)

@@ -12,9 +12,11 @@ class NoWorkerError(RuntimeError):
 class WorkerError(RuntimeError):
     """A worker refused the request (its gRPC status maps to an HTTP code)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, field: str | None = None) -> None:
         super().__init__(message)
         self.code = code
+        self.field = field
+        """The request field the worker named (INVALID_ARGUMENT's status details)."""
 
 
 class DeadlineExceeded(RuntimeError):

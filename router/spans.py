@@ -15,6 +15,7 @@ from typing import ContextManager, Iterator, Mapping
 
 from opentelemetry.trace import Span
 
+from proto.convert import FALLBACK
 from proto import decode_pb2, prefill_pb2
 from router.workers import Worker
 from tracing import spans
@@ -65,8 +66,9 @@ def kv_trace(span: Span, t: decode_pb2.KVTrace) -> None:
                           "tandem.bytes_pulled": t.bytes_pulled,
                           "tandem.local_cached_tokens": t.local_cached_tokens,
                           "tandem.lease_ended": t.lease_ended})
-    if t.fallback:
-        spans.event("tandem.kv_fallback", {"tandem.reason": t.fallback}, span)
+    reason = FALLBACK.from_proto(t.fallback)
+    if reason is not None:
+        spans.event("tandem.kv_fallback", {"tandem.reason": reason.value}, span)
 
 
 def retry(worker: Worker, reason: str, attempt: int, generated: int) -> None:
@@ -78,7 +80,7 @@ def retry(worker: Worker, reason: str, attempt: int, generated: int) -> None:
 
 
 def finish_request(fields: Mapping[str, object], finish_reason: str) -> None:
-    """A finished request's trace (router/flow.py Trace, as a mapping) on the current
+    """A finished request's trace (router/trace.py Trace.fields) on the current
     span, the request's server span: every field as tandem.<field> (the --log-requests
     line's), the token counts and finish reason also under their gen_ai names."""
     span = spans.current()

@@ -23,6 +23,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from core.errors import FieldError
 from core.guided.compiler import JSON_STYLE
 from core.guided.spec import GuidedSpec
 
@@ -102,7 +103,7 @@ def _plain(message: dict) -> dict:
     if isinstance(m.get("content"), list):
         parts = m["content"]
         if any(not isinstance(p, dict) or p.get("type") != "text" for p in parts):
-            raise ValueError("messages: only text content parts are supported")
+            raise FieldError("messages", "messages: only text content parts are supported")
         m["content"] = "".join(str(p.get("text", "")) for p in parts)
     if m.get("tool_calls"):
         m["tool_calls"] = [_call_for_template(c) for c in m["tool_calls"]]

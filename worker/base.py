@@ -11,6 +11,7 @@ import grpc
 from auth.grpc_auth import ServerAuth
 from auth.secret import load_cluster_secret
 from auth.targets import join, server_names
+from core.errors import FieldError
 from core.kv.layout import scale_layout
 from engine.llm_engine import Handoff, LLMEngine
 from engine.request import RequestOutput
@@ -20,6 +21,7 @@ from kvtransfer.base import CompatRecord
 from proto import common_pb2 as common
 from worker.config import WorkerConfig
 from worker.events import events_to_proto
+from proto.convert import field_error_trailer
 from worker.events import KVEventHub
 from worker.metrics import WorkerMetrics
 from worker import server as grpc_server
@@ -182,7 +184,7 @@ class WorkerBase:
             await context.abort(grpc.StatusCode.CANCELLED, str(error))
         if isinstance(error, EngineDead):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.worker_id}: {error}")
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        await invalid_argument(context, error)
 
 
 def load_to_proto(load: EngineLoad, worker_id: str, block_size: int,
@@ -198,4 +200,7 @@ def load_to_proto(load: EngineLoad, worker_id: str, block_size: int,
 
 
 async def invalid_argument(context: grpc.aio.ServicerContext, error: Exception) -> None:
-    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+    """INVALID_ARGUMENT with the error's message; a FieldError's field travels in the
+    status details (engine/wire.py field_error_trailer)."""
+    trailer = field_error_trailer(error) if isinstance(error, FieldError) else ()
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error), trailer)

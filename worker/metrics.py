@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from core.states import FallbackReason, PreemptionMode
+
 if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
 
@@ -80,11 +82,10 @@ class WorkerMetrics:
             self.labelled(metric)
         for reason in ("stop", "length", "abort", "error", "handoff"):
             self.labelled(self.requests, finish_reason=reason)
-        for reason in ("lease_expired", "peer_unreachable", "transfer_failed", "unknown_peer",
-                       "unauthenticated_peer"):
-            self.labelled(self.kv_fallbacks, reason=reason)
-        for mode in ("swap", "recompute"):
-            self.labelled(self.preemptions, mode=mode)
+        for fallback in FallbackReason:
+            self.labelled(self.kv_fallbacks, reason=fallback.value)
+        for mode in PreemptionMode:
+            self.labelled(self.preemptions, mode=mode.value)
         for direction in ("in", "out"):
             self.labelled(self.swap_bytes, direction=direction)
         for kind in ("quantization", "compile", "paged_decode"):
@@ -162,7 +163,7 @@ class WorkerMetrics:
         for mode, n in st.preemptions.items():
             grown = n - (last.preemptions.get(mode, 0) if last else 0)
             if grown:
-                self.labelled(self.preemptions, mode=mode).inc(grown)
+                self.labelled(self.preemptions, mode=mode.value).inc(grown)
         pairs = ((self.labelled(self.swap_bytes, direction="out"), st.swap_out_bytes, "swap_out_bytes"),
                  (self.labelled(self.swap_bytes, direction="in"), st.swap_in_bytes, "swap_in_bytes"),
                  (self.labelled(self.swap_seconds), st.swap_seconds, "swap_seconds"),

@@ -17,6 +17,7 @@ from typing import Awaitable, Callable, Iterator
 from opentelemetry.trace import Span
 
 from engine.request import Request, RequestOutput
+from core.states import FallbackReason
 from kvtransfer.base import SourceBlocks
 from proto import decode_pb2, kv_link_pb2
 from tracing import spans
@@ -68,10 +69,10 @@ def reserving(req: Request, num_kv_tokens: int) -> Iterator[Span]:
         yield span
 
 
-def fallback(reason: str) -> None:
+def fallback(reason: FallbackReason) -> None:
     """The decode worker recomputes the prompt instead of pulling it: an event on the
     current span (the pull's, or the request's when no pull started)."""
-    spans.event("tandem.kv_fallback", {"tandem.reason": reason})
+    spans.event("tandem.kv_fallback", {"tandem.reason": reason.value})
 
 
 def pull_span(pull: Callable[..., Awaitable[bool]]) -> Callable[..., Awaitable[bool]]:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import llguidance
 
+from core.errors import FieldError
 from core.guided.acceptor import GrammarAcceptor
 from core.guided.budget import (COMPILE_SECONDS, SEARCH_SECONDS, TOO_DEEP, Deadline, check_depth,
                                 parser_limits)
@@ -211,21 +212,21 @@ class GrammarCompiler:
         """The whole check of one request's constraint, within the budgets of
         core/guided/budget.py: each of ``schemas`` ((its field, a JSON Schema), e.g. a
         tool's parameters) is a valid schema, the grammar compiles, and a complete
-        output fits in max_tokens. ValueError naming the field (or max_tokens). Up to
+        output fits in max_tokens. FieldError naming the field (or max_tokens). Up to
         about COMPILE_SECONDS + SEARCH_SECONDS of CPU: call it off any event loop."""
         for name, schema in schemas:
             try:
                 check_schema(schema)
             except ValueError as e:
-                raise ValueError(f"{name}: {e}") from None
+                raise FieldError(name, f"{name}: {e}") from None
         try:
             self._compiled(spec)
         except ValueError as e:
-            raise ValueError(f"{field}: {e}") from None
+            raise FieldError(field, f"{field}: {e}") from None
         need = self.min_tokens(spec)
         if need is not None and need > max_tokens:
-            raise ValueError(f"max_tokens: {max_tokens} is too few for {field}: its shortest "
-                             f"complete output takes {need} tokens")
+            raise FieldError("max_tokens", f"max_tokens: {max_tokens} is too few for {field}: "
+                                           f"its shortest complete output takes {need} tokens")
 
     def accepts(self, spec: GuidedSpec, text: str) -> bool:
         """Whether ``text`` is a complete output of the grammar."""

@@ -8,6 +8,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 
+from core.errors import FieldError
 from core.limits import MAX_GUIDED_CHARS
 
 KINDS = ("json_schema", "regex", "choice", "grammar", "llguidance")
@@ -28,12 +29,14 @@ class GuidedSpec:
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
-            raise ValueError(f"guided.kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+            raise FieldError("guided.kind", f"guided.kind must be one of {', '.join(KINDS)}, "
+                                            f"got {self.kind!r}")
         if not isinstance(self.text, str) or not self.text:
-            raise ValueError(f"guided.text must be a non-empty string ({self.kind})")
+            raise FieldError("guided.text",
+                             f"guided.text must be a non-empty string ({self.kind})")
         if len(self.text) > MAX_GUIDED_CHARS:
-            raise ValueError(f"guided.text: at most {MAX_GUIDED_CHARS} characters, "
-                             f"got {len(self.text)} ({self.kind})")
+            raise FieldError("guided.text", f"guided.text: at most {MAX_GUIDED_CHARS} "
+                                            f"characters, got {len(self.text)} ({self.kind})")
 
     @property
     def key(self) -> str:

@@ -18,6 +18,8 @@ import hashlib
 import struct
 from typing import NewType, Sequence
 
+from core.errors import FieldError
+
 BlockHash = NewType("BlockHash", bytes)
 MAX_SALT_BYTES = 64
 """Longest cache salt a worker takes (the router sends a 32-byte digest)."""
@@ -55,9 +57,9 @@ def hash_token_blocks(tokens: Sequence[int], block_size: int, seed: int,
 
 
 def check_salt(salt: bytes) -> bytes:
-    """ValueError naming cache_salt unless a worker can take it (its value is never
+    """FieldError naming cache_salt unless a worker can take it (its value is never
     put in the message: it identifies a tenant's cache)."""
     if not isinstance(salt, bytes) or len(salt) > MAX_SALT_BYTES:
-        raise ValueError(f"cache_salt: at most {MAX_SALT_BYTES} bytes, got "
-                         f"{len(salt) if isinstance(salt, bytes) else type(salt).__name__}")
+        got = len(salt) if isinstance(salt, bytes) else type(salt).__name__
+        raise FieldError("cache_salt", f"cache_salt: at most {MAX_SALT_BYTES} bytes, got {got}")
     return salt

@@ -1,7 +1,8 @@
 """Per-request sampling parameters (OpenAI / vLLM semantics).
 
 Validated once at the API boundary so the sampler's hot path can trust every
-value; a bad value raises ValueError naming the field and its allowed range.
+value; a bad value raises FieldError (a ValueError) naming the field and its allowed
+range.
 """
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from core.errors import FieldError
 from core.guided.spec import GuidedSpec
 from core.limits import (GREEDY_TEMPERATURE, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
                          MAX_STOP_TOKEN_IDS, MAX_TOP_K)
@@ -21,18 +23,18 @@ MAX_SEED = 2**63 - 1
 
 def _check_int(name: str, value: Any, lo: int, hi: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
+        raise FieldError(name, f"{name} must be an integer, got {value!r}")
     if value < lo or (hi is not None and value > hi):
         rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise ValueError(f"{name} must be {rng}, got {value}")
+        raise FieldError(name, f"{name} must be {rng}, got {value}")
 
 
 def _check_float(name: str, value: Any, lo: float, hi: float, lo_open: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-        raise ValueError(f"{name} must be a number, got {value!r}")
+        raise FieldError(name, f"{name} must be a number, got {value!r}")
     if (value <= lo if lo_open else value < lo) or value > hi:
         rng = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
-        raise ValueError(f"{name} must be in {rng}, got {value}")
+        raise FieldError(name, f"{name} must be in {rng}, got {value}")
 
 
 @dataclass(frozen=True)
@@ -90,22 +92,25 @@ class SamplingParams:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         self._normalise_stops()
         if self.guided is not None and not isinstance(self.guided, GuidedSpec):
-            raise ValueError(f"guided must be a GuidedSpec, got {type(self.guided).__name__}")
+            raise FieldError("guided", f"guided must be a GuidedSpec, "
+                                       f"got {type(self.guided).__name__}")
 
     def _normalise_stops(self) -> None:
         """Accept lists (JSON) and a bare string, store tuples so the object stays hashable."""
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if len(stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
+            raise FieldError("stop", f"stop: at most {MAX_STOP_STRINGS} stop strings, "
+                                     f"got {len(stop)}")
         for s in stop:
             if not isinstance(s, str) or not s:
-                raise ValueError(f"stop must contain non-empty strings, got {s!r}")
+                raise FieldError("stop", f"stop must contain non-empty strings, got {s!r}")
             if len(s) > MAX_STOP_STRING_CHARS:
-                raise ValueError(f"stop: each stop string may have at most "
-                                 f"{MAX_STOP_STRING_CHARS} characters, got one of {len(s)}")
+                raise FieldError("stop", f"stop: each stop string may have at most "
+                                         f"{MAX_STOP_STRING_CHARS} characters, got one of {len(s)}")
         ids = tuple(self.stop_token_ids)
         if len(ids) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS}, got {len(ids)}")
+            raise FieldError("stop_token_ids", f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS}, "
+                                               f"got {len(ids)}")
         for t in ids:
             _check_int("stop_token_ids", t, 0)
         object.__setattr__(self, "stop", stop)

@@ -20,13 +20,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import generate_latest
 
 from core.kv import blocks_for
-from router.flow import Delta, Trace
+from router.flow import Delta
 from router.http.errors import APIError
 from router.http.intake import Intake, Reader
 from router.http.render import LogprobFormat, ResponseShape
 from router.outcomes import DeadlineExceeded, NoWorkerError, QueueFull, WorkerError
 from router.state import RouterState
 from router.tools import ToolCallText
+from router.trace import Trace
 from router import spans as router_spans
 from tracing import spans
 
@@ -175,7 +176,8 @@ class Endpoints:
         """Once per request, whatever its end: metrics and the request log line."""
         st, trace = self.state, outcome.trace
         m = st.metrics
-        m.requests.labels(path=trace.path or "none", finish_reason=outcome.reason).inc()
+        m.requests.labels(path=trace.path.value if trace.path is not None else "none",
+                          finish_reason=outcome.reason).inc()
         m.prompt_tokens.inc(trace.prompt_tokens)
         m.generation_tokens.inc(trace.output_tokens)
         m.e2e.observe(trace.e2e_seconds)
@@ -185,7 +187,7 @@ class Endpoints:
         m.queue_time.observe(trace.queue_seconds)
         if st.request_log is not None:
             st.request_log.write(trace.json() + "\n")
-        router_spans.finish_request(vars(trace), outcome.reason)
+        router_spans.finish_request(trace.fields(), outcome.reason)
 
 
 def _echo(request: Request, rid: str) -> dict[str, str]:

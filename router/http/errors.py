@@ -8,6 +8,7 @@ import grpc
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
+from core.errors import FieldError
 from router.outcomes import DeadlineExceeded, NoWorkerError, QueueFull, WorkerError
 
 _GRPC_TO_HTTP = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
@@ -41,8 +42,15 @@ class APIError(Exception):
             return cls(504, str(e), "timeout_error")
         if isinstance(e, WorkerError):
             status = _GRPC_TO_HTTP.get(e.code, 500)
-            return cls(status, str(e), "invalid_request_error" if status < 500 else "server_error")
+            return cls(status, str(e), "invalid_request_error" if status < 500 else "server_error",
+                       param=e.field)
         return cls(500, f"internal error: {type(e).__name__}", "server_error")
+
+    @classmethod
+    def invalid(cls, e: ValueError) -> APIError:
+        """400 for a value the request may not carry, naming the field a FieldError
+        carries (a plain ValueError names none)."""
+        return cls(400, str(e), param=e.field if isinstance(e, FieldError) else None)
 
     @classmethod
     def from_validation(cls, exc: RequestValidationError) -> APIError:

@@ -111,7 +111,7 @@ class Reader:
             raise APIError(400, "the output constraint is nested too deeply",
                            param=_constraint_field(body)) from None
         except ValueError as e:
-            raise APIError(400, str(e), param=str(e).split(":", 1)[0]) from None
+            raise APIError.invalid(e) from None
         return constraint
 
     def _encode(self, prompt: str) -> list[int]:
@@ -144,7 +144,7 @@ class Reader:
                          max_tokens=body.max_tokens)
             return body.sampling(st.config.default_max_tokens, logprobs, constraint.spec)
         except ValueError as e:
-            raise APIError(400, str(e), param=str(e).split(" ", 1)[0].rstrip(":")) from e
+            raise APIError.invalid(e) from e
 
     # -- headers -------------------------------------------------------------------------
     def _priority(self, request: Request, body) -> int:

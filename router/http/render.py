@@ -5,7 +5,8 @@ import json
 from dataclasses import dataclass
 
 from core.tokenizer import Tokenizer
-from router.flow import Delta, Logprob, Trace
+from router.flow import Delta, Logprob
+from router.trace import Trace
 from router.tools import ToolPlan, parse_calls
 
 

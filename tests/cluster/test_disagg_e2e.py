@@ -130,7 +130,8 @@ def test_killed_prefill_after_handle_makes_decode_recompute(model_path, colocate
                 request_id="k", prompt_token_ids=ids, output_token_ids=[first.first_token],
                 sampling=sp, kv_handle=first.kv_handle), timeout=60))
         toks = [first.first_token] + [t for ch_ in chunks for t in ch_.token_ids]
-        assert chunks[0].trace.fallback in ("peer_unreachable", "transfer_failed")
+        assert chunks[0].trace.fallback in (decode_pb2.FALLBACK_PEER_UNREACHABLE,
+                                            decode_pb2.FALLBACK_TRANSFER_FAILED)
         assert chunks[-1].finished and toks == colocated[0]
         assert re.search(r'tandem:kv_transfer_fallbacks_total\{[^}]*reason="(peer_unreachable|'
                          r'transfer_failed)"[^}]*\} 1\.0', c.metrics(c.decode[0]))

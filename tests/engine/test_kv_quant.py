@@ -13,6 +13,7 @@ from engine.attention.naive import NaiveBackend
 from engine.config import EngineConfig
 from core.kv import kv_block_bytes, kv_format_block_bytes
 from engine.kv_cache.quant import decode, encode, rotation
+from core.states import PreemptionMode
 
 
 def test_int8_rows_round_trip_within_half_a_step() -> None:
@@ -186,7 +187,7 @@ def test_int8_preemption_gives_the_unconstrained_int8_outputs(tiny_model_dir, mo
     while eng.has_unfinished():
         eng.step()
     assert {rid: r.output_token_ids for rid, r in reqs.items()} == want
-    assert eng.stats.preemptions.get(mode, 0) > 0
+    assert eng.stats.preemptions.get(PreemptionMode(mode), 0) > 0
     assert eng.stats.swap_out_bytes % eng.runner.block_bytes == 0
     eng.leak_check()
 

@@ -8,6 +8,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.request import RequestStatus
 from core.sampling import SamplingParams
+from core.states import PreemptionMode
 
 PROMPT_LEN, OUT = 20, 40  # 60 tokens = 4 blocks of 16 each: 16 blocks hold 4 requests
 
@@ -67,10 +68,10 @@ def test_twelve_requests_in_a_four_request_pool(tiny_model_dir, unconstrained, m
     total = sum(eng.stats.preemptions.values())
     assert total > 0
     if mode == "swap":
-        assert eng.stats.preemptions.get("swap", 0) > 0
+        assert eng.stats.preemptions.get(PreemptionMode.SWAP, 0) > 0
         assert eng.stats.swap_out_bytes > 0 and eng.stats.swap_in_bytes == eng.stats.swap_out_bytes
     if mode == "recompute":
-        assert set(eng.stats.preemptions) == {"recompute"}
+        assert set(eng.stats.preemptions) == {PreemptionMode.RECOMPUTE}
     eng.leak_check()  # device pool, swap pool, tables
 
 
@@ -80,7 +81,7 @@ def test_full_swap_pool_falls_back_to_recompute(tiny_model_dir, unconstrained) -
     eng.swap.__init__(4)
     out = _run_tracking_priorities(eng)
     assert out == unconstrained
-    assert eng.stats.preemptions.get("recompute", 0) > 0
+    assert eng.stats.preemptions.get(PreemptionMode.RECOMPUTE, 0) > 0
     eng.leak_check()
 
 

@@ -6,7 +6,7 @@ import threading
 import pytest
 
 from kvtransfer.base import LeaseError
-from kvtransfer.lease import LeaseTable
+from kvtransfer.lease import LeaseTable, ReleaseReason
 
 
 class FakeClock:
@@ -36,13 +36,13 @@ def test_grant_then_release_returns_blocks_once(table: LeaseTable) -> None:
     table.check_readable("r1", lease.epoch, lease.token, [5, 6])
     assert table.release("r1", lease.epoch, lease.token) == [4, 5, 6]
     assert table.release("r1", lease.epoch, lease.token) is None  # duplicate: no-op
-    assert table.release_with_reason("r1", lease.epoch, lease.token) == (None, "duplicate")
+    assert table.release_with_reason("r1", lease.epoch, lease.token) == (None, ReleaseReason.DUPLICATE)
 
 
 def test_unknown_and_wrong_epoch_release_are_noops(table: LeaseTable) -> None:
-    assert table.release_with_reason("nope", 1, "x") == (None, "unknown")
+    assert table.release_with_reason("nope", 1, "x") == (None, ReleaseReason.UNKNOWN)
     lease = table.grant("r1", [1], ttl_s=10)
-    assert table.release_with_reason("r1", lease.epoch + 7, lease.token) == (None, "epoch_mismatch")
+    assert table.release_with_reason("r1", lease.epoch + 7, lease.token) == (None, ReleaseReason.EPOCH_MISMATCH)
     assert table.active() == 1
     assert table.release("r1", lease.epoch, lease.token) == [1]
 
@@ -66,11 +66,11 @@ def test_expiry_hands_blocks_back_and_late_release_is_noop(table: LeaseTable, cl
     long = table.grant("long", [3], ttl_s=100)
     clock.now += 1.5
     # Past its deadline but not yet reaped: release refuses, expire() frees.
-    assert table.release_with_reason("short", short.epoch, short.token) == (None, "expired")
+    assert table.release_with_reason("short", short.epoch, short.token) == (None, ReleaseReason.EXPIRED)
     gone = table.expire()
     assert [lease.request_id for lease in gone] == ["short"] and gone[0].block_ids == (1, 2)
     assert table.expire() == []
-    assert table.release_with_reason("short", short.epoch, short.token) == (None, "expired")
+    assert table.release_with_reason("short", short.epoch, short.token) == (None, ReleaseReason.EXPIRED)
     assert table.release("long", long.epoch, long.token) == [3]
 
 
@@ -139,11 +139,11 @@ def test_a_lease_token_is_required_to_read_or_release(table: LeaseTable) -> None
     for guess in ("", "0" * 32, other.token):
         with pytest.raises(LeaseError, match="wrong lease token"):
             table.check_readable("r", lease.epoch, guess, [3])
-        assert table.release_with_reason("r", lease.epoch, guess) == (None, "unauthorized")
+        assert table.release_with_reason("r", lease.epoch, guess) == (None, ReleaseReason.UNAUTHORIZED)
     assert table.active() == 2
     assert table.release("r", lease.epoch, lease.token) == [3, 4]
-    assert table.release_with_reason("r", lease.epoch, other.token) == (None, "unauthorized")
-    assert table.release_with_reason("r", lease.epoch, lease.token) == (None, "duplicate")
+    assert table.release_with_reason("r", lease.epoch, other.token) == (None, ReleaseReason.UNAUTHORIZED)
+    assert table.release_with_reason("r", lease.epoch, lease.token) == (None, ReleaseReason.DUPLICATE)
     with pytest.raises(LeaseError, match="released"):
         table.check_readable("r", lease.epoch, lease.token, [3])
     table.release("o", other.epoch, other.token)

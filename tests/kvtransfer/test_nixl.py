@@ -10,7 +10,9 @@ import torch
 
 pytest.importorskip("nixl_cu12", reason="nixl_cu12 is not installed (pip install nixl-cu12)")
 
-from kvtransfer.base import KVTransferError, LeaseError, ReadPlan, TransferState, get_backend  # noqa: E402
+from kvtransfer.base import (KVCompatError, KVTransferError, LeaseError, ReadPlan,  # noqa: E402
+                             TransferState, get_backend)
+from kvtransfer.lease import ReleaseReason  # noqa: E402
 from tests.kvtransfer.utils import (Dest, SourceProcess, assert_blocks_copied,  # noqa: E402
                                     assert_compat_mismatch_fails_at_connect, handshake,
                                     handshake_and_pull, plan_for, release)
@@ -64,7 +66,7 @@ def test_malformed_descriptors_and_ids_rejected(source: SourceProcess, reader) -
     assert torch.equal(reader.dest.kv, reader.dest.before)
     handle = reader.start_read(peer, ReadPlan.from_source(blocks, [30, 31]))
     assert reader.wait(handle, 20) is TransferState.DONE, handle.error
-    assert asyncio.run(release(source.endpoint, "m", blocks.epoch, blocks.lease_token)) == (True, "released")
+    assert asyncio.run(release(source.endpoint, "m", blocks.epoch, blocks.lease_token)) == (True, ReleaseReason.RELEASED)
 
 
 def test_source_killed_fails_the_read() -> None:
@@ -117,14 +119,14 @@ def test_a_re_handshake_mid_read_lets_the_read_end_on_the_old_agent() -> None:
             assert_blocks_copied(dest.kv, dest.before, old.kv, handle.plan)
             assert rd.num_peers() == 1 and rd.in_flight() == 0  # the old agent is gone
             assert asyncio.run(release(old.endpoint, "mid", blocks.epoch, blocks.lease_token)) \
-                == (True, "released")
+                == (True, ReleaseReason.RELEASED)
             after = new.grant("after", [4, 5])
             before = dest.kv.clone()
             handle = rd.start_read(peer, ReadPlan.from_source(after, [0, 1]))
             assert rd.wait(handle, 20) is TransferState.DONE, handle.error
             assert_blocks_copied(dest.kv, before, new.kv, handle.plan)
             assert asyncio.run(release(new.endpoint, "after", after.epoch, after.lease_token)) \
-                == (True, "released")
+                == (True, ReleaseReason.RELEASED)
             rd.disconnect(peer)  # the source left: nothing of it stays
             assert rd.num_peers() == 0 and rd.in_flight() == 0
             with pytest.raises(KeyError, match="disconnected"):

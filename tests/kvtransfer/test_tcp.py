@@ -9,7 +9,9 @@ import time
 import pytest
 import torch
 
-from kvtransfer.base import LeaseError, PeerId, ReadHandle, ReadPlan, SourceInfo, TransferState
+from kvtransfer.base import (KVCompatError, LeaseError, PeerId, ReadHandle, ReadPlan,
+                             SourceInfo, TransferState, get_backend)
+from kvtransfer.lease import ReleaseReason
 from kvtransfer.link import KVLinkClient
 from kvtransfer.tcp import recv_frame, send_frame
 from proto import kv_link_pb2 as pb
@@ -75,9 +77,9 @@ def test_parallel_reads_and_second_read_of_a_lease(source: SourceProcess, reader
     for p in plans:
         for rb, lb in zip(p.remote_block_ids, p.local_block_ids):
             assert torch.equal(reader.dest.kv[lb], source.kv[rb])
-    assert asyncio.run(release(source.endpoint, "ra", a.epoch, a.lease_token)) == (True, "released")
-    assert asyncio.run(release(source.endpoint, "ra", a.epoch, a.lease_token)) == (False, "duplicate")
-    assert asyncio.run(release(source.endpoint, "rb", b.epoch, b.lease_token)) == (True, "released")
+    assert asyncio.run(release(source.endpoint, "ra", a.epoch, a.lease_token)) == (True, ReleaseReason.RELEASED)
+    assert asyncio.run(release(source.endpoint, "ra", a.epoch, a.lease_token)) == (False, ReleaseReason.DUPLICATE)
+    assert asyncio.run(release(source.endpoint, "rb", b.epoch, b.lease_token)) == (True, ReleaseReason.RELEASED)
 
 
 def test_a_disconnected_peer_leaves_nothing_and_can_come_back(source: SourceProcess,
@@ -96,7 +98,7 @@ def test_a_disconnected_peer_leaves_nothing_and_can_come_back(source: SourceProc
         reader.start_read(peer, ReadPlan.from_source(blocks, [2, 3]))
     assert reader.connect(info) == peer and reader.num_peers() == 1
     assert asyncio.run(release(source.endpoint, "dc", blocks.epoch, blocks.lease_token)) \
-        == (True, "released")
+        == (True, ReleaseReason.RELEASED)
 
 
 def test_compat_mismatch_fails_at_connect(source: SourceProcess) -> None:
@@ -160,7 +162,7 @@ def test_malformed_requests_refused_and_server_survives(source: SourceProcess, r
         reader.start_read(peer, ReadPlan("m", epoch, (1,), (40,)))
     handle = reader.start_read(peer, ReadPlan.from_source(blocks, [30, 31]))  # still serving
     assert reader.wait(handle, 20) is TransferState.DONE, handle.error
-    assert asyncio.run(release(source.endpoint, "m", epoch, blocks.lease_token)) == (True, "released")
+    assert asyncio.run(release(source.endpoint, "m", epoch, blocks.lease_token)) == (True, ReleaseReason.RELEASED)
 
 
 def test_reader_vanishing_mid_stream_does_not_hurt_source(source: SourceProcess, reader) -> None:
@@ -174,7 +176,7 @@ def test_reader_vanishing_mid_stream_does_not_hurt_source(source: SourceProcess,
         sock.recv(1000)  # take a little, then hang up mid-stream
     handle = reader.start_read(peer, ReadPlan.from_source(blocks, list(range(31, -1, -1))))
     assert reader.wait(handle, 20) is TransferState.DONE, handle.error
-    assert asyncio.run(release(source.endpoint, "v", blocks.epoch, blocks.lease_token)) == (True, "released")
+    assert asyncio.run(release(source.endpoint, "v", blocks.epoch, blocks.lease_token)) == (True, ReleaseReason.RELEASED)
 
 
 def test_source_killed_mid_transfer_fails_the_read(source: SourceProcess, reader) -> None:

@@ -14,7 +14,8 @@ from core.sampling import SamplingParams
 from proto import common_pb2, decode_pb2, kv_link_pb2, prefill_pb2
 from core.kv import hash_token_blocks
 from router.config import RouterConfig
-from router.flow import RequestFlow, Trace
+from router.flow import RequestFlow
+from router.trace import Trace
 from router.outcomes import WorkerError
 from router.prefix_index import PrefixIndex
 from router.workers import Worker
@@ -144,7 +145,9 @@ class HandoffDecode(FakeDecode):
 
     async def _stream(self, req):
         yield decode_pb2.GenerateChunk(token_ids=[5], trace=decode_pb2.KVTrace(
-            lease_ended=self.lease_ended, fallback="" if self.lease_ended else "unknown_peer"))
+            lease_ended=self.lease_ended,
+            fallback=decode_pb2.FALLBACK_REASON_UNSPECIFIED if self.lease_ended
+            else decode_pb2.FALLBACK_UNKNOWN_PEER))
         await asyncio.sleep(0.2)
         yield decode_pb2.GenerateChunk(token_ids=[6], finished=True, finish_reason="length")
 

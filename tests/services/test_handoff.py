@@ -7,8 +7,9 @@ import asyncio
 import grpc
 import pytest
 
+from kvtransfer.lease import ReleaseReason
 from kvtransfer.link import KVLinkClient
-from proto import common_pb2, prefill_pb2
+from proto import common_pb2, decode_pb2, prefill_pb2
 from tests.services.conftest import (disagg, generate, leak_check, refused_handoff, sampling,
                                      services)
 
@@ -34,7 +35,8 @@ def test_disagg_equals_colocated_and_moves_only_missing_blocks(tiny_model_dir, r
             toks_a, chunks_a = await disagg(ps, ds, "a", a, sampling())
             assert toks_a == reference(a)
             t = chunks_a[0].trace
-            assert (t.blocks_pulled, t.bytes_pulled, t.fallback) == (5, 5 * bb, "")
+            assert (t.blocks_pulled, t.bytes_pulled, t.fallback) == (
+                5, 5 * bb, decode_pb2.FALLBACK_REASON_UNSPECIFIED)
             assert t.lease_ended and p.leases.active() == 0  # released, and it says so
             toks_b, chunks_b = await disagg(ps, ds, "b", b, sampling())
             assert toks_b == reference(b)
@@ -58,7 +60,8 @@ def test_expired_lease_makes_decode_recompute(tiny_model_dir, reference) -> None
             assert p.leases.active() == 0
             toks, chunks = await generate(ds, "x", prompt, [r.first_token], sampling(),
                                           r.kv_handle)
-            assert chunks[0].trace.fallback in ("lease_expired", "transfer_failed")
+            assert chunks[0].trace.fallback in (decode_pb2.FALLBACK_LEASE_EXPIRED,
+                                                decode_pb2.FALLBACK_TRANSFER_FAILED)
             assert chunks[0].trace.lease_ended  # the source answered: "expired"
             assert toks == reference(prompt)
             await leak_check(p, d)
@@ -93,7 +96,7 @@ def test_bad_input_gets_clear_status_and_leaks_nothing(tiny_model_dir) -> None:
             assert not (await ds.Abort(common_pb2.AbortRequest(request_id="nope"))).aborted
             # a release for a lease that does not exist
             client = KVLinkClient(f"127.0.0.1:{p.port}", "test", p.secret)
-            assert await client.release("ghost", 12345, "no-token") == (False, "unknown")
+            assert await client.release("ghost", 12345, "no-token") == (False, ReleaseReason.UNKNOWN)
             await client.close()
             # bad sampling values name the field
             with pytest.raises(grpc.aio.AioRpcError) as e:
@@ -115,7 +118,8 @@ def test_bad_input_gets_clear_status_and_leaks_nothing(tiny_model_dir) -> None:
             del handle.block_ids[:]
             handle.block_ids.extend([9999] * len(good))
             toks, chunks = await generate(ds, "bad", prompt, [r.first_token], sampling(), handle)
-            assert chunks[0].trace.fallback != "" and len(toks) == 8
+            assert chunks[0].trace.fallback != decode_pb2.FALLBACK_REASON_UNSPECIFIED
+            assert len(toks) == 8
             await ps.Abort(common_pb2.AbortRequest(request_id="bad"))
             # a handle whose block list does not match its token count
             r = await ps.Prefill(prefill_pb2.PrefillRequest(request_id="short", token_ids=prompt,

@@ -9,6 +9,7 @@ import re
 from prometheus_client import generate_latest
 
 from engine.config import EngineConfig
+from proto import decode_pb2
 from tests.services.conftest import disagg, leak_check, refused_handoff, sampling, services
 
 INT8 = {"dtype": "bfloat16", "kv_cache_dtype": "int8"}
@@ -42,7 +43,8 @@ def test_int8_disagg_equals_colocated_and_moves_half_the_bytes_plus_scales(tiny_
         async with services(tiny_model_dir, prefill_engine=INT8, decode_engine=INT8) as (p, d, ps, ds):
             toks, chunks = await disagg(ps, ds, "q", prompt, sampling(12))
             assert toks == want
-            assert (chunks[0].trace.blocks_pulled, chunks[0].trace.fallback) == (5, "")
+            assert (chunks[0].trace.blocks_pulled, chunks[0].trace.fallback) == (
+                5, decode_pb2.FALLBACK_REASON_UNSPECIFIED)
             cfg = d.engine.info.model_config
             values = 2 * cfg.num_layers * 16 * cfg.num_kv_heads  # (K/V, layer, token, head) rows
             bf16_block = values * cfg.head_dim * 2

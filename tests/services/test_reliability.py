@@ -106,7 +106,8 @@ def test_prefill_refuses_an_id_whose_blocks_are_leased(tiny_model_dir, reference
                 toks += list(ch.token_ids)
                 chunks.append(ch)
             assert toks == reference(prompt, 8)
-            assert chunks[0].trace.fallback == "" and chunks[0].trace.blocks_pulled > 0
+            assert chunks[0].trace.fallback == decode_pb2.FALLBACK_REASON_UNSPECIFIED
+            assert chunks[0].trace.blocks_pulled > 0
             await leak_check(p, d)
     _run(body())
 
@@ -288,10 +289,11 @@ def test_a_failed_pull_does_not_break_a_concurrent_one(tiny_model_dir, reference
             good = asyncio.ensure_future(_handoff(ps, ds, "good", good_prompt))
             await asyncio.sleep(0.3)  # "good" has read its blocks and waits to release
             bad_toks, bad_chunks = await _handoff(ps, ds, "bad", bad_prompt)
-            assert bad_chunks[0].trace.fallback == "transfer_failed"
+            assert bad_chunks[0].trace.fallback == decode_pb2.FALLBACK_TRANSFER_FAILED
             release_gate.set()
             toks, chunks = await good
-            assert chunks[0].trace.fallback == "" and chunks[0].trace.blocks_pulled > 0
+            assert chunks[0].trace.fallback == decode_pb2.FALLBACK_REASON_UNSPECIFIED
+            assert chunks[0].trace.blocks_pulled > 0
             assert toks == reference(good_prompt, 8)
             assert bad_toks == reference(bad_prompt, 8)
             await ps.Abort(common_pb2.AbortRequest(request_id="bad"))  # its lease

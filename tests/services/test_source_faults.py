@@ -75,7 +75,8 @@ def test_a_hung_source_stalls_only_its_own_pulls(tiny_model_dir, reference) -> N
                                                   90)
             assert toks == reference(prompt, 8)
             trace = chunks[0].trace
-            assert trace.fallback == "" and trace.blocks_pulled == 3 and trace.lease_ended
+            assert trace.fallback == decode_pb2.FALLBACK_REASON_UNSPECIFIED
+            assert trace.blocks_pulled == 3 and trace.lease_ended
             assert p.leases.active() == 0
             # the hung source still holds two reads; the third waits for its source's turn
             assert d.reader.in_flight() == 2 and stall.reached == 2
@@ -84,7 +85,7 @@ def test_a_hung_source_stalls_only_its_own_pulls(tiny_model_dir, reference) -> N
             for (rid, pr), task in zip(prompts.items(), stuck):
                 toks, chunks = await task
                 assert toks == reference(pr, 8), rid
-                assert chunks[0].trace.fallback == "transfer_failed", rid
+                assert chunks[0].trace.fallback == decode_pb2.FALLBACK_TRANSFER_FAILED, rid
             assert stall.reached == 3 and d.reader.in_flight() == 0
             await leak_check(p, hung, d)
     _run(body())
@@ -147,7 +148,7 @@ def test_nothing_is_kept_for_a_source_that_left(tiny_model_dir, reference, backe
 
             # a link that failed and is not used again
             await _push(ds, "r1", [ep])
-            assert (await handoff("broken", 3)).fallback == "transfer_failed"
+            assert (await handoff("broken", 3)).fallback == decode_pb2.FALLBACK_TRANSFER_FAILED
             await ps.Abort(common_pb2.AbortRequest(request_id="broken"))  # its lease, as a router would
             assert held(d) == (0, 0, 1)
             assert (await handoff("again", 4)).blocks_pulled == 3  # handshakes afresh

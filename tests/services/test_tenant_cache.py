@@ -12,6 +12,9 @@ import pytest
 from proto import decode_pb2, prefill_pb2
 from tests.services.conftest import leak_check, sampling, services
 
+NONE = decode_pb2.FALLBACK_REASON_UNSPECIFIED
+"""KVTrace.fallback: the KV was pulled."""
+
 SALT_A, SALT_B = b"\xaa" * 32, b"\xbb" * 32
 
 
@@ -44,14 +47,14 @@ def test_both_pools_serve_a_prefix_only_under_the_salt_it_was_cached_with(tiny_m
         async with services(tiny_model_dir) as (p, d, ps, ds):
             prompt = [(i * 13) % 300 + 3 for i in range(50)]  # 3 full blocks + 2 tokens
             want = reference(prompt)
-            assert await _salted(ps, ds, "a1", prompt, SALT_A) == (want, 0, 0, 4, "")
+            assert await _salted(ps, ds, "a1", prompt, SALT_A) == (want, 0, 0, 4, NONE)
             # another tenant: neither worker serves A's blocks; all 4 blocks move
-            assert await _salted(ps, ds, "b1", prompt, SALT_B) == (want, 0, 0, 4, "")
+            assert await _salted(ps, ds, "b1", prompt, SALT_B) == (want, 0, 0, 4, NONE)
             # the same tenant: the prefill worker's 3 blocks, the decode worker's own 3
-            assert await _salted(ps, ds, "a2", prompt, SALT_A) == (want, 48, 48, 1, "")
+            assert await _salted(ps, ds, "a2", prompt, SALT_A) == (want, 48, 48, 1, NONE)
             # the shared, unsalted cache is apart from both
-            assert await _salted(ps, ds, "u1", prompt, b"") == (want, 0, 0, 4, "")
-            assert await _salted(ps, ds, "u2", prompt, b"") == (want, 48, 48, 1, "")
+            assert await _salted(ps, ds, "u1", prompt, b"") == (want, 0, 0, 4, NONE)
+            assert await _salted(ps, ds, "u2", prompt, b"") == (want, 48, 48, 1, NONE)
             # a salt no router sends (over 64 bytes): refused naming the field, not held
             for call in (ps.Prefill(prefill_pb2.PrefillRequest(
                     request_id="x1", token_ids=prompt, sampling=sampling(),

@@ -106,7 +106,8 @@ def test_a_handle_naming_an_unknown_endpoint_is_never_dialed(tiny_model_dir, ref
             handle.CopyFrom(first.kv_handle)
             handle.transfer_endpoint = f"127.0.0.1:{fake.port}"
             toks, chunks = await _generate_with(ds, "u", first, handle)
-            assert chunks[0].trace.fallback == "unknown_peer" and chunks[0].trace.bytes_pulled == 0
+            assert chunks[0].trace.fallback == decode_pb2.FALLBACK_UNKNOWN_PEER
+            assert chunks[0].trace.bytes_pulled == 0
             assert not chunks[0].trace.lease_ended and p.leases.active() == 1  # the router's
             assert toks == reference(PROMPT, 8) and fake.dialed == 0
             await ps.Abort(common_pb2.AbortRequest(request_id="u"))
@@ -129,7 +130,8 @@ def test_a_guessed_or_replayed_lease_token_reads_nothing(tiny_model_dir, referen
                 toks, chunks = await _generate_with(ds, "t", first, first.kv_handle)
                 assert chunks[0].trace.blocks_pulled > 0
             toks, chunks = await _generate_with(ds, "t2", first, handle)
-            assert chunks[0].trace.bytes_pulled == 0 and chunks[0].trace.fallback == "lease_expired"
+            assert chunks[0].trace.bytes_pulled == 0
+            assert chunks[0].trace.fallback == decode_pb2.FALLBACK_LEASE_EXPIRED
             # a guessed token ends nothing (the router then aborts); a replayed one's
             # lease had ended already
             assert chunks[0].trace.lease_ended == (forge == "replayed")
@@ -177,7 +179,7 @@ def test_a_fake_prefill_server_cannot_poison_a_prefix(tiny_model_dir, reference)
             handle.transfer_endpoint, handle.lease_epoch = endpoint, lease.epoch
             handle.lease_token, handle.worker_id = lease.token, "prefill@fake"
             toks, chunks = await _generate_with(ds, "victim", real, handle)
-            assert chunks[0].trace.fallback == "unauthenticated_peer"
+            assert chunks[0].trace.fallback == decode_pb2.FALLBACK_UNAUTHENTICATED_PEER
             assert chunks[0].trace.bytes_pulled == 0 and reads == []
             assert toks == reference(PROMPT, 8)
             again, _ = await generate(ds, "again", PROMPT, [], sampling())  # from the cache

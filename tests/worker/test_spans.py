@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from engine.request import FinishReason, RequestOutput
+from core.states import FallbackReason
 from kvtransfer.base import SourceBlocks
 from proto import decode_pb2, kv_link_pb2
 from tracing import spans
@@ -17,7 +18,7 @@ def test_the_request_spans_figures_and_events(span_exporter) -> None:
                         num_output_tokens=4, num_cached_tokens=16, num_preemptions=2,
                         preempted_seconds=0.5)
     with spans.phase("Generate"):
-        worker_spans.fallback("peer_unreachable")
+        worker_spans.fallback(FallbackReason.PEER_UNREACHABLE)
         worker_spans.generate_done(out)
     handoff = RequestOutput("r-0", [7], "", True, None, num_prompt_tokens=20)
     with spans.phase("Prefill"):
