@@ -42,8 +42,9 @@ def _generate_setup(p: argparse.ArgumentParser) -> None:
 def _generate_run(args: argparse.Namespace) -> int:
     from engine.config import EngineConfig
     from engine.kv_cache import blocks_for
-    from engine.llm_engine import DEFAULT_MAX_MODEL_LEN, LLMEngine
+    from engine.llm_engine import LLMEngine
     from engine.sampling import SamplingParams
+    from engine.served_model import DEFAULT_MAX_MODEL_LEN
     from tandem.config_cli import config_from_args
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
