@@ -142,8 +142,8 @@ def main() -> None:
               "processes compete for the cores; trust the p50 columns over the means.", flush=True)
 
     t_load = time.perf_counter()
-    eng = LLMEngine(EngineConfig(model=str(model_path), dtype=args.dtype, max_model_len=2048,
-                                 quantization=args.quantization, compile=args.compile))
+    eng = LLMEngine(EngineConfig.from_flat(model=str(model_path), dtype=args.dtype, max_model_len=2048,
+                                           quantization=args.quantization, compile=args.compile))
     print(f"engine start-up {time.perf_counter() - t_load:.1f}s (quantization "
           f"{args.quantization}, compile {args.compile})", flush=True)
     eng_dtype = dtype_name(resolve_dtype(args.dtype))
@@ -162,8 +162,8 @@ def main() -> None:
     eng.leak_check()
     del eng
     if eng_dtype != "float32" and not args.skip_fp32:  # is `auto` right for this CPU? fp32 too
-        eng = LLMEngine(EngineConfig(model=str(model_path), dtype="float32", max_model_len=2048,
-                                     quantization=args.quantization, compile=args.compile))
+        eng = LLMEngine(EngineConfig.from_flat(model=str(model_path), dtype="float32", max_model_len=2048,
+                                               quantization=args.quantization, compile=args.compile))
         bench_engine_decode(eng, maker.make(2, prompt_len), 8, "warmup")
         for batch in (1, 32):
             results.append(bench_engine_decode(eng, maker.make(batch, prompt_len), new_tokens,

@@ -29,8 +29,8 @@ from tandem.fetch_model import default_model_path  # noqa: E402
 
 
 def resume_latency(model: str, dtype: str, contexts: list[int], reps: int) -> list[tuple]:
-    eng = LLMEngine(EngineConfig(model=model, dtype=dtype, max_model_len=4096,
-                                 num_kv_blocks=1024, enable_prefix_caching=False))
+    eng = LLMEngine(EngineConfig.from_flat(model=model, dtype=dtype, max_model_len=4096,
+                                           num_kv_blocks=1024, enable_prefix_caching=False))
     rows = []
     for ctx in contexts:
         ids = [(i * 31) % 40000 + 100 for i in range(ctx)]

@@ -156,8 +156,8 @@ def engine(model: str, dtype: str, compile: bool, **kw):
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
 
-    return LLMEngine(EngineConfig(model=model, dtype=dtype, device="cuda", compile=compile,
-                                  max_model_len=2048, **kw))
+    return LLMEngine(EngineConfig.from_flat(model=model, dtype=dtype, device="cuda", compile=compile,
+                                            max_model_len=2048, **kw))
 
 
 def prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:

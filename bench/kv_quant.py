@@ -61,7 +61,7 @@ def engine(args, kv_dtype: str, **kw) -> LLMEngine:
     base = dict(model=args.model, dtype="bfloat16", kv_cache_dtype=kv_dtype, num_threads=2,
                 compile=args.compile)
     base.update(kw)
-    return LLMEngine(EngineConfig(**base))
+    return LLMEngine(EngineConfig.from_flat(**base))
 
 
 def long_context_prompt(eng: LLMEngine, doc_tokens: int, offset: int) -> list[int]:

@@ -141,9 +141,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     t_load = time.perf_counter()
-    eng = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads,
-                                 max_num_seqs=max(64, args.batch), max_model_len=2048,
-                                 quantization=args.quantization, compile=args.compile))
+    eng = LLMEngine(EngineConfig.from_flat(model=args.model, dtype=args.dtype, num_threads=args.threads,
+                                           max_num_seqs=max(64, args.batch), max_model_len=2048,
+                                           quantization=args.quantization, compile=args.compile))
     print(f"engine start-up {time.perf_counter() - t_load:.1f}s (quantization "
           f"{args.quantization}, compile {args.compile})", flush=True)
     cfg, model, dtype = eng.model_config, eng.runner.model, eng.runner.dtype

@@ -89,9 +89,9 @@ def forced_agreement(eng: LLMEngine, prompts: list[list[int]], ref: list[list[in
 
 
 def engine(model: str, quantization: str, packed_rows: int | None = None) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=model, dtype="bfloat16", quantization=quantization,
-                                  quant_packed_max_rows=packed_rows, num_threads=2,
-                                  max_model_len=1024, num_kv_blocks=2048, compile=False))
+    return LLMEngine(EngineConfig.from_flat(model=model, dtype="bfloat16", quantization=quantization,
+                                            quant_packed_max_rows=packed_rows, num_threads=2,
+                                            max_model_len=1024, num_kv_blocks=2048, compile=False))
 
 
 def main() -> int:

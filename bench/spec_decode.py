@@ -77,8 +77,8 @@ def engine_for(model: str, method: str, k: int) -> LLMEngine:
         kw = {"speculative_method": "draft", "speculative_model": method.removeprefix("draft:")}
     elif method != "none":
         kw = {"speculative_method": method}
-    return LLMEngine(EngineConfig(model=model, max_model_len=2048, max_num_seqs=32,
-                                  num_speculative_tokens=k, **kw))
+    return LLMEngine(EngineConfig.from_flat(model=model, max_model_len=2048, max_num_seqs=32,
+                                            num_speculative_tokens=k, **kw))
 
 
 def tpot_ms(eng: LLMEngine, prompt: list[int], max_tokens: int) -> tuple[float, int]:

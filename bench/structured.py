@@ -153,8 +153,8 @@ def main() -> None:
     if load1 > (os.cpu_count() or 1) * 0.5:
         print(f"WARNING: load average {load1:.1f} on {os.cpu_count()} CPUs before start: "
               "other processes compete for the cores.", flush=True)
-    eng = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, max_model_len=2048,
-                                 num_threads=args.threads or None))
+    eng = LLMEngine(EngineConfig.from_flat(model=args.model, dtype=args.dtype, max_model_len=2048,
+                                           num_threads=args.threads or None))
     print(f"model {Path(args.model).name}  dtype {eng.runner.dtype}  torch threads "
           f"{torch.get_num_threads()}  CPUs {os.cpu_count()}", flush=True)
     bench_compile(eng)

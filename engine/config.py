@@ -1,15 +1,18 @@
 """Configuration: the model's shape (read from the checkpoint) and the engine's knobs.
 
-Both are frozen dataclasses validated in ``__post_init__``; a bad value raises
-ValueError naming the field, so a user sees which flag to fix.
+The knobs come in frozen groups by concern (LoadConfig, CacheConfig, SchedulerConfig,
+QuantConfig, SpecConfig, CompileConfig) composed into EngineConfig. Each validates its
+own fields in ``__post_init__`` and EngineConfig the checks that span groups; a bad value
+raises ValueError naming the flag, so a user sees which one to fix.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
-from dataclasses import asdict, dataclass
-from typing import Any
+import typing
+from dataclasses import Field, asdict, dataclass, field, fields
+from typing import Any, ClassVar
 
 import torch
 
@@ -88,8 +91,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 @dataclass(frozen=True)
-class EngineConfig:
-    """Knobs of one engine (one model replica with its KV cache and step loop)."""
+class LoadConfig:
+    """What to load and how it runs."""
 
     model: str = ""
     """Path to a .gguf file or an HF directory (config.json + *.safetensors); empty = default model."""
@@ -98,6 +101,30 @@ class EngineConfig:
     hardware has fast bf16), float32, bfloat16."""
     device: str = "cpu"
     """torch device: cpu or cuda[:N]."""
+    max_model_len: int | None = None
+    """Context window (prompt + output); None = the model's own, capped at 8192."""
+    attention_backend: str = "auto"
+    """auto (flash_attn where CUDA and the package are, else sdpa), or a name of the
+    attention-backend registry: sdpa, flash_attn, naive."""
+    num_threads: int | None = None
+    """torch intra-op threads; None: one per core this process may run on, capped at
+    the container's CPU limit (cgroup cpu.max, rounded up)."""
+
+    def __post_init__(self) -> None:
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"--max-model-len must be >= 1, got {self.max_model_len}")
+        ATTENTION_BACKENDS.check(self.attention_backend, extra=("auto",))
+        resolve_dtype(self.dtype, self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return resolve_dtype(self.dtype, self.device)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The KV cache: its blocks, pool, storage, prefix reuse and host swap pool."""
+
     block_size: int = 16
     """Tokens per KV block."""
     num_kv_blocks: int | None = None
@@ -109,21 +136,35 @@ class EngineConfig:
     """How the KV cache stores K and V: auto (the compute dtype), bfloat16 | float32 (must
     equal the compute dtype), int8 (per token and KV head scales stored in each block, about
     half the bytes), fp8_e4m3 (the same with fp8 codes; CUDA only)."""
-    max_model_len: int | None = None
-    """Context window (prompt + output); None = the model's own, capped at 8192."""
+    enable_prefix_caching: bool = True
+    """Reuse cached full blocks with equal chained hashes (and equal tokens)."""
+    swap_space: float = 1.0
+    """Host (CPU) swap pool for preempted requests' KV blocks, GiB; pinned memory on CUDA."""
+    hash_seed: int = 0
+    """Seed of the chained block hashes; every process of one cluster must agree."""
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"--block-size must be a power of two >= 1, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"--kv-blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.kv_cache_memory_gib <= 0:
+            raise ValueError(f"--kv-cache-memory-gib must be > 0, got {self.kv_cache_memory_gib}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}; "
+                             f"got {self.kv_cache_dtype!r}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """What each step runs: batch limits, chunking, priorities and preemption."""
+
     max_num_seqs: int = 64
     """Most requests running at once."""
     max_num_batched_tokens: int = 512
     """Per-step token budget (prefill chunks + decode tokens)."""
     enable_chunked_prefill: bool = True
     """Split prompts longer than the remaining budget across steps."""
-    enable_prefix_caching: bool = True
-    """Reuse cached full blocks with equal chained hashes (and equal tokens)."""
-    attention_backend: str = "auto"
-    """auto (flash_attn where CUDA and the package are, else sdpa), or a name of the
-    attention-backend registry: sdpa, flash_attn, naive."""
-    swap_space: float = 1.0
-    """Host (CPU) swap pool for preempted requests' KV blocks, GiB; pinned memory on CUDA."""
     preemption_mode: str = "auto"
     """swap | recompute | auto (swap, but recompute short contexts or when the swap pool is full)."""
     priority_batch_cap: int = 2
@@ -134,11 +175,23 @@ class EngineConfig:
     interrupt_steps: bool = True
     """Abandon a running step between layers when a request more important than all of
     its requests arrives (the newcomer then waits one layer, not one step)."""
-    hash_seed: int = 0
-    """Seed of the chained block hashes; every process of one cluster must agree."""
-    num_threads: int | None = None
-    """torch intra-op threads; None: one per core this process may run on, capped at
-    the container's CPU limit (cgroup cpu.max, rounded up)."""
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.priority_batch_cap < 0:
+            raise ValueError(f"--priority-batch-cap must be >= 0, got {self.priority_batch_cap}")
+        if self.preemption_mode not in ("auto", "swap", "recompute"):
+            raise ValueError(f"--preemption-mode must be swap, recompute or auto; "
+                             f"got {self.preemption_mode!r}")
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """How the linear weights are stored and run."""
+
     quantization: str = "auto"
     """Linear weights: auto (a GGUF's Q4_0/Q4_1/Q8_0 tensors stay packed, an HF checkpoint
     runs as stored), none (dequantize at load), int8 | int4 (quantize every linear at load),
@@ -149,12 +202,23 @@ class EngineConfig:
     quant_packed_max_rows: int | None = None
     """Steps of at most this many tokens use the packed int kernels, larger ones the dense
     weights; None = measured at start-up per weight shape (0 = always dense)."""
-    compile: bool = os.environ.get("TANDEM_COMPILE", "1") != "0"
-    """Compile the decode step at start-up (torch.compile per bucketed batch size 1, 2, 4,
-    ... up to --compile-max-batch; CUDA graphs on GPU); --no-compile runs every step eagerly.
-    TANDEM_COMPILE=0 in the environment makes --no-compile the default (the test suite's)."""
-    compile_max_batch: int | None = None
-    """Largest compiled decode batch (bigger decode batches run eagerly); None = max_num_seqs."""
+
+    def __post_init__(self) -> None:
+        from engine.quant.base import METHODS  # torch-only module; keeps config import light
+        if self.quantization not in METHODS:
+            raise ValueError(f"--quantization must be one of {', '.join(METHODS)}; "
+                             f"got {self.quantization!r}")
+        if self.quant_group_size not in (32, 64, 128, 256):
+            raise ValueError(f"--quant-group-size must be 32, 64, 128 or 256, "
+                             f"got {self.quant_group_size}")
+        if self.quant_packed_max_rows is not None and self.quant_packed_max_rows < 0:
+            raise ValueError(f"--quant-packed-max-rows must be >= 0, got {self.quant_packed_max_rows}")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding."""
+
     speculative_method: str = "none"
     """Speculative decoding: none, ngram (prompt lookup), suffix (suffix match over the
     context and recent outputs), or draft (a draft model: --speculative-model). Proposals
@@ -170,44 +234,6 @@ class EngineConfig:
     than it saves once the batch fills the matmuls); 0 = no limit."""
 
     def __post_init__(self) -> None:
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
-            raise ValueError(f"--block-size must be a power of two >= 1, got {self.block_size}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"--kv-blocks must be >= 1, got {self.num_kv_blocks}")
-        if self.kv_cache_memory_gib <= 0:
-            raise ValueError(f"--kv-cache-memory-gib must be > 0, got {self.kv_cache_memory_gib}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"--max-model-len must be >= 1, got {self.max_model_len}")
-        if self.priority_batch_cap < 0:
-            raise ValueError(f"--priority-batch-cap must be >= 0, got {self.priority_batch_cap}")
-        if self.preemption_mode not in ("auto", "swap", "recompute"):
-            raise ValueError(f"--preemption-mode must be swap, recompute or auto; "
-                             f"got {self.preemption_mode!r}")
-        if self.swap_space < 0 or (self.swap_space == 0 and self.preemption_mode != "recompute"):
-            raise ValueError(f"--swap-space must be > 0 with --preemption-mode "
-                             f"{self.preemption_mode} (got {self.swap_space}); use "
-                             "--preemption-mode recompute to run without a swap pool")
-        ATTENTION_BACKENDS.check(self.attention_backend, extra=("auto",))
-        resolve_dtype(self.dtype, self.device)
-        self._check_kv_cache_dtype()
-        from engine.quant.base import METHODS  # torch-only module; keeps config import light
-        if self.quantization not in METHODS:
-            raise ValueError(f"--quantization must be one of {', '.join(METHODS)}; "
-                             f"got {self.quantization!r}")
-        if self.compile_max_batch is not None and self.compile_max_batch < 1:
-            raise ValueError(f"--compile-max-batch must be >= 1, got {self.compile_max_batch}")
-        if self.quant_group_size not in (32, 64, 128, 256):
-            raise ValueError(f"--quant-group-size must be 32, 64, 128 or 256, "
-                             f"got {self.quant_group_size}")
-        if self.quant_packed_max_rows is not None and self.quant_packed_max_rows < 0:
-            raise ValueError(f"--quant-packed-max-rows must be >= 0, got {self.quant_packed_max_rows}")
-        self._check_speculative()
-
-    def _check_speculative(self) -> None:
         from engine.spec.registry import PROPOSERS  # torch-free
         PROPOSERS.check(self.speculative_method, extra=("none",))
         if self.speculative_method == "none":
@@ -216,9 +242,6 @@ class EngineConfig:
             raise ValueError(f"--num-speculative-tokens must be >= 1 with "
                              f"--speculative-method {self.speculative_method}, "
                              f"got {self.num_speculative_tokens}")
-        if self.max_model_len is not None and self.num_speculative_tokens >= self.max_model_len:
-            raise ValueError(f"--num-speculative-tokens {self.num_speculative_tokens} is beyond "
-                             f"the context window (--max-model-len {self.max_model_len})")
         if self.speculative_max_batch < 0:
             raise ValueError(f"--speculative-max-batch must be >= 0, "
                              f"got {self.speculative_max_batch}")
@@ -226,33 +249,107 @@ class EngineConfig:
             raise ValueError("--speculative-model is required by --speculative-method draft "
                              "and only used by it")
 
+
+@dataclass(frozen=True)
+class CompileConfig:
+    """The compiled decode step."""
+
+    compile: bool = os.environ.get("TANDEM_COMPILE", "1") != "0"
+    """Compile the decode step at start-up (torch.compile per bucketed batch size 1, 2, 4,
+    ... up to --compile-max-batch; CUDA graphs on GPU); --no-compile runs every step eagerly.
+    TANDEM_COMPILE=0 in the environment makes --no-compile the default (the test suite's)."""
+    compile_max_batch: int | None = None
+    """Largest compiled decode batch (bigger decode batches run eagerly); None = max_num_seqs."""
+
+    def __post_init__(self) -> None:
+        if self.compile_max_batch is not None and self.compile_max_batch < 1:
+            raise ValueError(f"--compile-max-batch must be >= 1, got {self.compile_max_batch}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Knobs of one engine (one model replica with its KV cache and step loop), one group
+    per concern, read as ``config.cache.block_size``. ``from_flat`` builds one from the
+    flags' flat names (block_size=16, quantization="int8"): the CLI and tests use it."""
+
+    load: LoadConfig = field(default_factory=LoadConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    quant: QuantConfig = field(default_factory=QuantConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)
+    compilation: CompileConfig = field(default_factory=CompileConfig)
+
+    FLAG_ORDER: ClassVar[tuple[str, ...]] = (
+        "model", "dtype", "device", "block_size", "num_kv_blocks", "kv_cache_memory_gib",
+        "kv_cache_dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+        "enable_chunked_prefill", "enable_prefix_caching", "attention_backend", "swap_space",
+        "preemption_mode", "priority_batch_cap", "interrupt_steps", "hash_seed", "num_threads",
+        "quantization", "quant_group_size", "quant_packed_max_rows", "compile",
+        "compile_max_batch", "speculative_method", "speculative_model",
+        "num_speculative_tokens", "speculative_max_batch")
+    """Every group's fields in the order --help lists their flags: that of the flat config
+    the groups replaced, so the help users know reads unchanged."""
+
+    @classmethod
+    def groups(cls) -> dict[str, type]:
+        """Group name -> its dataclass."""
+        hints = typing.get_type_hints(cls)
+        return {f.name: hints[f.name] for f in fields(cls)}
+
+    @classmethod
+    def flat_fields(cls) -> list[tuple[type, Field]]:
+        """(group dataclass, field) for every field of every group, in FLAG_ORDER."""
+        found = {f.name: (group, f) for group in cls.groups().values() for f in fields(group)}
+        if sorted(found) != sorted(cls.FLAG_ORDER):
+            raise TypeError(f"EngineConfig.FLAG_ORDER must list each group field once: "
+                            f"{sorted(set(found) ^ set(cls.FLAG_ORDER))}")
+        return [found[name] for name in cls.FLAG_ORDER]
+
+    @classmethod
+    def from_flat(cls, **values: Any) -> EngineConfig:
+        """The config with these fields (any group's, by their flat names) set and the
+        rest at their defaults. A name of no group raises TypeError, as a constructor would."""
+        built = {}
+        for name, group in cls.groups().items():
+            own = {f.name for f in fields(group)}
+            built[name] = group(**{k: values.pop(k) for k in list(values) if k in own})
+        if values:
+            raise TypeError(f"EngineConfig has no field {', '.join(sorted(values))}")
+        return cls(**built)
+
+    def __post_init__(self) -> None:
+        mode, swap = self.scheduler.preemption_mode, self.cache.swap_space
+        if swap < 0 or (swap == 0 and mode != "recompute"):
+            raise ValueError(f"--swap-space must be > 0 with --preemption-mode "
+                             f"{mode} (got {swap}); use "
+                             "--preemption-mode recompute to run without a swap pool")
+        self._check_kv_cache_dtype()
+        spec, window = self.spec, self.load.max_model_len
+        if (spec.speculative_method != "none" and window is not None
+                and spec.num_speculative_tokens >= window):
+            raise ValueError(f"--num-speculative-tokens {spec.num_speculative_tokens} is beyond "
+                             f"the context window (--max-model-len {window})")
+
     def _check_kv_cache_dtype(self) -> None:
-        name = self.kv_cache_dtype
-        if name not in KV_CACHE_DTYPES:
-            raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}; "
-                             f"got {name!r}")
-        if name == "fp8_e4m3" and not self.device.startswith("cuda"):
+        name = self.cache.kv_cache_dtype
+        if name == "fp8_e4m3" and not self.load.device.startswith("cuda"):
             raise ValueError("--kv-cache-dtype fp8_e4m3 needs a CUDA device (--device cuda): "
                              "on CPU no attention path reads fp8 in place (the decode kernel "
                              "reads int8), so every step would dequantize a copy of every "
                              "context; use --kv-cache-dtype int8 (the same bytes per block) "
                              "or auto")
-        compute = dtype_name(self.torch_dtype)
+        compute = dtype_name(self.load.torch_dtype)
         if name in ("bfloat16", "float32") and name != compute:
             raise ValueError(f"--kv-cache-dtype {name} needs --dtype {name} (the compute dtype "
                              f"is {compute}; an unquantized cache is stored in it); use "
                              f"--kv-cache-dtype auto, int8, or --dtype {name}")
 
     @property
-    def torch_dtype(self) -> torch.dtype:
-        return resolve_dtype(self.dtype, self.device)
-
-    @property
     def resolved_kv_cache_dtype(self) -> str:
         """The KV dtype in force: the compute dtype's name under auto."""
-        if self.kv_cache_dtype == "auto":
-            return dtype_name(self.torch_dtype)
-        return self.kv_cache_dtype
+        if self.cache.kv_cache_dtype == "auto":
+            return dtype_name(self.load.torch_dtype)
+        return self.cache.kv_cache_dtype
 
     @property
     def kv_quant(self) -> str | None:

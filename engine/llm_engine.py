@@ -7,22 +7,18 @@ thread (the services run it on a dedicated engine thread).
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Protocol, Sequence
 
 from engine.aborts import AbortMemory
-from engine.config import EngineConfig
+from engine.config import CacheConfig, EngineConfig
 from core.guided.compiler import GrammarCompiler
-from engine.quant.base import resolve_method
 from core.limits import check_priority, check_prompt
 from engine.kv_cache import KVCacheManager
 from core.kv import blocks_for, check_salt
-from engine.loader import load_checkpoint
 from engine.model_runner import ModelRunner
 from engine.models.llama import StepInterrupted
 from engine.output import OutputProcessor
@@ -30,13 +26,14 @@ from engine.request import (DuplicateRequestError, FinishReason, RemoteAdmission
                             RemoteReservation, Request, RequestOutput, RequestStatus)
 from core.sampling import SamplingParams
 from engine.kv_cache.swap import SwapPool
-from engine.scheduler import PreemptionPolicy, Scheduler
+from engine.scheduler import Scheduler
+from engine.served_model import (checkpoint_tokenizer, context_window, open_checkpoint,
+                                 served_fingerprint)
 from engine.spec.speculator import Speculator
 from core.states import PreemptionMode
 from core.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-DEFAULT_MAX_MODEL_LEN = 8192
 
 
 class Handoff(Protocol):
@@ -80,37 +77,18 @@ class Completion:
 class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None,
                  handoff: Handoff | None = None) -> None:
-        if not config.model:
-            raise ValueError("EngineConfig.model is empty: pass --model PATH "
-                             "(tandem fetch-model puts the default model in the cache)")
         self.config = config
-        ckpt = load_checkpoint(config.model)
+        ckpt = open_checkpoint(config.load)
         self.model_config = ckpt.config
-        # the weights as run: the same checkpoint quantized another way gives other KV
-        method = resolve_method(config.quantization, ckpt.reader is not None)
-        quant = "" if method == "none" else f":{method}:{config.quant_group_size}"
-        self.fingerprint = hashlib.sha256(f"{ckpt.fingerprint}{quant}".encode()).hexdigest()[:32]
-        self.max_model_len = config.max_model_len or min(ckpt.config.max_position_embeddings,
-                                                         DEFAULT_MAX_MODEL_LEN)
-        self.tokenizer = tokenizer or (Tokenizer.from_gguf(ckpt.reader) if ckpt.reader is not None
-                                       else Tokenizer.load(Path(config.model)))
+        self.fingerprint = served_fingerprint(ckpt, config.quant)
+        self.max_model_len = context_window(config.load, ckpt.config)
+        self.tokenizer = tokenizer or checkpoint_tokenizer(ckpt)
         self.runner = ModelRunner(config, ckpt, self.max_model_len)
-        capacity = self.runner.num_blocks * config.block_size
-        if capacity < self.max_model_len:
-            raise ValueError(
-                f"--kv-blocks {self.runner.num_blocks} holds {capacity} tokens, less than one "
-                f"request of the context window (--max-model-len {self.max_model_len}); "
-                f"raise --kv-blocks to at least {blocks_for(self.max_model_len, config.block_size)} "
-                "or lower --max-model-len")
-        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size,
-                                 config.enable_prefix_caching, config.hash_seed)
+        self.kv = self._kv_cache(config.cache)
         self.swap = SwapPool(self.runner.num_swap_blocks) if self.runner.num_swap_blocks else None
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.enable_chunked_prefill, self.swap,
-                                   PreemptionPolicy(config.preemption_mode),
-                                   config.priority_batch_cap)
+        self.scheduler = Scheduler(self.kv, config.scheduler, self.swap)
         self.stats = EngineStats()
-        self.speculator = Speculator.create(config, self.runner, self.tokenizer,
+        self.speculator = Speculator.create(config.spec, self.runner, self.tokenizer,
                                             self.max_model_len)
         if self.speculator is not None:
             self.speculator.proposer.bind(self.kv.tables)
@@ -130,6 +108,19 @@ class LLMEngine:
         """Tokens run through the model since start (tests assert prefix-cache savings)."""
         self._urgent: int | None = None
         """Best priority of requests announced by interrupt_for since the step began."""
+
+    def _kv_cache(self, cache: CacheConfig) -> KVCacheManager:
+        """The block manager over the runner's pool; ValueError when the pool cannot hold
+        one request of the context window."""
+        capacity = self.runner.num_blocks * cache.block_size
+        if capacity < self.max_model_len:
+            raise ValueError(
+                f"--kv-blocks {self.runner.num_blocks} holds {capacity} tokens, less than one "
+                f"request of the context window (--max-model-len {self.max_model_len}); "
+                f"raise --kv-blocks to at least {blocks_for(self.max_model_len, cache.block_size)} "
+                "or lower --max-model-len")
+        return KVCacheManager(self.runner.num_blocks, cache.block_size,
+                              cache.enable_prefix_caching, cache.hash_seed)
 
     # -- requests -------------------------------------------------------------
     def make_request(self, prompt: str | Sequence[int], params: SamplingParams,
@@ -210,7 +201,7 @@ class LLMEngine:
         is less important, so the newcomer waits for one layer, not a whole step; the
         abandoned requests simply run again in the next step (nothing of theirs was
         committed). Off with --no-interrupt-steps."""
-        if self.config.interrupt_steps and (self._urgent is None or priority < self._urgent):
+        if self.config.scheduler.interrupt_steps and (self._urgent is None or priority < self._urgent):
             self._urgent = priority
 
     def step(self) -> list[RequestOutput]:

@@ -46,12 +46,12 @@ class ModelRunner:
         self.config = config
         self.model_config = ckpt.config
         self.max_model_len = max_model_len
-        self.device = torch.device(config.device)
-        self.dtype = config.torch_dtype
-        threads = config.num_threads or default_threads()
+        self.device = torch.device(config.load.device)
+        self.dtype = config.load.torch_dtype
+        threads = config.load.num_threads or default_threads()
         if threads:
             torch.set_num_threads(threads)
-            if not config.num_threads:
+            if not config.load.num_threads:
                 log.info("torch threads %d: the container's CPU limit (--num-threads sets "
                          "them)", threads)
         t0 = time.perf_counter()
@@ -63,13 +63,13 @@ class ModelRunner:
         self.quant = self._quantize(model, ckpt)
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         if self.quant is not None:
-            select_paths(self.model, self.quant, config.quant_packed_max_rows)
-        self.backend = get_backend(config.attention_backend, self.device)
+            select_paths(self.model, self.quant, config.quant.quant_packed_max_rows)
+        self.backend = get_backend(config.load.attention_backend, self.device)
         self.kv_dtype = config.resolved_kv_cache_dtype
         self.kv_quant = config.kv_quant
         self.num_blocks = self._num_blocks()
         self.kv = self._allocate_kv(ckpt)
-        self.num_swap_blocks = int(config.swap_space * (1 << 30)) // self.block_bytes
+        self.num_swap_blocks = int(config.cache.swap_space * (1 << 30)) // self.block_bytes
         pin = self.device.type == "cuda"
         # empty, not zeros: a swap block is always written (swap-out) before it is read
         self.swap_kv = torch.empty((self.num_swap_blocks, *self.kv.shape[1:]), dtype=self.kv.dtype,
@@ -77,20 +77,21 @@ class ModelRunner:
         self.sampler = Sampler()
         self._masks = None
         self.compiled: CompiledDecode | None = None
-        if config.compile:
+        if config.compilation.compile:
             self.compiled = CompiledDecode(self.model, self.device,
-                                           config.compile_max_batch or config.max_num_seqs)
+                                           config.compilation.compile_max_batch
+                                           or config.scheduler.max_num_seqs)
             self.compiled.warm_up(self._dummy_decode)
         log.info("model loaded in %.1fs (%s, %s); attention=%s; KV pool %d blocks x %d tokens, "
                  "KV %s, %d bytes per block", time.perf_counter() - t0, self.dtype, self.device,
-                 self.backend.name, self.num_blocks, config.block_size, self.kv_dtype,
+                 self.backend.name, self.num_blocks, config.cache.block_size, self.kv_dtype,
                  self.block_bytes)
 
     def _allocate_kv(self, ckpt: LoadedCheckpoint) -> torch.Tensor:
         """The block-major cache [num_blocks, L, 2, B, Hkv, row] (core/kv/layout.py):
         a row is head_dim values, or head_dim int8 codes and a float16 scale when quantized."""
         cfg = ckpt.config
-        kv = torch.zeros(self.num_blocks, cfg.num_layers, 2, self.config.block_size,
+        kv = torch.zeros(self.num_blocks, cfg.num_layers, 2, self.config.cache.block_size,
                          cfg.num_kv_heads, row_width(self.kv_dtype, cfg.head_dim),
                          dtype=storage_dtype(self.kv_dtype, self.dtype), device=self.device)
         assert kv[0].numel() * kv.element_size() == self.block_bytes, "one block-bytes formula"
@@ -98,7 +99,7 @@ class ModelRunner:
 
     def _quantize(self, model: LlamaForCausalLM, ckpt: LoadedCheckpoint) -> QuantReport | None:
         """Pack the linear weights per --quantization (None: dense, as loaded)."""
-        method = resolve_method(self.config.quantization, ckpt.reader is not None)
+        method = resolve_method(self.config.quant.quantization, ckpt.reader is not None)
         if method == "none":
             return None
         lookup = (raw_rows(ckpt.reader, ckpt.config, ckpt.path) if ckpt.reader is not None
@@ -110,7 +111,7 @@ class ModelRunner:
             return None if any(f is None for f in found) else found
 
         report = quantize_model(model, method, self.dtype, sources,
-                                self.config.quant_group_size, strict=method != "gguf")
+                                self.config.quant.quant_group_size, strict=method != "gguf")
         kinds = sorted(set(report.packed.values()))
         log.info("quantization %s: %d linears packed (%s), %d dense fallbacks; packed weights "
                  "%.1f MB beside %.1f MB of dense weights kept for large batches",
@@ -145,13 +146,13 @@ class ModelRunner:
     @property
     def block_bytes(self) -> int:
         cfg = self.model_config
-        return kv_format_block_bytes(self.kv_dtype, cfg.num_layers, self.config.block_size,
+        return kv_format_block_bytes(self.kv_dtype, cfg.num_layers, self.config.cache.block_size,
                                      cfg.num_kv_heads, cfg.head_dim)
 
     def _num_blocks(self) -> int:
-        if self.config.num_kv_blocks is not None:
-            return self.config.num_kv_blocks
-        return max(1, int(self.config.kv_cache_memory_gib * (1 << 30)) // self.block_bytes)
+        if self.config.cache.num_kv_blocks is not None:
+            return self.config.cache.num_kv_blocks
+        return max(1, int(self.config.cache.kv_cache_memory_gib * (1 << 30)) // self.block_bytes)
 
     @torch.inference_mode()
     def copy_blocks(self, swap_out: list[tuple[list[int], list[int]]],
@@ -218,7 +219,7 @@ class ModelRunner:
         num_prefills = sum(1 for n in qlens if n > 1)
         if any(n > 1 for n in qlens[num_prefills:]):
             raise ValueError("execute: a prefill entry after a decode or speculating row")
-        meta = build_metadata(qlens, slens, num_prefills, qtables, self.config.block_size,
+        meta = build_metadata(qlens, slens, num_prefills, qtables, self.config.cache.block_size,
                               self.device, self.kv_quant)
         ctx = ForwardContext(self.kv, meta, self.backend, should_stop)
         no_prompt = all(n == 1 or req.draft for req, n in entries)
@@ -294,7 +295,7 @@ class ModelRunner:
     def _dummy_decode(self, rows: int, segments: Segments) -> None:
         """One decode step of ``rows`` one-token sequences in KV block 0 (start-up only:
         the pool is empty, so nothing cached is overwritten)."""
-        meta = build_metadata([1] * rows, [1] * rows, 0, [[0]] * rows, self.config.block_size,
+        meta = build_metadata([1] * rows, [1] * rows, 0, [[0]] * rows, self.config.cache.block_size,
                               self.device, self.kv_quant)
         ctx = ForwardContext(self.kv, meta, self.backend)
         tids, tpos = self.compiled.pad([0] * rows, [0] * rows, rows)
@@ -305,7 +306,7 @@ class ModelRunner:
     def prompt_logits(self, token_ids: list[int], table: list[int]) -> torch.Tensor:
         """fp32 logits at every position of a prompt (for correctness tests)."""
         n = len(token_ids)
-        meta = build_metadata([n], [n], 1 if n > 1 else 0, [table], self.config.block_size,
+        meta = build_metadata([n], [n], 1 if n > 1 else 0, [table], self.config.cache.block_size,
                               self.device, self.kv_quant)
         ctx = ForwardContext(self.kv, meta, self.backend)
         hidden = self.model(torch.tensor(token_ids, device=self.device),

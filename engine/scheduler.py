@@ -29,6 +29,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from engine.config import SchedulerConfig
 from engine.kv_cache.manager import KVCacheManager
 from engine.kv_cache.swap import SwapPool
 from engine.request import RemoteReservation, Request, RequestStatus
@@ -69,17 +70,15 @@ class PreemptionPolicy:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool = True, swap: SwapPool | None = None,
-                 policy: PreemptionPolicy = PreemptionPolicy(), priority_batch_cap: int = 0
-                 ) -> None:
-        self.priority_batch_cap = priority_batch_cap
+    def __init__(self, kv: KVCacheManager, config: SchedulerConfig,
+                 swap: SwapPool | None = None) -> None:
+        self.priority_batch_cap = config.priority_batch_cap
         self.kv = kv
         self.swap = swap
-        self.policy = policy
-        self.max_num_seqs = max_num_seqs
-        self.budget = max_num_batched_tokens
-        self.chunked = enable_chunked_prefill
+        self.policy = PreemptionPolicy(config.preemption_mode)
+        self.max_num_seqs = config.max_num_seqs
+        self.budget = config.max_num_batched_tokens
+        self.chunked = config.enable_chunked_prefill
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.swapped: list[Request] = []

@@ -295,7 +295,7 @@ class EngineWorker:
             self._engine = engine
             self.kv_tensor = engine.runner.kv
             self.info = EngineInfo(engine.model_config, engine.fingerprint,
-                                   engine.config.block_size, engine.kv.pool.num_blocks,
+                                   engine.config.cache.block_size, engine.kv.pool.num_blocks,
                                    engine.max_model_len, engine.runner.block_bytes,
                                    engine.runner.kv_dtype, dtype_name(engine.runner.dtype))
             self.load = _load_of(engine)

@@ -42,8 +42,9 @@ def _generate_setup(p: argparse.ArgumentParser) -> None:
 def _generate_run(args: argparse.Namespace) -> int:
     from engine.config import EngineConfig
     from core.kv import blocks_for
-    from engine.llm_engine import DEFAULT_MAX_MODEL_LEN, LLMEngine
+    from engine.llm_engine import LLMEngine
     from core.sampling import SamplingParams
+    from engine.served_model import DEFAULT_MAX_MODEL_LEN
     from tandem.config_cli import config_from_args
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
@@ -57,7 +58,7 @@ def _generate_run(args: argparse.Namespace) -> int:
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         messages.append({"role": "user", "content": prompt})
-        prompt = core.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        prompt = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     engine.add_request(prompt, params)
     while engine.has_unfinished():
         for out in engine.step():

@@ -1,11 +1,14 @@
 """Generate argparse flags from a frozen config dataclass, so the CLI and the
 config never drift: each field becomes ``--field-name``, its help text is the
-docstring line under the field, its default the field's default."""
+docstring line under the field, its default the field's default. A config made of
+groups (EngineConfig) lists its groups' fields with ``flat_fields`` and is built from
+them with ``from_flat``; the flags stay flat (--block-size, not --cache-block-size)."""
 from __future__ import annotations
 
 import argparse
 import ast
 import dataclasses
+import functools
 import inspect
 import textwrap
 import types
@@ -15,6 +18,7 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
+@functools.cache  # one parse per class, not per flag
 def field_docs(cls: type) -> dict[str, str]:
     """The string literal that follows each annotated field in the class body."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
@@ -45,17 +49,22 @@ def _optional(tp: type) -> Any:
     return parse
 
 
+def leaf_fields(cls: type) -> list[tuple[type, dataclasses.Field]]:
+    """(dataclass declaring it, field) for every flag-bearing field of ``cls``."""
+    flat = getattr(cls, "flat_fields", None)
+    return flat() if flat else [(cls, f) for f in dataclasses.fields(cls)]
+
+
 def add_config_args(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = (),
                     flag_names: dict[str, str] | None = None,
                     defaults: dict[str, Any] | None = None) -> None:
     """``defaults``: this command's own defaults for some fields (shown in --help)."""
-    hints = typing.get_type_hints(cls)
-    docs = field_docs(cls)
     flag_names = flag_names or {}
     defaults = defaults or {}
-    for f in dataclasses.fields(cls):
+    for owner, f in leaf_fields(cls):
         if f.name in skip:
             continue
+        hints, docs = typing.get_type_hints(owner), field_docs(owner)
         tp, optional = _base_type(hints[f.name])
         flag = "--" + flag_names.get(f.name, f.name.replace("_", "-"))
         default = f.default if f.default is not dataclasses.MISSING else None
@@ -70,7 +79,7 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type, skip: tuple[str,
 
 
 def config_from_args(cls: type[T], args: argparse.Namespace, **overrides: Any) -> T:
-    names = {f.name for f in dataclasses.fields(cls)}
+    names = {f.name for _, f in leaf_fields(cls)}
     values = {k: v for k, v in vars(args).items() if k in names}
     values.update(overrides)
-    return cls(**values)
+    return getattr(cls, "from_flat", cls)(**values)

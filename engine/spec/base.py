@@ -18,7 +18,7 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from engine.config import EngineConfig
+    from engine.config import SpecConfig
     from engine.model_runner import ModelRunner
     from engine.request import Request
     from core.tokenizer import Tokenizer
@@ -36,7 +36,7 @@ class Proposer(ABC):
     draft model), so the scheduler first reserves k slots per row."""
 
     @classmethod
-    def create(cls, config: EngineConfig, runner: ModelRunner, tokenizer: Tokenizer
+    def create(cls, config: SpecConfig, runner: ModelRunner, tokenizer: Tokenizer
                ) -> Proposer:
         """Build one for this engine (a draft model loads here; bad input raises
         ValueError naming the flag)."""

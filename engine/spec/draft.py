@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from engine.attention import build_metadata
-from engine.config import EngineConfig
+from engine.config import SpecConfig
 from engine.models.llama import ForwardContext
 from engine.request import Request
 from engine.spec.base import Proposer
@@ -61,17 +61,18 @@ class DraftProposer(Proposer):
         self.tables: dict[str, list[int]] = {}
 
     @classmethod
-    def create(cls, config: EngineConfig, runner, tokenizer) -> DraftProposer:
+    def create(cls, config: SpecConfig, runner, tokenizer) -> DraftProposer:
         n = parse_self_layers(config.speculative_model, runner.model_config.num_layers)
+        block_size = runner.config.cache.block_size
         if n is not None:
-            out = cls(runner.model, runner.kv, runner.backend, config.block_size,
+            out = cls(runner.model, runner.kv, runner.backend, block_size,
                       runner.device, n, "self_draft", runner.kv_quant)
             out.cost = step_weights(runner.model, n) / step_weights(runner.model)
             return out
         draft = _load_draft(config, runner, tokenizer)
         log.info("draft model %s: %d layers", config.speculative_model,
                  draft.model_config.num_layers)
-        out = cls(draft.model, draft.kv, draft.backend, config.block_size, runner.device,
+        out = cls(draft.model, draft.kv, draft.backend, block_size, runner.device,
                   None, "draft", draft.kv_quant)
         out.cost = step_weights(draft.model) / step_weights(runner.model)
         return out
@@ -139,13 +140,13 @@ def step_weights(model, num_layers: int | None = None) -> int:
             + model.lm_head.weight.numel())
 
 
-def _load_draft(config: EngineConfig, runner, tokenizer):
+def _load_draft(config: SpecConfig, runner, tokenizer):
     """A second ModelRunner on the draft checkpoint, with a cache of the target's block
     count (the same block ids) and no swap pool; ValueError naming the flag when its
     vocabulary or tokenizer differs from the target's."""
     from engine.loader import load_checkpoint
     from engine.model_runner import ModelRunner
-    from core.tokenizer import Tokenizer
+    from engine.served_model import checkpoint_tokenizer
 
     path = config.speculative_model
     if not Path(path).exists():
@@ -154,12 +155,13 @@ def _load_draft(config: EngineConfig, runner, tokenizer):
     if ckpt.config.vocab_size != runner.model_config.vocab_size:
         raise ValueError(f"--speculative-model {path}: vocabulary of {ckpt.config.vocab_size} "
                          f"tokens, the target has {runner.model_config.vocab_size}")
-    theirs = (Tokenizer.from_gguf(ckpt.reader) if ckpt.reader is not None
-              else Tokenizer.load(Path(path)))
+    theirs = checkpoint_tokenizer(ckpt)
     if (theirs.backend.get_vocab(with_added_tokens=True)
             != tokenizer.backend.get_vocab(with_added_tokens=True)):
         raise ValueError(f"--speculative-model {path}: its tokenizer differs from the "
                          "target's (a draft must share the tokenizer)")
-    cfg = replace(config, model=path, num_kv_blocks=runner.num_blocks, compile=False,
-                  swap_space=1e-9, speculative_method="none", speculative_model="")
+    target = runner.config
+    cfg = replace(target, load=replace(target.load, model=path),
+                  cache=replace(target.cache, num_kv_blocks=runner.num_blocks, swap_space=1e-9),
+                  compilation=replace(target.compilation, compile=False), spec=SpecConfig())
     return ModelRunner(cfg, ckpt, runner.max_model_len)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 
-from engine.config import EngineConfig
+from engine.config import SpecConfig
 from engine.request import Request, RequestStatus
 from engine.spec.base import Proposer
 from engine.spec.registry import PROPOSERS
@@ -65,7 +65,7 @@ def fit_grammar(req: Request, draft: list[int], k: int) -> list[int]:
 
 
 class Speculator:
-    def __init__(self, config: EngineConfig, proposer: Proposer, max_model_len: int) -> None:
+    def __init__(self, config: SpecConfig, proposer: Proposer, max_model_len: int) -> None:
         self.proposer = proposer
         self.k = config.num_speculative_tokens
         self.max_batch = config.speculative_max_batch
@@ -79,7 +79,7 @@ class Speculator:
         self.counters.get(proposer.name)  # the series exist from the start
 
     @classmethod
-    def create(cls, config: EngineConfig, runner, tokenizer, max_model_len: int
+    def create(cls, config: SpecConfig, runner, tokenizer, max_model_len: int
                ) -> Speculator | None:
         if config.speculative_method == "none":
             return None

@@ -443,7 +443,7 @@ def references(model: str, cases: list[Case], dtype: str = "float32") -> dict[in
     from engine.llm_engine import LLMEngine
     from core.sampling import SamplingParams
 
-    eng = LLMEngine(EngineConfig(model=model, dtype=dtype, num_kv_blocks=256, max_model_len=512))
+    eng = LLMEngine(EngineConfig.from_flat(model=model, dtype=dtype, num_kv_blocks=256, max_model_len=512))
     refs = {}
     for i, case in enumerate(cases):
         params = SamplingParams(max_tokens=case.max_tokens, temperature=0, ignore_eos=True)

@@ -37,8 +37,8 @@ def prompts() -> list[str]:
 
 @pytest.fixture(scope="module")
 def colocated(model_path) -> list[list[int]]:
-    eng = LLMEngine(EngineConfig(model=str(model_path), dtype="float32", max_model_len=1024,
-                                 num_kv_blocks=1024))
+    eng = LLMEngine(EngineConfig.from_flat(model=str(model_path), dtype="float32", max_model_len=1024,
+                                           num_kv_blocks=1024))
     toks = [c.token_ids for c in eng.generate(
         prompts(), SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))]
     eng.leak_check()

@@ -51,8 +51,8 @@ def _stream_text(url: str, body: dict, started: threading.Event) -> str:
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_twelve_mixed_priority_requests_over_http(tiny_model_dir, mode) -> None:
-    eng = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32",
-                                 max_model_len=1536, num_kv_blocks=256))
+    eng = LLMEngine(EngineConfig.from_flat(model=str(tiny_model_dir), dtype="float32",
+                                           max_model_len=1536, num_kv_blocks=256))
     want = []
     for b in _requests() + [LONG]:
         sp = SamplingParams(max_tokens=b["max_tokens"], ignore_eos=True,

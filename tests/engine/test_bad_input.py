@@ -16,8 +16,8 @@ from core.sampling import SamplingParams
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64,
-                                  max_model_len=128))
+    return LLMEngine(EngineConfig.from_flat(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64,
+                                            max_model_len=128))
 
 
 def test_unknown_model_path_and_format(tmp_path: Path) -> None:
@@ -120,8 +120,8 @@ def test_generation_stops_at_context_window(engine: LLMEngine) -> None:
 
 def test_config_errors_name_the_flag(tiny_model_dir) -> None:
     with pytest.raises(ValueError, match="--block-size"):
-        EngineConfig(block_size=12)
+        EngineConfig.from_flat(block_size=12)
     with pytest.raises(ValueError, match="--dtype"):
-        EngineConfig(dtype="float8")
+        EngineConfig.from_flat(dtype="float8")
     with pytest.raises(ValueError, match="--kv-blocks"):
-        LLMEngine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=2, max_model_len=128))
+        LLMEngine(EngineConfig.from_flat(model=str(tiny_model_dir), num_kv_blocks=2, max_model_len=128))

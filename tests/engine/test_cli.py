@@ -20,7 +20,7 @@ def test_generate_prints_only_the_completion(tiny_model_dir: Path) -> None:
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
     from core.sampling import SamplingParams
-    eng = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64))
+    eng = LLMEngine(EngineConfig.from_flat(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64))
     want = eng.generate(["hello"], SamplingParams(max_tokens=6, temperature=0))[0].text
     assert a.stdout == want + "\n"
 

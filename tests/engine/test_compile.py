@@ -18,9 +18,9 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 
 def _engine(path: Path, compile: bool, quantization: str = "none") -> LLMEngine:
-    eng = LLMEngine(EngineConfig(model=str(path), dtype="float32", num_kv_blocks=128,
-                                 max_num_seqs=8, compile=compile, compile_max_batch=4,
-                                 quantization=quantization, quant_packed_max_rows=2))
+    eng = LLMEngine(EngineConfig.from_flat(model=str(path), dtype="float32", num_kv_blocks=128,
+                                           max_num_seqs=8, compile=compile, compile_max_batch=4,
+                                           quantization=quantization, quant_packed_max_rows=2))
     if compile:
         assert set(eng.runner.compiled.timings) == {1, 2, 4}
         eng.runner.compiled.slower.clear()  # test every compiled bucket, faster or not

@@ -20,8 +20,8 @@ def _prompts(n: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def engine(model_path) -> LLMEngine:
-    eng = LLMEngine(EngineConfig(model=str(model_path), dtype="float32", num_kv_blocks=600,
-                                 max_num_batched_tokens=64, max_model_len=1024))
+    eng = LLMEngine(EngineConfig.from_flat(model=str(model_path), dtype="float32", num_kv_blocks=600,
+                                           max_num_batched_tokens=64, max_model_len=1024))
     yield eng
     eng.leak_check()
 
@@ -59,10 +59,10 @@ def test_seeded_sampling_independent_of_batch(engine: LLMEngine) -> None:
 
 def test_prefix_cache_computes_only_suffix(engine: LLMEngine) -> None:
     engine.kv.pool.reset_prefix_cache()
-    bs = engine.config.block_size
-    prefix = core.tokenizer.encode(" ".join(WORDS * 3))[: 3 * bs]
-    first = prefix + core.tokenizer.encode(" and then it rained")
-    second = prefix + core.tokenizer.encode(" but nobody noticed at all")
+    bs = engine.config.cache.block_size
+    prefix = engine.tokenizer.encode(" ".join(WORDS * 3))[: 3 * bs]
+    first = prefix + engine.tokenizer.encode(" and then it rained")
+    second = prefix + engine.tokenizer.encode(" but nobody noticed at all")
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     _run(engine, [first], params)
     before = engine.num_computed_tokens_total
@@ -98,9 +98,9 @@ def test_batched_equals_alone_gguf_packed(model_path) -> None:
     run on the dense copy of the same values. Tokens must not depend on which."""
     if model_path.is_dir():
         pytest.skip("needs the GGUF")
-    eng = LLMEngine(EngineConfig(model=str(model_path), dtype="float32", num_kv_blocks=600,
-                                 max_num_batched_tokens=64, max_model_len=1024,
-                                 quantization="gguf", quant_packed_max_rows=4))
+    eng = LLMEngine(EngineConfig.from_flat(model=str(model_path), dtype="float32", num_kv_blocks=600,
+                                           max_num_batched_tokens=64, max_model_len=1024,
+                                           quantization="gguf", quant_packed_max_rows=4))
     prompts = _prompts(16)
     # 8 tokens: alone, every decode step runs the fp32 int kernels (no vectorised path)
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)

@@ -23,7 +23,7 @@ GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 def _engine(model_dir, **kw) -> LLMEngine:
     kw.setdefault("num_kv_blocks", 64)
     kw.setdefault("max_model_len", 128)
-    return LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", **kw))
+    return LLMEngine(EngineConfig.from_flat(model=str(model_dir), dtype="float32", **kw))
 
 
 def _prompt(n: int, seed: int = 0) -> list[int]:

@@ -18,8 +18,8 @@ from tests.guided_cases import (CHOICES, MAX_TOKENS, REGEXES, SCHEMAS, assert_ma
 
 
 def _engine(model_dir, **kw) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(model_dir), dtype="float32",
-                                  **{"num_kv_blocks": 512, "max_model_len": 1024, **kw}))
+    return LLMEngine(EngineConfig.from_flat(model=str(model_dir), dtype="float32",
+                                            **{"num_kv_blocks": 512, "max_model_len": 1024, **kw}))
 
 
 @pytest.fixture(scope="module")

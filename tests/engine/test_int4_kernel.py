@@ -103,8 +103,8 @@ def test_an_int4_engine_runs_ours_or_reports_the_fallback(tiny_model_dir, monkey
     from core.sampling import SamplingParams
 
     def start():
-        eng = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="bfloat16",
-                                     quantization="int4", num_kv_blocks=64))
+        eng = LLMEngine(EngineConfig.from_flat(model=str(tiny_model_dir), dtype="bfloat16",
+                                               quantization="int4", num_kv_blocks=64))
         layouts = {m.layout for m in eng.runner.model.modules() if isinstance(m, QuantLinear)}
         out = eng.generate([[5, 9, 11]] * 3, SamplingParams(max_tokens=6, ignore_eos=True))
         assert all(len(c.token_ids) == 6 for c in out)

@@ -126,15 +126,15 @@ def test_int8_block_is_half_of_bf16_plus_scales() -> None:
 ])
 def test_bad_kv_cache_dtype_names_the_flag_and_what_works(kw: dict, needle: str) -> None:
     with pytest.raises(ValueError) as e:
-        EngineConfig(**kw)
+        EngineConfig.from_flat(**kw)
     assert needle in str(e.value)
     assert "int8" in str(e.value) or "auto" in str(e.value)
 
 
 def test_resolved_kv_cache_dtype() -> None:
-    assert EngineConfig(dtype="float32").resolved_kv_cache_dtype == "float32"
-    assert EngineConfig(dtype="float32").kv_quant is None
-    cfg = EngineConfig(dtype="bfloat16", kv_cache_dtype="int8")
+    assert EngineConfig.from_flat(dtype="float32").resolved_kv_cache_dtype == "float32"
+    assert EngineConfig.from_flat(dtype="float32").kv_quant is None
+    cfg = EngineConfig.from_flat(dtype="bfloat16", kv_cache_dtype="int8")
     assert (cfg.resolved_kv_cache_dtype, cfg.kv_quant) == ("int8", "int8")
 
 
@@ -151,10 +151,10 @@ def test_same_memory_holds_1_9x_the_tokens_and_the_worker_reports_them(tmp_path)
     model = make_tiny_llama(tmp_path / "d64", hidden=128, heads=2, kv_heads=1)
     pools = {}
     for kv_dtype in ("auto", "int8"):
-        eng = LLMEngine(EngineConfig(model=str(model), dtype="bfloat16", kv_cache_memory_gib=0.002,
-                                     kv_cache_dtype=kv_dtype, max_model_len=256, compile=False))
+        eng = LLMEngine(EngineConfig.from_flat(model=str(model), dtype="bfloat16", kv_cache_memory_gib=0.002,
+                                               kv_cache_dtype=kv_dtype, max_model_len=256, compile=False))
         assert eng.runner.kv[0].numel() * eng.runner.kv.element_size() == eng.runner.block_bytes
-        pools[kv_dtype] = load_to_proto(_load_of(eng), kv_dtype, eng.config.block_size)
+        pools[kv_dtype] = load_to_proto(_load_of(eng), kv_dtype, eng.config.cache.block_size)
     bf16, int8 = pools["auto"], pools["int8"]
     assert bf16.block_size == int8.block_size == 16
     assert int8.total_blocks / bf16.total_blocks >= 1.9
@@ -175,8 +175,8 @@ def test_int8_preemption_gives_the_unconstrained_int8_outputs(tiny_model_dir, mo
     from tests.engine.test_preemption import _requests
 
     def make(**kw) -> LLMEngine:
-        return LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32",
-                                      kv_cache_dtype="int8", max_model_len=64, **kw))
+        return LLMEngine(EngineConfig.from_flat(model=str(tiny_model_dir), dtype="float32",
+                                                kv_cache_dtype="int8", max_model_len=64, **kw))
 
     alone = make(num_kv_blocks=256)
     want = {rid: alone.generate([p], sp)[0].token_ids for rid, p, sp, _ in _requests()}
@@ -195,8 +195,8 @@ def test_int8_preemption_gives_the_unconstrained_int8_outputs(tiny_model_dir, mo
 def test_int8_prefix_cache_hit_gives_the_same_tokens(tiny_model_dir) -> None:
     from engine.llm_engine import LLMEngine
 
-    eng = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64,
-                                 kv_cache_dtype="int8", max_model_len=256))
+    eng = LLMEngine(EngineConfig.from_flat(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64,
+                                           kv_cache_dtype="int8", max_model_len=256))
     from core.sampling import SamplingParams
 
     prompt = [(i * 11) % 300 + 3 for i in range(50)]
@@ -239,8 +239,8 @@ def test_int8_kv_answers_as_the_unquantized_cache_across_1900_tokens(model_path)
 
     runs = {}
     for kv_dtype in ("auto", "int8"):
-        eng = LLMEngine(EngineConfig(model=str(model_path), kv_cache_dtype=kv_dtype,
-                                     compile=False, max_model_len=2560, num_kv_blocks=200))
+        eng = LLMEngine(EngineConfig.from_flat(model=str(model_path), kv_cache_dtype=kv_dtype,
+                                               compile=False, max_model_len=2560, num_kv_blocks=200))
         ids = long_context_prompt(eng, 1900, 20000)
         assert len(ids) > 1900
         runs[kv_dtype] = _greedy(eng, ids, 6)

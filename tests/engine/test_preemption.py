@@ -26,8 +26,8 @@ def _requests():
 
 
 def _engine(model_dir, **kw) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", max_model_len=64,
-                                  **kw))
+    return LLMEngine(EngineConfig.from_flat(model=str(model_dir), dtype="float32", max_model_len=64,
+                                            **kw))
 
 
 @pytest.fixture(scope="module")
@@ -118,9 +118,9 @@ def test_abort_of_a_swapped_request_frees_its_host_blocks(tiny_model_dir) -> Non
 
 def test_bad_preemption_config_names_the_flag(tiny_model_dir) -> None:
     with pytest.raises(ValueError, match="--swap-space"):
-        EngineConfig(swap_space=0, preemption_mode="swap")
+        EngineConfig.from_flat(swap_space=0, preemption_mode="swap")
     with pytest.raises(ValueError, match="--preemption-mode"):
-        EngineConfig(preemption_mode="sometimes")
+        EngineConfig.from_flat(preemption_mode="sometimes")
     with pytest.raises(ValueError, match="--kv-blocks"):
         _engine(tiny_model_dir, num_kv_blocks=3)
 

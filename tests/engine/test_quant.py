@@ -78,7 +78,7 @@ def test_resolve_method() -> None:
     with pytest.raises(ValueError, match="--quantization gguf needs a .gguf"):
         resolve_method("gguf", is_gguf=False)
     with pytest.raises(ValueError, match="--quantization"):
-        EngineConfig(quantization="fp8")
+        EngineConfig.from_flat(quantization="fp8")
 
 
 def test_int4_on_unsupported_shape_is_a_clear_engine_error(tmp_path: Path) -> None:
@@ -86,14 +86,14 @@ def test_int4_on_unsupported_shape_is_a_clear_engine_error(tmp_path: Path) -> No
 
     d = make_tiny_llama(tmp_path / "odd", hidden=48, heads=4, kv_heads=2)  # K=48: no g32
     with pytest.raises(ValueError, match=r"--quantization int4: model\.layers\.0\.self_attn\.qkv_proj"):
-        LLMEngine(EngineConfig(model=str(d), dtype="float32", quantization="int4", num_kv_blocks=16))
+        LLMEngine(EngineConfig.from_flat(model=str(d), dtype="float32", quantization="int4", num_kv_blocks=16))
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_quantized_engine_is_batch_invariant(tiny_model_dir: Path, method: str) -> None:
     """Packed kernels at every batch size (forced): 8 requests together equal each alone."""
-    eng = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", quantization=method,
-                                 quant_packed_max_rows=1 << 20, num_kv_blocks=128))
+    eng = LLMEngine(EngineConfig.from_flat(model=str(tiny_model_dir), dtype="float32", quantization=method,
+                                           quant_packed_max_rows=1 << 20, num_kv_blocks=128))
     layers = [m for m in eng.runner.model.modules() if isinstance(m, QuantLinear)]
     assert len(layers) == 2 * 4 + 1 and eng.runner.fallbacks()["quantization"] == []
     prompts = [[(7 * i + j) % 300 + 3 for j in range(5 + 3 * i)] for i in range(8)]
@@ -111,8 +111,8 @@ def test_quantized_tiny_matches_hf_with_the_same_weights(tiny_model_dir: Path, m
     transformers = pytest.importorskip("transformers")
     from tests.engine.test_reference_hf import hf_with_weights_of
 
-    eng = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", quantization=method,
-                                 quant_packed_max_rows=4, num_kv_blocks=64))
+    eng = LLMEngine(EngineConfig.from_flat(model=str(tiny_model_dir), dtype="float32", quantization=method,
+                                           quant_packed_max_rows=4, num_kv_blocks=64))
     hf = hf_with_weights_of(transformers.AutoModelForCausalLM.from_pretrained(
         tiny_model_dir, dtype=torch.float32).eval(), eng.runner)
     ids = [(5 * j) % 300 + 3 for j in range(40)]

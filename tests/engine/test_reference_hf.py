@@ -61,8 +61,8 @@ def hf_model(model_path: Path):
 
 @pytest.fixture(scope="module")
 def eng(model_path: Path) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(model_path), dtype="float32", max_model_len=1024,
-                                  num_kv_blocks=256, quantization="none"))  # HF's weights
+    return LLMEngine(EngineConfig.from_flat(model=str(model_path), dtype="float32", max_model_len=1024,
+                                            num_kv_blocks=256, quantization="none"))  # HF's weights
 
 
 @pytest.fixture(scope="module")
@@ -159,8 +159,8 @@ def test_greedy_quantized_matches_hf_with_the_same_weights(model_path: Path, hf_
     GEMM's time), and 32 took a minute."""
     if model_path.is_dir():
         pytest.skip("needs the GGUF")
-    eng = LLMEngine(EngineConfig(model=str(model_path), dtype="float32", max_model_len=1024,
-                                 num_kv_blocks=256, quantization=method, quant_packed_max_rows=8))
+    eng = LLMEngine(EngineConfig.from_flat(model=str(model_path), dtype="float32", max_model_len=1024,
+                                           num_kv_blocks=256, quantization=method, quant_packed_max_rows=8))
     assert eng.runner.quant.fallbacks == []
     ref_model = hf_with_weights_of(hf_model, eng.runner)
     params = SamplingParams(max_tokens=PACKED_TOKENS, temperature=0.0, ignore_eos=True)

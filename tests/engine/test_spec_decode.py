@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, SpecConfig
 from core.kv.block_hash import hash_token_blocks
 from engine.llm_engine import LLMEngine
 from engine.request import Request, RequestStatus
@@ -32,8 +32,8 @@ def _engine(model_dir, method: str = "none", **kw) -> LLMEngine:
         method = "draft"
     kw.setdefault("num_kv_blocks", 256)
     kw.setdefault("speculative_max_batch", 0)
-    return LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", max_model_len=256,
-                                  speculative_method=method, **kw))
+    return LLMEngine(EngineConfig.from_flat(model=str(model_dir), dtype="float32", max_model_len=256,
+                                            speculative_method=method, **kw))
 
 
 def _prompts(n: int = 50) -> list[list[int]]:
@@ -59,8 +59,8 @@ def _run(eng: LLMEngine, prompts, params) -> list[tuple[list[int], list]]:
 
 def _cache_holds_only_committed(eng: LLMEngine, sequences: list[list[int]]) -> None:
     """Every block in the prefix cache is a block of some committed sequence."""
-    bs = eng.config.block_size
-    good = {h for s in sequences for h in hash_token_blocks(s, bs, eng.config.hash_seed)}
+    bs = eng.config.cache.block_size
+    good = {h for s in sequences for h in hash_token_blocks(s, bs, eng.config.cache.hash_seed)}
     cached = set(eng.kv.pool.cached)
     assert cached and cached <= good, f"{len(cached - good)} cached blocks hold other tokens"
 
@@ -252,13 +252,13 @@ def test_distribution_test_fails_when_acceptance_is_wrong(flat_model_dir, monkey
 ])
 def test_bad_config_names_the_flag(kw, flag: str) -> None:
     with pytest.raises(ValueError, match=flag):
-        EngineConfig(model="x", **kw)
+        EngineConfig.from_flat(model="x", **kw)
 
 
 def test_k_beyond_the_models_context_names_the_flag(tiny_model_dir) -> None:
     with pytest.raises(ValueError, match="--num-speculative-tokens"):
-        LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64,
-                               speculative_method="ngram", num_speculative_tokens=600))
+        LLMEngine(EngineConfig.from_flat(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64,
+                                         speculative_method="ngram", num_speculative_tokens=600))
 
 
 @pytest.mark.parametrize("spec", ["self:0", "self:2", "self:x"])
@@ -287,9 +287,9 @@ def test_real_model_greedy_identical_for_50_prompts_fp32(model_path) -> None:
     """The embedded SmolLM2 in fp32: 50 chat prompts (half ask to repeat their input),
     greedy, with and without n-gram speculation."""
     def engine(method: str) -> LLMEngine:
-        return LLMEngine(EngineConfig(model=str(model_path), dtype="float32", max_model_len=512,
-                                      num_kv_blocks=1024, speculative_method=method,
-                                      speculative_max_batch=0))
+        return LLMEngine(EngineConfig.from_flat(model=str(model_path), dtype="float32", max_model_len=512,
+                                                num_kv_blocks=1024, speculative_method=method,
+                                                speculative_max_batch=0))
     plain_eng = engine("none")
     tok = plain_eng.tokenizer
     topics = ["rivers", "bread", "chess", "rain", "trains", "owls", "glass", "maps", "tea",
@@ -348,8 +348,8 @@ def test_a_costly_proposer_needs_more_acceptance_and_new_requests_start_paused()
     class Costly(_Guesser):
         name, cost = "costly", 0.4
 
-    spec = sp_mod.Speculator(EngineConfig(num_speculative_tokens=4), Costly(), 256)
-    free = sp_mod.Speculator(EngineConfig(num_speculative_tokens=4), _Guesser(), 256)
+    spec = sp_mod.Speculator(SpecConfig(num_speculative_tokens=4), Costly(), 256)
+    free = sp_mod.Speculator(SpecConfig(num_speculative_tokens=4), _Guesser(), 256)
     assert (spec.low, spec.start_k, free.low, free.start_k) == (pytest.approx(0.65), 1, 0.25, 4)
 
     def guesses(s, r: Request) -> int:
@@ -373,7 +373,7 @@ def test_a_costly_proposer_needs_more_acceptance_and_new_requests_start_paused()
 def test_guesses_shrink_as_the_batch_grows() -> None:
     """A step's rows, guesses included, stay within VERIFY_ROWS: 1 request may guess 7
     (--num-speculative-tokens), 4 requests 7 each (32 rows), 8 requests 3 each."""
-    spec = sp_mod.Speculator(EngineConfig(num_speculative_tokens=7, speculative_max_batch=0),
+    spec = sp_mod.Speculator(SpecConfig(num_speculative_tokens=7, speculative_max_batch=0),
                              _Guesser(), 256)
     for n, k in ((1, 7), (4, 7), (8, 3), (16, 1)):
         reqs = [_decoding(i) for i in range(n)]

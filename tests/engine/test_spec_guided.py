@@ -16,9 +16,9 @@ from tests.guided_cases import MAX_TOKENS, SCHEMAS, assert_valid
 
 
 def _engine(model_dir, method: str) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", max_model_len=1024,
-                                  num_kv_blocks=512, speculative_method=method,
-                                  speculative_max_batch=0))
+    return LLMEngine(EngineConfig.from_flat(model=str(model_dir), dtype="float32", max_model_len=1024,
+                                            num_kv_blocks=512, speculative_method=method,
+                                            speculative_max_batch=0))
 
 
 @pytest.mark.parametrize("seed", [None, 5])
@@ -123,9 +123,9 @@ def test_constrained_rows_with_a_draft_model(flat_model_dir, tmp_path, draft) ->
     want = [o.token_ids for o in _engine(flat_model_dir, "none").generate(prompts, params)]
     model = "self:1" if draft == "self:1" else str(make_tiny_llama(
         tmp_path / "draft", layers=1, seed=1, embed_scale=0.02, max_pos=2048))
-    eng = LLMEngine(EngineConfig(model=str(flat_model_dir), dtype="float32", max_model_len=1024,
-                                 num_kv_blocks=512, speculative_method="draft",
-                                 speculative_model=model, speculative_max_batch=0))
+    eng = LLMEngine(EngineConfig.from_flat(model=str(flat_model_dir), dtype="float32", max_model_len=1024,
+                                           num_kv_blocks=512, speculative_method="draft",
+                                           speculative_model=model, speculative_max_batch=0))
     outs = eng.generate(prompts, params)
     assert [o.token_ids for o in outs] == want
     for name, out in zip(names, outs):

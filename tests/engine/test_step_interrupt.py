@@ -11,8 +11,8 @@ SEEDED = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, seed=7)
 
 
 def _engine(model_dir, **kw) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", max_model_len=64,
-                                  num_kv_blocks=64, **kw))
+    return LLMEngine(EngineConfig.from_flat(model=str(model_dir), dtype="float32", max_model_len=64,
+                                            num_kv_blocks=64, **kw))
 
 
 def _prompt(i: int) -> list[int]:

@@ -17,8 +17,8 @@ GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir) -> LLMEngine:
-    eng = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64,
-                                 max_model_len=256))
+    eng = LLMEngine(EngineConfig.from_flat(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64,
+                                           max_model_len=256))
     yield eng
     eng.leak_check()
 

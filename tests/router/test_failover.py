@@ -49,8 +49,8 @@ def test_decode_killed_mid_stream_resumes_seamlessly(model_path, seeded) -> None
     sp = dict(max_tokens=n, ignore_eos=True, temperature=0.8 if seeded else 0.0)
     if seeded:
         sp["seed"] = 1234
-    eng = LLMEngine(EngineConfig(model=str(model_path), dtype="float32", max_model_len=1024,
-                                 num_kv_blocks=256))
+    eng = LLMEngine(EngineConfig.from_flat(model=str(model_path), dtype="float32", max_model_len=1024,
+                                           num_kv_blocks=256))
     want = eng.generate([PROMPT], SamplingParams(**sp))[0].text
     with cluster(model_path, "tcp", n_prefill=1, n_decode=2, worker_args=FP32,
                  router_args=["--local-prefill-threshold", "0"]) as c:
@@ -73,8 +73,8 @@ def test_decode_killed_mid_stream_keeps_the_grammar(model_path) -> None:
     from core.guided.spec import GuidedSpec
 
     sp = dict(max_tokens=150, temperature=0.8, seed=99)
-    eng = LLMEngine(EngineConfig(model=str(model_path), dtype="float32", max_model_len=1024,
-                                 num_kv_blocks=256))
+    eng = LLMEngine(EngineConfig.from_flat(model=str(model_path), dtype="float32", max_model_len=1024,
+                                           num_kv_blocks=256))
     prompt = "List four fruits and their colours as JSON:"
     want = eng.generate([prompt], SamplingParams(**sp, guided=GuidedSpec.json_schema(FRUITS)))[0]
     assert want.finish_reason.value == "stop"
@@ -98,8 +98,8 @@ def test_killing_prefill_then_decode_during_fifty_streams(model_path) -> None:
     prompts = [f"{PROMPT} Part {i}: the {['first', 'second', 'third'][i % 3]} press"
                for i in range(50)]
     sp = dict(max_tokens=12, temperature=0.0, ignore_eos=True)
-    eng = LLMEngine(EngineConfig(model=str(model_path), dtype="float32", max_model_len=1024,
-                                 num_kv_blocks=512))
+    eng = LLMEngine(EngineConfig.from_flat(model=str(model_path), dtype="float32", max_model_len=1024,
+                                           num_kv_blocks=512))
     want = [c.text for c in eng.generate(prompts, SamplingParams(**sp))]
     with cluster(model_path, "tcp", n_prefill=2, n_decode=2, worker_args=FP32,
                  router_args=["--local-prefill-threshold", "0"]) as c:

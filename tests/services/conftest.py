@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from dataclasses import replace
 
 import grpc
 import pytest
@@ -19,11 +18,10 @@ from worker.config import KVTransferConfig, WorkerConfig
 def worker_config(model_dir, backend: str = "tcp", engine: dict | None = None,
                   lease_ttl_s: float = 30.0, transfer_timeout_s: float = 5.0,
                   kv_blocks: int = 64) -> WorkerConfig:
-    base = EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=kv_blocks,
-                        max_model_len=256)
     kv = KVTransferConfig(backend=backend, lease_ttl_s=lease_ttl_s,
                           transfer_timeout_s=transfer_timeout_s)
-    return WorkerConfig(engine=replace(base, **(engine or {})), kv=kv)
+    base = dict(model=str(model_dir), dtype="float32", num_kv_blocks=kv_blocks, max_model_len=256)
+    return WorkerConfig(engine=EngineConfig.from_flat(**{**base, **(engine or {})}), kv=kv)
 
 
 def kv_endpoint(prefill) -> str:
@@ -128,8 +126,8 @@ def reference(tiny_model_dir):
     from engine.llm_engine import LLMEngine
     from core.sampling import SamplingParams
 
-    eng = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64,
-                                 max_model_len=256))
+    eng = LLMEngine(EngineConfig.from_flat(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64,
+                                           max_model_len=256))
 
     def run(prompt: list[int], max_tokens: int = 8, **kw) -> list[int]:
         params = SamplingParams(max_tokens=max_tokens, temperature=kw.pop("temperature", 0),

@@ -37,8 +37,8 @@ def _prompt(i: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def colocated(flat_model_dir):
-    eng = LLMEngine(EngineConfig(model=str(flat_model_dir), dtype="float32", num_kv_blocks=256,
-                                 max_model_len=256))
+    eng = LLMEngine(EngineConfig.from_flat(model=str(flat_model_dir), dtype="float32", num_kv_blocks=256,
+                                           max_model_len=256))
 
     def run(cases):
         outs = eng.generate([p for p, _ in cases], [sampling_from_proto(sp) for _, sp in cases])

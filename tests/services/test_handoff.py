@@ -162,8 +162,8 @@ def test_a_kv_handle_brackets_an_ipv6_advertised_host(tiny_model_dir) -> None:
 
     async def run() -> str:
         p = PrefillService(WorkerConfig(
-            engine=EngineConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=16,
-                                max_model_len=256),
+            engine=EngineConfig.from_flat(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=16,
+                                          max_model_len=256),
             kv=KVTransferConfig(backend="tcp"), advertise_host="::1"))
         await p.start()
         try:

@@ -29,8 +29,8 @@ def _colocated(model_dir, prompt: list[int], max_tokens: int) -> list[int]:
     from engine.llm_engine import LLMEngine
     from core.sampling import SamplingParams
 
-    eng = LLMEngine(EngineConfig(model=str(model_dir), num_kv_blocks=64, max_model_len=256,
-                                 **INT8))
+    eng = LLMEngine(EngineConfig.from_flat(model=str(model_dir), num_kv_blocks=64, max_model_len=256,
+                                           **INT8))
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     return eng.generate([prompt], params)[0].token_ids
 

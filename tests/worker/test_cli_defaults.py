@@ -2,7 +2,7 @@
 its own default token budget (its steps carry no decode rows), and --help says so."""
 from __future__ import annotations
 
-from engine.config import EngineConfig
+from engine.config import SchedulerConfig
 from tandem.cli import build_parser
 from tandem.worker_cli import PREFILL_DEFAULTS, worker_config
 
@@ -20,10 +20,10 @@ def test_a_prefill_worker_runs_larger_chunks_by_default(monkeypatch) -> None:
     monkeypatch.setattr(wc, "resolve_model", lambda args: args.model)
     prefill = worker_config(_config("prefill", *MODEL)).engine
     decode = worker_config(_config("decode", *MODEL)).engine
-    assert prefill.max_num_batched_tokens == PREFILL_DEFAULTS["max_num_batched_tokens"] == 2048
-    assert decode.max_num_batched_tokens == EngineConfig.max_num_batched_tokens == 512
+    assert prefill.scheduler.max_num_batched_tokens == PREFILL_DEFAULTS["max_num_batched_tokens"] == 2048
+    assert decode.scheduler.max_num_batched_tokens == SchedulerConfig.max_num_batched_tokens == 512
     override = worker_config(_config("prefill", *MODEL, "--max-num-batched-tokens", "256"))
-    assert override.engine.max_num_batched_tokens == 256
+    assert override.engine.scheduler.max_num_batched_tokens == 256
 
 
 def test_help_shows_each_roles_default() -> None:
