@@ -2,7 +2,8 @@
 continuous batch, and streams tokens.
 
 Request life here (Generate): validate; queue the request as a remote admission
-(the engine's scheduler gives it blocks in priority order with everything else,
+through the service's KV connector (kvtransfer/decode_connector.py: the engine's
+scheduler gives it blocks in priority order with everything else,
 its own prefix-cache hit adopted, preempting less important requests when the
 router allows); pull only the blocks it lacks from the prefill worker named in the
 KVHandle, then release the lease (KVLinkClient.pull does both); join the batch.
@@ -24,20 +25,21 @@ import logging
 import grpc
 
 from decode_svc.peers import KVPeerList, Peer, PeerCache
+from engine.engine_thread import EngineWorker
 from core.kv import blocks_for
-from engine.request import RemoteReservation, Request
 from core.states import FallbackReason
+from engine.request import Request
+from kvtransfer.decode_connector import DecodeConnector, RemoteReservation
 from kvtransfer.base import (KVAuthError, KVCompatError, ReadPlan, SourceBlocks, TransferState,
                              get_backend)
 from kvtransfer.link import blocks_from_proto, ends_lease
 from proto import common_pb2 as common
 from proto import decode_pb2 as pb
 from proto import decode_pb2_grpc as pb_grpc
+from proto.convert import FALLBACK, sampling_from_proto, top_to_proto
 from worker.base import WorkerBase, invalid_argument
 from worker.config import WorkerConfig
 from worker import spans as worker_spans
-from proto.convert import FALLBACK
-from proto.convert import sampling_from_proto, top_to_proto
 
 log = logging.getLogger(__name__)
 _FALLBACK = {TransferState.EXPIRED: FallbackReason.LEASE_EXPIRED,
@@ -50,6 +52,9 @@ class DecodeService(WorkerBase, pb_grpc.DecodeServicer):
     def __init__(self, config: WorkerConfig) -> None:
         super().__init__(config)
         self.kv_peers = KVPeerList(config.kv_peers)
+
+    def make_connector(self, engine: EngineWorker) -> DecodeConnector:
+        return DecodeConnector(engine)
 
     async def start(self) -> None:
         await self.start_engine()
@@ -149,7 +154,7 @@ class DecodeService(WorkerBase, pb_grpc.DecodeServicer):
         try:
             with worker_spans.reserving(req, handle.num_tokens):
                 res, q = await asyncio.wait_for(
-                    self.engine.reserve(req, handle.num_tokens, request.preempt_lower_priority),
+                    self.connector.reserve(req, handle.num_tokens, request.preempt_lower_priority),
                     timeout=remaining)
         except asyncio.TimeoutError:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -161,7 +166,7 @@ class DecodeService(WorkerBase, pb_grpc.DecodeServicer):
             if peer is not None:
                 async with self.peers.turn(peer, req.priority):  # per source, by priority
                     ok = await self._pull(handle, peer, res, trace)
-            await self.engine.end_pull(req.request_id, ok)
+            await self.connector.end_pull(req.request_id, ok)
             joined = True
         finally:
             if not joined:  # cancelled or failed: the pull has ended, the blocks go back

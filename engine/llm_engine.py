@@ -1,9 +1,13 @@
-"""The colocated engine: one process, no networking.
+"""The engine: one process, no networking.
 
 add_request / step / abort over the scheduler, the model runner and the output
-processor. It is the reference the disaggregated path must match and the
-``colocated`` baseline of the benchmarks. Not thread-safe: drive it from one
-thread (the services run it on a dedicated engine thread).
+processor. Without a KV connector (engine/kv_connector.py) it is the colocated
+engine: the reference the disaggregated path must match and the ``colocated``
+baseline of the benchmarks. A service that moves KV between engines plugs its
+connector in; the engine asks it which requests' KV arrives from elsewhere and
+which finished requests' blocks it keeps, and knows nothing more of it. Not
+thread-safe: drive it from one thread (the services run it on a dedicated engine
+thread, engine/engine_thread.py, through the public methods below).
 """
 from __future__ import annotations
 
@@ -11,40 +15,33 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Sequence
+
+import torch
 
 from engine.aborts import AbortMemory
-from engine.config import CacheConfig, EngineConfig
+from engine.config import CacheConfig, EngineConfig, dtype_name
+from core.states import PreemptionMode
 from core.guided.compiler import GrammarCompiler
 from core.limits import check_priority, check_prompt
-from engine.kv_cache import KVCacheManager
-from core.kv import blocks_for, check_salt
+from core.kv import BlockHash, blocks_for, check_salt
+from engine.kv_cache import KVCacheManager, KVEvent
+from engine.kv_connector import KVConnector
 from engine.model_runner import ModelRunner
 from engine.models.llama import StepInterrupted
 from engine.output import OutputProcessor
-from engine.request import (DuplicateRequestError, FinishReason, RemoteAdmission,
-                            RemoteReservation, Request, RequestOutput, RequestStatus)
+from engine.request import (DuplicateRequestError, FinishReason, Request, RequestOutput,
+                            RequestStatus)
 from core.sampling import SamplingParams
 from engine.kv_cache.swap import SwapPool
 from engine.scheduler import Scheduler
 from engine.served_model import (checkpoint_tokenizer, context_window, open_checkpoint,
                                  served_fingerprint)
 from engine.spec.speculator import Speculator
-from core.states import PreemptionMode
+from engine.status import EngineInfo, EngineLoad
 from core.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-
-
-class Handoff(Protocol):
-    """Who takes a finished prefill's held blocks over (a prefill worker's leases). Both
-    calls run on the engine thread, at the moment the table is held and the moment it is
-    freed, whatever freed it (a release, an expiry, an abort): a lease never outlives
-    its blocks nor starts after they went."""
-
-    def held(self, request_id: str, block_ids: list[int]) -> None: ...
-
-    def freed(self, request_id: str) -> None: ...
 
 
 @dataclass
@@ -76,7 +73,7 @@ class Completion:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None,
-                 handoff: Handoff | None = None) -> None:
+                 connector: KVConnector | None = None) -> None:
         self.config = config
         ckpt = open_checkpoint(config.load)
         self.model_config = ckpt.config
@@ -86,7 +83,11 @@ class LLMEngine:
         self.runner = ModelRunner(config, ckpt, self.max_model_len)
         self.kv = self._kv_cache(config.cache)
         self.swap = SwapPool(self.runner.num_swap_blocks) if self.runner.num_swap_blocks else None
-        self.scheduler = Scheduler(self.kv, config.scheduler, self.swap)
+        self.connector = connector
+        """Where KV comes from and goes to besides this engine; None: colocated."""
+        if connector is not None:
+            connector.bind(self.kv)
+        self.scheduler = Scheduler(self.kv, config.scheduler, self.swap, connector=connector)
         self.stats = EngineStats()
         self.speculator = Speculator.create(config.spec, self.runner, self.tokenizer,
                                             self.max_model_len)
@@ -99,11 +100,8 @@ class LLMEngine:
         """Constraints compiled once each, checked before a request is queued."""
         self.outputs = OutputProcessor(self.tokenizer, eos, self.max_model_len, self.guided)
         self.requests: dict[str, Request] = {}
-        self.held: dict[str, list[int]] = {}
-        """Block tables of finished prefill_only requests, kept for a KV handoff."""
         self.aborts = AbortMemory()
         """Aborts of ids not (yet) here: their requests are refused when they arrive."""
-        self.handoff = handoff
         self.num_computed_tokens_total = 0
         """Tokens run through the model since start (tests assert prefix-cache savings)."""
         self._urgent: int | None = None
@@ -149,18 +147,20 @@ class LLMEngine:
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams,
                     request_id: str | None = None, priority: int = 0,
-                    output_token_ids: Sequence[int] = (), prefill_only: bool = False,
+                    output_token_ids: Sequence[int] = (), kv_transfer: object | None = None,
                     cache_salt: bytes = b"") -> str:
+        """make_request and admit; ``kv_transfer``: the connector's parameters for it
+        (Request.kv_transfer)."""
         req = self.make_request(prompt, params, request_id, priority, output_token_ids,
                                 cache_salt)
-        req.prefill_only = prefill_only
+        req.kv_transfer = kv_transfer
         return self.admit(req)
 
     def admit(self, req: Request) -> str:
         """Queue a request built by make_request. DuplicateRequestError when its id is
-        live here (queued, running, or holding blocks for a handoff)."""
+        live here (``has_request``)."""
         rid = req.request_id
-        if rid in self.requests or rid in self.held:
+        if self.has_request(rid):
             raise DuplicateRequestError(f"request_id {rid!r} is already in use on this worker")
         self.aborts.check_admission(rid)
         self.outputs.register(req)
@@ -175,12 +175,18 @@ class LLMEngine:
         not abort the live request that owns the id)."""
         return self.abort(req.request_id, owner=True) if req.admitted else None
 
+    def has_request(self, request_id: str) -> bool:
+        """The id is live here: queued, running, loading, or its blocks kept by the
+        connector."""
+        return request_id in self.requests or (
+            self.connector is not None and self.connector.owns(request_id))
+
     def abort(self, request_id: str, owner: bool = False) -> RequestOutput | None:
-        """Cancel a request and free its blocks, held ones included; unknown ids are a
-        no-op (None). A request whose blocks a pull is writing (WAITING_FOR_KV) only
-        finishes when the pull ends (``end_pull``), unless the caller is the pull's
-        owner and says no pull is in flight (owner=True)."""
-        freed = self.release_held(request_id)
+        """Cancel a request and free its blocks, those the connector keeps included;
+        unknown ids are a no-op (None). A request whose leading KV is being written
+        (WAITING_FOR_KV) only finishes when the write ends (``finish_loading``), unless
+        the caller owns the load and says no write is in flight (owner=True)."""
+        freed = self.connector is not None and self.connector.free(request_id)
         req = self.requests.get(request_id)
         if req is None:
             if not freed:  # it may still be on its way here: refused when it comes
@@ -211,7 +217,7 @@ class LLMEngine:
         self._urgent = None  # announced requests were queued before this step began
         try:
             if self.speculator is not None:
-                self.speculator.prepare(self.scheduler.running)
+                self.speculator.prepare(self.scheduler.running, self._ends_after_prompt)
             batch = self.scheduler.schedule()
             self.apply_preemptions(batch)
         except Exception as e:  # noqa: BLE001 - the barrier: fail requests, not the engine
@@ -248,19 +254,22 @@ class LLMEngine:
                 result = self._commit_verified(req, tokens, logprobs)
             else:
                 result = self.outputs.append(req, tokens[0], logprobs[0])
-            if req.prefill_only and not result.finished:
-                result.finished = True  # handed off: finish_reason stays None
+            if not result.finished and self._ends_after_prompt(req):
+                result.finished = True  # its KV goes on elsewhere: finish_reason stays None
                 req.status = RequestStatus.FINISHED
                 self.outputs.forget(req.request_id)
             if result.finished:
-                result.held_blocks = self._release(req)
+                result.kept_blocks = self._release(req)
                 _summarize(result, req)
             results.append(result)
+
+    def _ends_after_prompt(self, req: Request) -> bool:
+        return self.connector is not None and self.connector.ends_after_prompt(req)
 
     def _commit_verified(self, req: Request, tokens: list[int], logprobs: list) -> RequestOutput:
         """A speculating row: commit the emitted tokens up to the first that finishes the
         request. Every kept token but the last now has its K/V computed (the verify pass
-        wrote them); slots past that held rejected guesses: blocks beyond the context are
+        wrote them); slots past that had rejected guesses: blocks beyond the context are
         returned, and only computed (accepted) tokens ever reach the prefix cache."""
         result = self.outputs.append_many(req, tokens, logprobs)
         kept = len(result.new_token_ids)
@@ -272,9 +281,9 @@ class LLMEngine:
         return result
 
     def fail_all(self, error: str) -> list[RequestOutput]:
-        """Finish every request with an error (its blocks freed), except those a pull is
-        writing into: they finish when their pull ends. What a failed scheduling step
-        leaves behind cannot be trusted, so nothing of it is kept."""
+        """Finish every request with an error (its blocks freed), except those whose KV
+        is being written (WAITING_FOR_KV): they finish when the write ends. What a failed
+        scheduling step leaves behind cannot be trusted, so nothing of it is kept."""
         outs = []
         for req in list(self.requests.values()):
             if req.status is RequestStatus.WAITING_FOR_KV:
@@ -303,57 +312,66 @@ class LLMEngine:
         return _summarize(out, req)
 
     def _release(self, req: Request) -> list[int] | None:
-        """A request finished: free it, or (a finished prefill_only request) keep its
-        block table in ``held`` for the handoff and return it."""
-        self.requests.pop(req.request_id, None)
-        self.aborts.ended(req.request_id)
+        """A request finished in a step: free it, or, when the connector keeps its block
+        table (KVConnector.request_finished), hand the table over and return its ids."""
+        rid = req.request_id
+        self.requests.pop(rid, None)
+        self.aborts.ended(rid)
         self.stats.preempted_seconds += req.preempted_seconds
         ids = None
-        if req.prefill_only and req.finish_reason is None:
-            table = self.kv.tables.pop(req.request_id)  # refs kept: now owned by held
-            self.held[req.request_id] = table
-            ids = list(table)
-            if self.handoff is not None:
-                self.handoff.held(req.request_id, ids)
+        table = self.kv.tables.get(rid)
+        if self.connector is not None and table is not None \
+                and self.connector.request_finished(req, table):
+            ids = list(self.kv.detach(rid))  # refs kept: now the connector's
         self.scheduler.remove(req)
         return ids
 
-    # -- disaggregation ----------------------------------------------------------------
-    def add_remote(self, req: Request, num_kv_tokens: int, preempt_lower: bool = False) -> str:
-        """Queue a request whose first num_kv_tokens of KV live on a prefill worker. It is
-        admitted in priority order with the rest (preempting less important requests
-        when preempt_lower); its reservation then appears in take_grants."""
-        if not 0 < num_kv_tokens < len(req.token_ids):
-            raise ValueError(f"kv_handle.num_tokens {num_kv_tokens} must be in [1, "
-                             f"{len(req.token_ids)}) (the request's tokens)")
-        req.remote = RemoteAdmission(num_kv_tokens, preempt_lower)
-        return self.admit(req)
-
-    def take_grants(self) -> list[RemoteReservation]:
-        """Reservations made since the last call; each must end with end_pull."""
-        return self.scheduler.take_grants()
-
-    def end_pull(self, request_id: str, kv_arrived: bool) -> RequestOutput | None:
-        """A reserved request's pull ended. It joins the running batch (kv_arrived=False:
-        the prompt is recomputed here), or, when an abort came meanwhile, finishes now
-        (its output is returned). None also for unknown ids."""
+    # -- loads (a connector's worker side, through the engine thread) ---------------------
+    def finish_loading(self, request_id: str, loaded: bool) -> RequestOutput | None:
+        """A loading request's KV write ended (its owner says so: KVConnector). It joins
+        the running batch (loaded=False: the prompt is recomputed here), or, when an
+        abort came meanwhile, finishes now (its output is returned). None also for
+        unknown ids."""
         req = self.requests.get(request_id)
         if req is None or req.status is not RequestStatus.WAITING_FOR_KV:
             return None
         if req.abort_pending:
             return self._finish(req, FinishReason.ABORT)
-        self.scheduler.activate(req, kv_arrived)
+        self.scheduler.activate(req, loaded)
         return None
 
-    def release_held(self, request_id: str) -> bool:
-        """Free a held table once; False for unknown or already released ids."""
-        table = self.held.pop(request_id, None)
-        if table is None:
-            return False
-        if self.handoff is not None:
-            self.handoff.freed(request_id)
-        self.kv.pool.free(list(reversed(table)))
-        return True
+    # -- what the engine thread's driver reads -----------------------------------------
+    def info(self) -> EngineInfo:
+        """The facts fixed when the engine was built."""
+        r = self.runner
+        return EngineInfo(self.model_config, self.fingerprint, self.config.cache.block_size,
+                          self.kv.pool.num_blocks, self.max_model_len, r.block_bytes,
+                          r.kv_dtype, dtype_name(r.dtype))
+
+    def load(self) -> EngineLoad:
+        """A snapshot of what is queued, running, loading and kept here."""
+        sched, pool = self.scheduler, self.kv.pool
+        return EngineLoad(
+            num_waiting=len(sched.waiting) + len(sched.swapped), num_running=len(sched.running),
+            num_loading=len(sched.loading),
+            num_kept=self.connector.num_kept if self.connector is not None else 0,
+            free_blocks=pool.num_free, total_blocks=pool.num_blocks,
+            queued_prompt_tokens=sum(len(r.token_ids) - r.num_computed_tokens
+                                     for r in sched.waiting),
+            swap_used_blocks=(self.swap.num_blocks - self.swap.num_free) if self.swap else 0)
+
+    @property
+    def kv_tensor(self) -> torch.Tensor:
+        """The paged KV tensor (a KV transfer backend registers it)."""
+        return self.runner.kv
+
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every block hash in the prefix cache now."""
+        return list(self.kv.pool.cached)
+
+    def drain_kv_events(self) -> list[KVEvent]:
+        """The prefix cache's changes since the last call."""
+        return self.kv.pool.drain_events()
 
     # -- offline helper --------------------------------------------------------
     def generate(self, prompts: Sequence[str | Sequence[int]],
@@ -371,13 +389,13 @@ class LLMEngine:
                 for i in ids]
 
     def leak_check(self) -> None:
-        """AssertionError unless no request is held and every block is free."""
+        """AssertionError unless no request is left and every block is free."""
         if self.requests:
-            raise AssertionError(f"requests still held: {sorted(self.requests)[:8]}")
-        if self.scheduler.reserved or self.scheduler.granted:
-            raise AssertionError(f"reservations still held: {sorted(self.scheduler.reserved)[:8]}")
-        if self.held:
-            raise AssertionError(f"prefill blocks still held for: {sorted(self.held)[:8]}")
+            raise AssertionError(f"requests still live: {sorted(self.requests)[:8]}")
+        if self.scheduler.loading:
+            raise AssertionError(f"requests still loading: {sorted(self.scheduler.loading)[:8]}")
+        if self.connector is not None:
+            self.connector.leak_check()
         if self.swap is not None:
             self.swap.leak_check()
         self.kv.leak_check()

@@ -13,42 +13,20 @@ from engine.spec.state import SpecState, SpecSummary
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
-    WAITING_FOR_KV = "waiting_for_kv"  # blocks reserved, bytes being pulled from a peer
+    WAITING_FOR_KV = "waiting_for_kv"  # blocks allocated, its leading KV written from elsewhere
     RUNNING = "running"
     SWAPPED = "swapped"  # preempted; its KV waits in the host swap pool
     FINISHED = "finished"
 
 
 class DuplicateRequestError(ValueError):
-    """A request id that is already live in this engine (queued, running, or holding
-    blocks for a handoff). Ids are keys: a second request under one is refused."""
+    """A request id that is already live in this engine (queued, running, or its blocks
+    kept by a KV connector). Ids are keys: a second request under one is refused."""
 
 
 class AbortedBeforeArrival(RuntimeError):
     """An Abort for this request id reached the engine before the request did (the
     caller gave up while its call was on the wire, engine/aborts.py): it is not run."""
-
-
-@dataclass(frozen=True)
-class RemoteAdmission:
-    """A request whose leading prompt KV arrives from another worker (decode side)."""
-
-    num_kv_tokens: int
-    """Leading tokens whose KV the prefill worker holds (pulled, or already cached here)."""
-    preempt_lower: bool = False
-    """May preempt less important running requests to get its blocks (router policy)."""
-
-
-@dataclass(frozen=True)
-class RemoteReservation:
-    """Where a remote prompt's missing blocks must land in this engine's cache. Whoever
-    receives one owns the pull: it must end it with ``end_pull`` (or abort as owner)."""
-
-    request_id: str
-    local_cached_tokens: int
-    """Prompt tokens this engine already had (prefix cache hit)."""
-    fill: list[tuple[int, int]]
-    """(block index within the prompt, local block id) for every block to pull."""
 
 
 class FinishReason(str, enum.Enum):
@@ -85,11 +63,10 @@ class Request:
     preempted_seconds: float = 0.0
     """Time spent preempted (swapped out or waiting to be recomputed)."""
     first_token_time: float | None = None
-    prefill_only: bool = False
-    """Disaggregated prefill: stop after the first token and keep the KV blocks
-    (handed to the caller through LLMEngine.held) instead of freeing them."""
-    remote: RemoteAdmission | None = None
-    """Set when the prompt's KV arrives from a prefill worker (see Scheduler.add)."""
+    kv_transfer: object | None = None
+    """A KV connector's parameters for this request (engine/kv_connector.py), set by
+    whoever plugs the connector in before the request is admitted; opaque to the
+    engine, read by the connector's scheduler side. None: nothing to transfer."""
     admitted: bool = False
     """Queued by LLMEngine.admit (its id was free)."""
     draft: list[int] = field(default_factory=list)
@@ -98,8 +75,9 @@ class Request:
     spec: SpecState | None = None
     """Adaptive speculation state (engine/spec/base.py), when the engine speculates."""
     abort_pending: bool = False
-    """An abort arrived while a pull writes into this request's blocks: it finishes
-    (and its blocks are freed) when the pull ends, not before."""
+    """An abort arrived while its leading KV is written into its blocks
+    (WAITING_FOR_KV): it finishes (and its blocks are freed) when the write ends
+    (LLMEngine.finish_loading), not before."""
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -145,9 +123,9 @@ class RequestOutput:
     error: str | None = None
     spec: SpecSummary | None = None
     """On the last output of a request that speculated: its proposed and accepted totals."""
-    held_blocks: list[int] | None = None
-    """A prefill_only request's block table, now held for a KV handoff (finish_reason
-    None): the caller leases these blocks and frees them with release_held."""
+    kept_blocks: list[int] | None = None
+    """The block table a KV connector kept when this request ended after its prompt
+    (finish_reason None, KVConnector.request_finished); the connector frees it."""
     num_preemptions: int = 0
     """On the last output: times the request was preempted (swapped out or recomputed)."""
     preempted_seconds: float = 0.0

@@ -17,23 +17,24 @@ One step, in this order:
 The scheduler only does bookkeeping: it lists the block copies (swap out, swap
 in) that the runner performs before the forward pass.
 
-Remote admissions (decode side of a handoff: the prompt's KV arrives from a prefill
-worker) queue in ``waiting`` with the rest and are admitted in the same priority
-order, taking a seat and their blocks but no compute budget. An admitted one waits
-in ``reserved`` (WAITING_FOR_KV) while its blocks are pulled; ``granted`` lists the
-new reservations for the engine to hand out. Reserved requests are never preempted:
-bytes may be landing in their blocks.
+Requests whose leading KV arrives from elsewhere (a KV connector says so,
+engine/kv_connector.py) queue in ``waiting`` with the rest and are admitted in the
+same priority order, taking a seat and their blocks but no compute budget. An
+admitted one waits in ``loading`` (WAITING_FOR_KV) while its blocks are written, the
+connector told where (``blocks_allocated``); loading requests are never preempted:
+bytes may be landing in their blocks. Without a connector there are none.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 
+from core.states import PreemptionMode
 from engine.config import SchedulerConfig
 from engine.kv_cache.manager import KVCacheManager
 from engine.kv_cache.swap import SwapPool
-from engine.request import RemoteReservation, Request, RequestStatus
-from core.states import PreemptionMode
+from engine.kv_connector import ExternalKV, KVConnector
+from engine.request import Request, RequestStatus
 
 
 @dataclass
@@ -71,7 +72,7 @@ class PreemptionPolicy:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, config: SchedulerConfig,
-                 swap: SwapPool | None = None) -> None:
+                 swap: SwapPool | None = None, connector: KVConnector | None = None) -> None:
         self.priority_batch_cap = config.priority_batch_cap
         self.kv = kv
         self.swap = swap
@@ -82,10 +83,9 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.swapped: list[Request] = []
-        self.reserved: dict[str, Request] = {}
-        """Remote admissions holding blocks while their KV is pulled (WAITING_FOR_KV)."""
-        self.granted: list[RemoteReservation] = []
-        """Reservations made since the engine last took them (take_grants)."""
+        self.connector = connector
+        self.loading: dict[str, Request] = {}
+        """Requests holding blocks while their leading KV is written (WAITING_FOR_KV)."""
         self._cap_turn = 0
         """Rotates which less important rows the priority cap lets through."""
 
@@ -100,25 +100,21 @@ class Scheduler:
         for q in (self.waiting, self.running, self.swapped):
             if req in q:
                 q.remove(req)
-        self.reserved.pop(req.request_id, None)
+        self.loading.pop(req.request_id, None)
         self.kv.free(req)
         if self.swap is not None:
             self.swap.free(req.request_id)
 
     def has_work(self) -> bool:
-        """Anything to compute or admit (reserved requests wait for bytes, not steps)."""
+        """Anything to compute or admit (loading requests wait for bytes, not steps)."""
         return bool(self.waiting or self.running or self.swapped)
 
-    def take_grants(self) -> list[RemoteReservation]:
-        granted, self.granted = self.granted, []
-        return granted
-
-    def activate(self, req: Request, kv_arrived: bool) -> None:
-        """A reserved request's pull ended: it joins the running batch. kv_arrived=False
+    def activate(self, req: Request, loaded: bool) -> None:
+        """A loading request's KV write ended: it joins the running batch. loaded=False
         is the recompute fallback (only the local prefix hit counts as computed)."""
-        del self.reserved[req.request_id]
-        if kv_arrived:
-            req.num_computed_tokens = req.remote.num_kv_tokens
+        del self.loading[req.request_id]
+        if loaded:
+            req.num_computed_tokens = self._external(req).num_tokens
             self.kv.cache_computed(req)
         req.status = RequestStatus.RUNNING
         self.running.append(req)
@@ -126,7 +122,7 @@ class Scheduler:
 
     @property
     def seats_taken(self) -> int:
-        return len(self.running) + len(self.reserved)
+        return len(self.running) + len(self.loading)
 
     # -- the step ---------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
@@ -219,8 +215,8 @@ class Scheduler:
                 budget -= n
             elif req.status is not RequestStatus.WAITING:
                 continue  # preempted earlier in this loop to seat a more important one
-            elif req.remote is not None:
-                if not self._reserve(req, batch):
+            elif (ext := self._external(req)) is not None:
+                if not self._admit_external(req, ext, batch):
                     return  # keep arrival order within the queue
             elif (n := self._admit(req, batch, budget)) is not None:
                 budget -= n
@@ -269,26 +265,28 @@ class Scheduler:
         batch.entries.append((req, n))
         return n
 
-    def _reserve(self, req: Request, batch: ScheduledBatch) -> bool:
-        """Admit a remote request: adopt its local prefix hit, allocate the rest of its
-        context, and park it in ``reserved`` (no compute this step)."""
-        remote = req.remote
-        if not self._seat(req, batch, remote.preempt_lower):
+    def _external(self, req: Request) -> ExternalKV | None:
+        return self.connector.external_kv(req) if self.connector is not None else None
+
+    def _admit_external(self, req: Request, ext: ExternalKV, batch: ScheduledBatch) -> bool:
+        """Admit a request whose leading KV arrives from elsewhere: adopt its local prefix
+        hit, allocate the rest of its context, park it in ``loading`` (no compute this
+        step) and tell the connector where the bytes go."""
+        if not self._seat(req, batch, ext.may_preempt):
             return False
-        hit = self.kv.find_cached_prefix(req, max_tokens=remote.num_kv_tokens)
+        hit = self.kv.find_cached_prefix(req, max_tokens=ext.num_tokens)
         req.num_computed_tokens = len(hit) * self.kv.block_size
         need = len(req.token_ids) - req.num_computed_tokens
-        if not self._allocate_or_preempt(req, need, hit, batch, remote.preempt_lower):
+        if not self._allocate_or_preempt(req, need, hit, batch, ext.may_preempt):
             return False
         req.num_cached_tokens = req.num_computed_tokens
         self.waiting.remove(req)
         req.status = RequestStatus.WAITING_FOR_KV
-        self.reserved[req.request_id] = req
+        self.loading[req.request_id] = req
         table = self.kv.table(req.request_id)
-        last = self.kv.blocks_needed(remote.num_kv_tokens)
-        self.granted.append(RemoteReservation(
-            req.request_id, req.num_computed_tokens,
-            [(i, table[i]) for i in range(len(hit), last)]))
+        last = self.kv.blocks_needed(ext.num_tokens)
+        self.connector.blocks_allocated(req, req.num_computed_tokens,
+                                        [(i, table[i]) for i in range(len(hit), last)])
         return True
 
     def _resume(self, req: Request) -> None:

@@ -2,9 +2,10 @@
 
 Request life here: Prefill() queues the prompt as a prefill_only engine request
 (the engine's scheduler chunks it under the token budget, batched with other
-prompts); when its first token is sampled the engine keeps the blocks (held) and,
-in the same moment on the engine thread, the lease over them is granted
-(``LeaseHandoff``); the reply carries it as a KVHandle. The held blocks are freed
+prompts); when its first token is sampled the engine hands its blocks to the
+service's KV connector, which keeps them (held) and, in the same moment on the
+engine thread, grants the lease over them (kvtransfer/prefill_connector.py); the
+reply carries it as a KVHandle. The held blocks are freed
 exactly once, keyed by request id: when the decode worker's Release arrives, when
 the lease expires (a reaper runs every 250 ms), on Abort, or when the Prefill call
 is cancelled before its reply; and freeing them ends the lease, whichever path
@@ -20,9 +21,11 @@ import grpc
 
 from engine.request import FinishReason
 from proto.convert import sampling_from_proto, top_to_proto
+from engine.engine_thread import EngineWorker
 from kvtransfer.base import SourceBlocks, get_backend
 from kvtransfer.lease import Lease, LeaseTable
 from kvtransfer.link import KVLinkServicer, add_kv_link, blocks_to_proto
+from kvtransfer.prefill_connector import PREFILL_ONLY, PrefillConnector
 from proto import common_pb2 as common
 from proto import kv_link_pb2
 from proto import prefill_pb2 as pb
@@ -32,21 +35,6 @@ from worker.config import WorkerConfig
 from worker import spans as worker_spans
 
 log = logging.getLogger(__name__)
-
-
-class LeaseHandoff:
-    """The engine's Handoff on a prefill worker: a held table is leased when it is held
-    and its lease ends when it is freed, both on the engine thread, so no lease covers
-    freed blocks and no held table goes unleased (LeaseTable is thread-safe)."""
-
-    def __init__(self, leases: LeaseTable, ttl_s: float) -> None:
-        self.leases, self.ttl_s = leases, ttl_s
-
-    def held(self, request_id: str, block_ids: list[int]) -> None:
-        self.leases.grant(request_id, block_ids, self.ttl_s)
-
-    def freed(self, request_id: str) -> None:
-        self.leases.drop(request_id)
 
 
 class PrefillService(WorkerBase, pb_grpc.PrefillServicer):
@@ -60,8 +48,8 @@ class PrefillService(WorkerBase, pb_grpc.PrefillServicer):
     def active_leases(self) -> int:
         return self.leases.active()
 
-    def handoff(self) -> LeaseHandoff:
-        return LeaseHandoff(self.leases, self.config.kv.lease_ttl_s)
+    def make_connector(self, engine: EngineWorker) -> PrefillConnector:
+        return PrefillConnector(self.leases, self.config.kv.lease_ttl_s, engine)
 
     async def start(self) -> None:
         await self.start_engine()
@@ -86,7 +74,7 @@ class PrefillService(WorkerBase, pb_grpc.PrefillServicer):
 
     def _lease_ended(self, lease: Lease) -> None:
         """KVLinkServicer callback (event loop thread): free on the engine thread."""
-        asyncio.ensure_future(self.engine.release_held(lease.request_id))
+        asyncio.ensure_future(self.connector.release(lease.request_id))
 
     async def _reap_loop(self) -> None:
         while True:
@@ -108,8 +96,9 @@ class PrefillService(WorkerBase, pb_grpc.PrefillServicer):
         if request.deadline_unix_ms and request.deadline_unix_ms < time.time() * 1000:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                 f"request {rid}: deadline passed before prefill started")
+        req.kv_transfer = PREFILL_ONLY
         try:
-            q = await self.engine.add(req, prefill_only=True)
+            q = await self.engine.add(req)
         except (ValueError, RuntimeError) as e:
             return await self.admission_error(context, e)
         out = None
@@ -120,11 +109,11 @@ class PrefillService(WorkerBase, pb_grpc.PrefillServicer):
             if out is None:  # cancelled (the router went away): its lease and blocks go
                 self._drop(rid)
         handle = None
-        if out.held_blocks is not None:
-            handle = self._handle(rid, out.held_blocks,
+        if out.kept_blocks is not None:
+            handle = self._handle(rid, out.kept_blocks,
                                   len(request.token_ids) + len(request.output_token_ids))
             if handle is None:  # an Abort freed the blocks before this handler woke
-                out.finish_reason, out.held_blocks = FinishReason.ABORT, None
+                out.finish_reason, out.kept_blocks = FinishReason.ABORT, None
         if out.error:
             await context.abort(grpc.StatusCode.INTERNAL, out.error)
         return self._reply(request, out, handle, time.monotonic() - t0)

@@ -1,10 +1,11 @@
 """The tree keeps its shape: imports run one way (tools/import_graph.py finds no
 back-edge and no cycle), the router loads no torch and no model code, the core
-package loads no torch, numpy or proto, and no function outside bench/ is longer
-than 60 lines."""
+package loads no torch, numpy or proto, no function outside bench/ is longer than 60
+lines, and the engine knows nothing of who moves its KV."""
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -117,3 +118,19 @@ def test_every_package_is_installed() -> None:
                       if p.parent.name not in ("tests", "tools", "bench"))
     missing = [p for p in packages if not any(fnmatch.fnmatch(p, pat) for pat in include)]
     assert missing == [], f"packages missing from pyproject.toml's include: {missing}"
+
+
+HANDOFF_WORDS = re.compile(r"\b(leases?|handoffs?|remote|held|reserv\w*|grant\w*|pull\w*|"
+                           r"prefill_only|prefill workers?|decode workers?)\b", re.IGNORECASE)
+
+
+def test_the_engine_and_its_scheduler_know_no_handoff() -> None:
+    """LLMEngine and the Scheduler talk to a KV connector (engine/kv_connector.py) and
+    know nothing of the prefill/decode handoff that the services plug in (kvtransfer/
+    prefill_connector.py, decode_connector.py): none of its words is in their source."""
+    found = []
+    for rel in ("engine/llm_engine.py", "engine/scheduler.py"):
+        for i, line in enumerate((ROOT / rel).read_text().splitlines(), 1):
+            if HANDOFF_WORDS.search(line):
+                found.append(f"{rel}:{i}: {line.strip()}")
+    assert not found, "\n".join(found)

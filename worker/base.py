@@ -13,10 +13,11 @@ from auth.secret import load_cluster_secret
 from auth.targets import join, server_names
 from core.errors import FieldError
 from core.kv.layout import scale_layout
-from engine.llm_engine import Handoff, LLMEngine
+from engine.engine_thread import (AbortedBeforeArrival, DuplicateRequestError, EngineDead,
+                                  EngineLoad, EngineWorker)
+from engine.kv_connector import KVConnector
+from engine.llm_engine import LLMEngine
 from engine.request import RequestOutput
-from engine.worker_api import (AbortedBeforeArrival, DuplicateRequestError, EngineDead, EngineLoad,
-                               EngineWorker)
 from kvtransfer.base import CompatRecord
 from proto import common_pb2 as common
 from worker.config import WorkerConfig
@@ -44,6 +45,7 @@ class WorkerBase:
         self.port = 0
         self.metrics_port: int | None = None
         self.engine: EngineWorker | None = None
+        self.connector: KVConnector | None = None
         self.hub: KVEventHub | None = None
         self.health = None
         self.draining = False
@@ -55,8 +57,9 @@ class WorkerBase:
     def active_leases(self) -> int:
         return 0
 
-    def handoff(self) -> Handoff | None:
-        """Who takes finished prefills' held blocks over (the prefill role's leases)."""
+    def make_connector(self, engine: EngineWorker) -> KVConnector | None:
+        """This role's KV connector (engine/kv_connector.py), its worker side driving
+        ``engine``; None: the engine runs colocated."""
         return None
 
     async def start_engine(self) -> None:
@@ -64,10 +67,11 @@ class WorkerBase:
         self.server = grpc_server.new_server(self.auth)
         self.hub = KVEventHub(asyncio.get_running_loop())
         self.engine = EngineWorker(
-            lambda: LLMEngine(self.config.engine, handoff=self.handoff()),
+            lambda: LLMEngine(self.config.engine, connector=self.connector),
             on_events=self.hub.publish,
             on_step=lambda e: self.metrics.observe_engine(e, self.active_leases()),
             on_load=lambda _: self.hub.load_changed(), on_death=self._engine_died)
+        self.connector = self.make_connector(self.engine)  # built before the engine is
         await self.engine.start()
         info = self.engine.info
         self.metrics.set_kv_cache(info.kv_cache_dtype, scale_layout(info.kv_cache_dtype),
@@ -192,7 +196,7 @@ def load_to_proto(load: EngineLoad, worker_id: str, block_size: int,
     """The engine thread's latest load snapshot as the wire message."""
     return common.WorkerLoad(
         worker_id=worker_id, num_waiting=load.num_waiting,
-        num_running=load.num_running + load.num_reserved, kv_usage=load.kv_usage,
+        num_running=load.num_running + load.num_loading, kv_usage=load.kv_usage,
         free_blocks=load.free_blocks, total_blocks=load.total_blocks,
         queued_prompt_tokens=load.queued_prompt_tokens, active_leases=active_leases,
         block_size=block_size, swap_used_blocks=load.swap_used_blocks)
@@ -201,6 +205,6 @@ def load_to_proto(load: EngineLoad, worker_id: str, block_size: int,
 
 async def invalid_argument(context: grpc.aio.ServicerContext, error: Exception) -> None:
     """INVALID_ARGUMENT with the error's message; a FieldError's field travels in the
-    status details (engine/wire.py field_error_trailer)."""
+    status details (proto/convert.py field_error_trailer)."""
     trailer = field_error_trailer(error) if isinstance(error, FieldError) else ()
     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error), trailer)

@@ -30,7 +30,7 @@ from core.guided.budget import PARSER_LIMITS
 
 PROBE_PROCESSES = 2
 """Children at most (one check each at a time): the workers build constraints on two
-threads (engine/worker_api.py), and a flood of checks waits for a child here."""
+threads (engine/engine_thread.py), and a flood of checks waits for a child here."""
 START_SECONDS = 60.0
 """How long a new child may take to import llguidance and say it is ready."""
 

@@ -107,7 +107,17 @@ class KVCacheManager:
         table = self.tables.pop(req.request_id, None)
         self._num_cached.pop(req.request_id, None)
         if table:
-            self.pool.free(list(reversed(table)))
+            self.release(table)
+
+    def detach(self, request_id: str) -> list[int]:
+        """Take a request's table out of the manager, its block references with it: the
+        taker frees it with ``release`` (the request's own ``free`` then frees none)."""
+        return self.tables.pop(request_id)
+
+    def release(self, table: list[int]) -> None:
+        """Free a table's blocks tail-first (its last blocks are then evicted before
+        its shared prefix, BlockPool.free)."""
+        self.pool.free(list(reversed(table)))
 
     def table(self, request_id: str) -> list[int]:
         return self.tables[request_id]

@@ -17,6 +17,7 @@ those slots; the runner verifies; ``record`` counts what was accepted.
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 from engine.config import SpecConfig
 from engine.request import Request, RequestStatus
@@ -94,11 +95,15 @@ class Speculator:
                  proposer.cost, 100 * spec.low)
         return spec
 
-    def prepare(self, running: list[Request]) -> None:
+    def prepare(self, running: list[Request],
+                ends_after_prompt: Callable[[Request], bool] = lambda req: False) -> None:
+        """Propose tokens for this step's decode rows (Request.draft). A request that
+        ends after its prompt (``ends_after_prompt``, KVConnector) gets none: its last
+        prompt token may run as a decode row, and it must emit one token only."""
         decodes = []
         for req in running:
             req.draft = []
-            if (req.status is RequestStatus.RUNNING and not req.prefill_only
+            if (req.status is RequestStatus.RUNNING and not ends_after_prompt(req)
                     and len(req.token_ids) - req.num_computed_tokens == 1):
                 decodes.append(req)
         if self.max_batch and len(decodes) > self.max_batch:

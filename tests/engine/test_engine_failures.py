@@ -14,16 +14,20 @@ from engine.llm_engine import LLMEngine
 from engine.aborts import AbortMemory
 from engine.request import (AbortedBeforeArrival, DuplicateRequestError, FinishReason,
                             RequestStatus)
+from engine.engine_thread import EngineDead, EngineWorker
 from core.sampling import SamplingParams
-from engine.worker_api import EngineDead, EngineWorker
+from kvtransfer.decode_connector import DecodeConnector
+from kvtransfer.lease import LeaseTable
+from kvtransfer.prefill_connector import PREFILL_ONLY, PrefillConnector
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 
 
-def _engine(model_dir, **kw) -> LLMEngine:
+def _engine(model_dir, connector=None, **kw) -> LLMEngine:
     kw.setdefault("num_kv_blocks", 64)
     kw.setdefault("max_model_len", 128)
-    return LLMEngine(EngineConfig.from_flat(model=str(model_dir), dtype="float32", **kw))
+    return LLMEngine(EngineConfig.from_flat(model=str(model_dir), dtype="float32", **kw),
+                     connector=connector)
 
 
 def _prompt(n: int, seed: int = 0) -> list[int]:
@@ -72,18 +76,19 @@ def test_a_forward_failure_fails_only_that_batch(tiny_model_dir, monkeypatch) ->
 
 
 def test_duplicate_ids_are_refused_at_admission(tiny_model_dir) -> None:
-    eng = _engine(tiny_model_dir)
+    conn = PrefillConnector(LeaseTable(), 30.0)
+    eng = _engine(tiny_model_dir, conn)
     eng.add_request(_prompt(20), GREEDY, request_id="same")
     with pytest.raises(DuplicateRequestError, match="same"):
         eng.add_request(_prompt(24), GREEDY, request_id="same")
     _drain(eng)
     # a finished prefill holding its blocks for a handoff still owns the id
-    eng.add_request(_prompt(20), GREEDY, request_id="held", prefill_only=True)
+    eng.add_request(_prompt(20), GREEDY, request_id="held", kv_transfer=PREFILL_ONLY)
     _drain(eng)
-    assert "held" in eng.held
+    assert "held" in conn.held
     with pytest.raises(DuplicateRequestError):
         eng.add_request(_prompt(20), GREEDY, request_id="held")
-    assert eng.abort("held", owner=True) is None and not eng.held
+    assert eng.abort("held", owner=True) is None and not conn.held
     eng.leak_check()
 
 
@@ -92,24 +97,25 @@ def test_an_abort_that_overtakes_its_request_refuses_it(tiny_model_dir) -> None:
     it had cancelled, which then ran and leased its blocks to nobody for the lease's
     30 s. An Abort of an unknown id is remembered; the request arriving under it is
     refused, once; an Abort just after a request ended is not remembered."""
-    eng = _engine(tiny_model_dir)
+    conn = PrefillConnector(LeaseTable(), 30.0)
+    eng = _engine(tiny_model_dir, conn)
     assert eng.abort("early", owner=True) is None
     with pytest.raises(AbortedBeforeArrival, match="'early' was aborted before it arrived"):
-        eng.add_request(_prompt(20), GREEDY, request_id="early", prefill_only=True)
-    assert not eng.requests and not eng.held and not eng.has_unfinished()
+        eng.add_request(_prompt(20), GREEDY, request_id="early", kv_transfer=PREFILL_ONLY)
+    assert not eng.requests and not conn.held and not eng.has_unfinished()
     eng.add_request(_prompt(20), GREEDY, request_id="early")  # the memory is used up
     eng.add_request(_prompt(20), GREEDY, request_id="done")
     _drain(eng)
     assert eng.abort("done") is None  # a late Abort of a finished request
     eng.add_request(_prompt(20), GREEDY, request_id="done")  # the id may be reused
     _drain(eng)
-    eng.add_request(_prompt(20), GREEDY, request_id="held", prefill_only=True)
+    eng.add_request(_prompt(20), GREEDY, request_id="held", kv_transfer=PREFILL_ONLY)
     _drain(eng)
-    eng.release_held("held")
+    conn.free("held")
     eng.abort("held")  # late, after the handoff ended
-    eng.add_request(_prompt(20), GREEDY, request_id="held", prefill_only=True)
+    eng.add_request(_prompt(20), GREEDY, request_id="held", kv_transfer=PREFILL_ONLY)
     _drain(eng)
-    eng.release_held("held")
+    conn.free("held")
     assert len(eng.aborts) == 0
     eng.leak_check()
 
@@ -146,17 +152,18 @@ def test_bad_resumed_output_ids_are_refused(tiny_model_dir) -> None:
 def test_an_abort_mid_pull_waits_for_the_pull(tiny_model_dir) -> None:
     """Finding 11: an Abort that arrives while bytes are being pulled into a request's
     blocks must not free them; the request finishes when the pull ends."""
-    eng = _engine(tiny_model_dir)
+    conn = DecodeConnector()
+    eng = _engine(tiny_model_dir, conn)
     prompt = _prompt(40, 3)
     req = eng.make_request(prompt + [7], GREEDY, "remote")
-    eng.add_remote(req, len(prompt))
+    conn.add_remote(eng, req, len(prompt))
     eng.step()
-    (grant,) = eng.take_grants()
+    (grant,) = conn.take_grants()
     free_before = eng.kv.pool.num_free
     assert eng.abort("remote") is None  # deferred: a pull may be writing
     assert req.status is RequestStatus.WAITING_FOR_KV
     assert eng.kv.pool.num_free == free_before  # nothing freed under the pull
-    out = eng.end_pull("remote", kv_arrived=True)
+    out = eng.finish_loading("remote", loaded=True)
     assert out.finish_reason is FinishReason.ABORT
     eng.leak_check()
 
@@ -165,8 +172,9 @@ def test_remote_admission_preempts_past_evictable_prefix_hits(tiny_model_dir) ->
     """Finding 11: the reservation used to stop preempting as soon as num_free reached
     the blocks it needed, counting free-but-cached prefix blocks it then adopted; the
     allocation failed and the reservation never happened."""
-    eng = _engine(tiny_model_dir, num_kv_blocks=12, max_model_len=64, preemption_mode="recompute",
-                  swap_space=0.0)
+    conn = DecodeConnector()
+    eng = _engine(tiny_model_dir, conn, num_kv_blocks=12, max_model_len=64,
+                  preemption_mode="recompute", swap_space=0.0)
     shared = _prompt(32, 4)  # 2 full blocks, cached once this runs
     eng.generate([shared + [9]], SamplingParams(max_tokens=1))
     long = SamplingParams(max_tokens=40, ignore_eos=True)
@@ -177,13 +185,13 @@ def test_remote_admission_preempts_past_evictable_prefix_hits(tiny_model_dir) ->
     # free: 2 cached (evictable) prefix blocks + 1; urgent adopts the 2 and needs 2 more
     assert eng.kv.pool.num_free == 3
     req = eng.make_request(shared + _prompt(30, 5), GREEDY, "urgent", priority=0)
-    eng.add_remote(req, len(shared) + 29, preempt_lower=True)
+    conn.add_remote(eng, req, len(shared) + 29, preempt_lower=True)
     eng.step()
-    grants = eng.take_grants()
+    grants = conn.take_grants()
     assert [g.request_id for g in grants] == ["urgent"]
     assert grants[0].local_cached_tokens == 32
     assert sum(eng.stats.preemptions.values()) >= 1
-    eng.end_pull("urgent", kv_arrived=False)  # recompute the rest here
+    eng.finish_loading("urgent", loaded=False)  # recompute the rest here
     _drain(eng)
     eng.leak_check()
 

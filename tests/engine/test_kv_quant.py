@@ -143,7 +143,6 @@ def test_same_memory_holds_1_9x_the_tokens_and_the_worker_reports_them(tmp_path)
     >= 1.9x the blocks (of the same 16 tokens), and the load a worker reports to the router
     (free/total blocks, block size) says so, so the router's KV-room admission sees the room."""
     from engine.llm_engine import LLMEngine
-    from engine.worker_api import _load_of
     from router.workers import Worker, WorkerPool
     from tests.utils import make_tiny_llama
     from worker.base import load_to_proto
@@ -154,7 +153,7 @@ def test_same_memory_holds_1_9x_the_tokens_and_the_worker_reports_them(tmp_path)
         eng = LLMEngine(EngineConfig.from_flat(model=str(model), dtype="bfloat16", kv_cache_memory_gib=0.002,
                                                kv_cache_dtype=kv_dtype, max_model_len=256, compile=False))
         assert eng.runner.kv[0].numel() * eng.runner.kv.element_size() == eng.runner.block_bytes
-        pools[kv_dtype] = load_to_proto(_load_of(eng), kv_dtype, eng.config.cache.block_size)
+        pools[kv_dtype] = load_to_proto(eng.load(), kv_dtype, eng.config.cache.block_size)
     bf16, int8 = pools["auto"], pools["int8"]
     assert bf16.block_size == int8.block_size == 16
     assert int8.total_blocks / bf16.total_blocks >= 1.9

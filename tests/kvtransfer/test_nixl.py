@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("nixl_cu12", reason="nixl_cu12 is not installed (pip install nixl-cu12)")
 
-from kvtransfer.base import (KVCompatError, KVTransferError, LeaseError, ReadPlan,  # noqa: E402
+from kvtransfer.base import (KVTransferError, LeaseError, ReadPlan,  # noqa: E402
                              TransferState, get_backend)
 from kvtransfer.lease import ReleaseReason  # noqa: E402
 from tests.kvtransfer.utils import (Dest, SourceProcess, assert_blocks_copied,  # noqa: E402

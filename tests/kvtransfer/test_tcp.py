@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from kvtransfer.base import (KVCompatError, LeaseError, PeerId, ReadHandle, ReadPlan,
-                             SourceInfo, TransferState, get_backend)
+from kvtransfer.base import (LeaseError, PeerId, ReadHandle, ReadPlan,
+                             SourceInfo, TransferState)
 from kvtransfer.lease import ReleaseReason
 from kvtransfer.link import KVLinkClient
 from kvtransfer.tcp import recv_frame, send_frame

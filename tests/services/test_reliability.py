@@ -161,7 +161,7 @@ def test_an_abort_between_the_hold_and_the_reply_leases_nothing(tiny_model_dir) 
             deliver, aborts = p.engine._deliver, []
 
             def abort_first(outs) -> None:  # the Abort overtakes the output on the loop
-                if any(o.request_id == "r" and o.held_blocks for o in outs):
+                if any(o.request_id == "r" and o.kept_blocks for o in outs):
                     async def then():
                         aborts.append(await ps.Abort(common_pb2.AbortRequest(request_id="r")))
                         deliver(outs)
@@ -201,7 +201,7 @@ def test_an_abort_that_overtakes_its_call_leaves_nothing_behind(tiny_model_dir) 
             assert e.value.code() == grpc.StatusCode.CANCELLED
             # the next request under the id is served (the memory is used up)
             assert (await _prefill(ps, "gone", _prompt(40, 11))).HasField("kv_handle")
-            await p.engine.release_held("gone")
+            await p.connector.release("gone")
             await leak_check(p, d)
     _run(body())
 

@@ -8,19 +8,16 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
-from dataclasses import replace
 
 import grpc
 import pytest
 import torch
 
 from auth.grpc_auth import channel as auth_channel
-from engine.config import EngineConfig
 from kvtransfer.base import CompatRecord, get_backend
 from kvtransfer.lease import LeaseTable
 from kvtransfer.link import KVLinkServicer, add_kv_link
-from proto import (common_pb2, decode_pb2, decode_pb2_grpc, kv_link_pb2, kv_link_pb2_grpc,
-                   prefill_pb2, prefill_pb2_grpc)
+from proto import (common_pb2, decode_pb2, kv_link_pb2, prefill_pb2)
 from tests.services.conftest import generate, leak_check, sampling, services
 
 PROMPT = [(i * 7) % 300 + 3 for i in range(40)]

@@ -1,10 +1,13 @@
-"""The typed boundary between a worker service and its engine.
+"""The engine thread's driver: the typed boundary between a worker service and its
+engine.
 
 An ``EngineWorker`` runs one LLMEngine on a dedicated thread and is the only way a
-service touches it: each coroutine below runs its work on the engine thread between
-steps and returns the result to the event loop. Nothing reads engine state from
-another thread; what is fixed at build time (``info``) and the load snapshot the
-engine thread publishes after every iteration (``load``) are plain values.
+service (and a KV connector's worker side, engine/kv_connector.py) touches it: each
+coroutine below runs its work on the engine thread between steps and returns the
+result to the event loop. It uses the engine's public methods only. Nothing reads
+engine state from another thread; what is fixed at build time (``info``) and the
+load snapshot the engine thread publishes after every iteration (``load``) are plain
+values.
 
 The engine is built *on* its thread (torch's OpenMP pool then lives on the thread
 that runs the model; building it elsewhere made every small op pay a futex wake-up).
@@ -14,15 +17,16 @@ and searching a constraint, replaying outputs made elsewhere) runs on a small po
 its own threads, never on the event loop: health checks, Release and every stream go
 on meanwhile (the constraint's budgets, core/guided/budget.py, bound each build).
 
-Streams: ``add`` and ``reserve`` open the request's output queue atomically with the
-id check, so two requests under one id can never share a queue or a block table
-(the second gets DuplicateRequestError). A request's outputs, its abort included,
+Streams: ``add`` opens the request's output queue atomically with the id check, so
+two requests under one id can never share a queue or a block table (the second gets
+DuplicateRequestError). A request's outputs, its abort included,
 arrive on its queue; the queue is the caller's to close.
 
 Failure: a step that raises fails its requests inside the engine (LLMEngine.step).
-If the engine thread dies anyway, every pending call and stream gets EngineDead,
-``alive`` turns False and ``on_death`` runs on the event loop (the services turn
-health NOT_SERVING and exit non-zero).
+If the engine thread dies anyway, every pending call and stream gets EngineDead, so
+does whatever waits through the connector (``KVConnector.engine_stopped``), ``alive``
+turns False and ``on_death`` runs on the event loop (the services turn health
+NOT_SERVING and exit non-zero).
 """
 from __future__ import annotations
 
@@ -31,16 +35,15 @@ import logging
 import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from engine.config import ModelConfig, dtype_name
 from core.kv import BlockHash
 from engine.kv_cache import KVEvent
 from engine.llm_engine import LLMEngine
-from engine.request import (AbortedBeforeArrival, DuplicateRequestError, FinishReason,
-                            RemoteReservation, Request, RequestOutput)
+from engine.request import (AbortedBeforeArrival, DuplicateRequestError, FinishReason, Request,
+                            RequestOutput)
 from core.sampling import SamplingParams
+from engine.status import EngineInfo, EngineLoad
 
 log = logging.getLogger(__name__)
 
@@ -57,58 +60,6 @@ class EngineDead(RuntimeError):
     """The engine thread has stopped; nothing more can run on it."""
 
 
-@dataclass(frozen=True)
-class EngineInfo:
-    """What never changes after the engine is built (safe to read from any thread)."""
-
-    model_config: ModelConfig
-    fingerprint: str
-    block_size: int
-    num_blocks: int
-    max_model_len: int
-    block_bytes: int
-    """Bytes of one KV block, scales included (core/kv/layout.py)."""
-    kv_cache_dtype: str = ""
-    """How K/V are stored (--kv-cache-dtype, resolved: bfloat16, float32, int8, fp8_e4m3)."""
-    dtype: str = ""
-    """The compute dtype's name."""
-
-
-@dataclass(frozen=True)
-class EngineLoad:
-    """A snapshot the engine thread takes after every loop iteration."""
-
-    num_waiting: int = 0
-    num_running: int = 0
-    num_reserved: int = 0
-    """Remote admissions waiting for their KV bytes."""
-    num_held: int = 0
-    """Finished prefills whose blocks are held for a handoff."""
-    free_blocks: int = 0
-    total_blocks: int = 0
-    queued_prompt_tokens: int = 0
-    swap_used_blocks: int = 0
-
-    @property
-    def kv_usage(self) -> float:
-        return 1.0 - self.free_blocks / self.total_blocks if self.total_blocks else 0.0
-
-    @property
-    def busy(self) -> bool:
-        """Anything still in flight (drain waits for False)."""
-        return bool(self.num_waiting or self.num_running or self.num_reserved or self.num_held)
-
-
-def _load_of(engine: LLMEngine) -> EngineLoad:
-    sched, pool = engine.scheduler, engine.kv.pool
-    return EngineLoad(
-        num_waiting=len(sched.waiting) + len(sched.swapped), num_running=len(sched.running),
-        num_reserved=len(sched.reserved), num_held=len(engine.held),
-        free_blocks=pool.num_free, total_blocks=pool.num_blocks,
-        queued_prompt_tokens=sum(len(r.token_ids) - r.num_computed_tokens for r in sched.waiting),
-        swap_used_blocks=(engine.swap.num_blocks - engine.swap.num_free) if engine.swap else 0)
-
-
 class EngineWorker:
     def __init__(self, build: Callable[[], LLMEngine],
                  on_events: Callable[[list[KVEvent]], None] | None = None,
@@ -122,7 +73,6 @@ class EngineWorker:
         self._on_death = on_death
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
-        self._grants: dict[str, asyncio.Future[RemoteReservation]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()
@@ -132,7 +82,7 @@ class EngineWorker:
         self.load = EngineLoad()
         self.kv_tensor = None
         """The paged KV tensor, for registering with a KV transfer backend (the backend's
-        readers and the model write disjoint blocks; ownership is the lease's job)."""
+        readers and the model write disjoint blocks; the KV connector says which)."""
         self._builders = ThreadPoolExecutor(BUILD_THREADS, thread_name_prefix="build-request")
 
     # -- life ---------------------------------------------------------------------------
@@ -176,10 +126,9 @@ class EngineWorker:
             return build()
         return await asyncio.get_running_loop().run_in_executor(self._builders, build)
 
-    async def add(self, req: Request, prefill_only: bool = False) -> asyncio.Queue[RequestOutput]:
+    async def add(self, req: Request) -> asyncio.Queue[RequestOutput]:
         """Queue a request; returns its output queue. DuplicateRequestError when the id
         is live here, AbortedBeforeArrival when an Abort for it came first."""
-        req.prefill_only = prefill_only
         q = self._open(req.request_id)
         try:
             await self._call(lambda e: e.admit(req), urgent=req.priority)
@@ -189,39 +138,19 @@ class EngineWorker:
             raise
         return q
 
-    async def reserve(self, req: Request, num_kv_tokens: int, preempt_lower: bool
-                      ) -> tuple[RemoteReservation, asyncio.Queue[RequestOutput]]:
-        """Queue a remote admission and wait until the scheduler gives it blocks (in
-        priority order, preempting when preempt_lower). The caller then owns the pull
-        and must end it with ``end_pull`` (or ``abort(owner=True)`` once no pull is in
-        flight). Cancelled while waiting: the request is dropped here."""
-        rid = req.request_id
-        q = self._open(rid)
-        fut: asyncio.Future[RemoteReservation] = self._loop.create_future()
-        self._grants[rid] = fut
-        try:
-            await self._call(lambda e: e.add_remote(req, num_kv_tokens, preempt_lower),
-                             urgent=req.priority)
-            return await fut, q
-        except BaseException:
-            self._grants.pop(rid, None)
-            self._close_if(rid, q)
-            self._fire(lambda e: e.abort_if_admitted(req))  # no pull was started
-            raise
-
-    async def end_pull(self, request_id: str, kv_arrived: bool) -> None:
-        """The pull into a reserved request's blocks is over (see LLMEngine.end_pull)."""
-        out = await self._call(lambda e: e.end_pull(request_id, kv_arrived),
-                               urgent=None)
+    async def finish_loading(self, request_id: str, loaded: bool) -> None:
+        """The KV write into a loading request's blocks is over (its owner says so; see
+        LLMEngine.finish_loading); an abort that waited for it reaches the stream."""
+        out = await self._call(lambda e: e.finish_loading(request_id, loaded), urgent=None)
         if out is not None:
             self._deliver([out])
 
     async def abort(self, request_id: str, owner: bool = False) -> bool:
-        """Cancel a request (its held blocks too); its stream gets the abort output.
-        owner=True: the caller owns the request's pull and none is in flight. True when
-        the id was live here."""
-        known, out = await self._call(lambda e: (
-            request_id in e.requests or request_id in e.held, e.abort(request_id, owner)))
+        """Cancel a request (blocks the connector keeps too); its stream gets the abort
+        output. owner=True: the caller owns the request's load and no write is in
+        flight. True when the id was live here."""
+        known, out = await self._call(lambda e: (e.has_request(request_id),
+                                                 e.abort(request_id, owner)))
         if out is not None:
             self._deliver([out])
         return known
@@ -230,23 +159,21 @@ class EngineWorker:
         """abort(owner=True) without waiting: for cleanup paths that must not await."""
         self._fire(lambda e: e.abort(request_id, owner=True))
 
-    async def release_held(self, request_id: str) -> bool:
-        """Free a finished prefill's held blocks once (False: unknown or already freed)."""
-        return await self._call(lambda e: e.release_held(request_id))
-
     def close_stream(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
 
     # -- queries ------------------------------------------------------------------------
     async def cached_hashes(self) -> list[BlockHash]:
-        return await self._call(lambda e: list(e.kv.pool.cached))
+        return await self._call(lambda e: e.cached_hashes())
 
     async def leak_check(self) -> None:
         """AssertionError unless nothing is held (LLMEngine.leak_check)."""
         await self._call(lambda e: e.leak_check())
 
     async def run(self, fn: Callable[[LLMEngine], Any]) -> Any:
-        """Escape hatch for tests and benchmarks: fn(engine) on the engine thread."""
+        """fn(engine) on the engine thread, its result or error returned: a connector's
+        worker side reaching its own scheduler side (which lives on that thread), and
+        tests."""
         return await self._call(fn)
 
     # -- plumbing -------------------------------------------------------------------------
@@ -293,12 +220,9 @@ class EngineWorker:
         try:
             engine = self._build()
             self._engine = engine
-            self.kv_tensor = engine.runner.kv
-            self.info = EngineInfo(engine.model_config, engine.fingerprint,
-                                   engine.config.cache.block_size, engine.kv.pool.num_blocks,
-                                   engine.max_model_len, engine.runner.block_bytes,
-                                   engine.runner.kv_dtype, dtype_name(engine.runner.dtype))
-            self.load = _load_of(engine)
+            self.kv_tensor = engine.kv_tensor
+            self.info = engine.info()
+            self.load = engine.load()
         except BaseException as e:  # noqa: BLE001 - report any build failure to start()
             self._loop.call_soon_threadsafe(_settle, ready, None, e)
             return
@@ -317,15 +241,12 @@ class EngineWorker:
             outs = engine.step()
             if outs:
                 self._loop.call_soon_threadsafe(self._deliver, outs)
-        grants = engine.take_grants()
-        if grants:
-            self._loop.call_soon_threadsafe(self._deliver_grants, grants)
-        events = engine.kv.pool.drain_events()
+        events = engine.drain_kv_events()
         if events and self._on_events is not None:
             self._on_events(events)
         if self._on_step is not None:
             self._on_step(engine)
-        load = _load_of(engine)
+        load = engine.load()
         if load != self.load:
             self.load = load
             if self._on_load is not None:
@@ -355,14 +276,6 @@ class EngineWorker:
             if q is not None:
                 q.put_nowait(out)
 
-    def _deliver_grants(self, grants: list[RemoteReservation]) -> None:
-        for grant in grants:
-            fut = self._grants.pop(grant.request_id, None)
-            if fut is None or fut.done():  # its caller went away before the grant: no pull
-                self._fire(lambda e, rid=grant.request_id: e.abort(rid, owner=True))
-            else:
-                fut.set_result(grant)
-
     def _die(self, error: BaseException) -> None:
         """Engine thread gone: fail everything that waits on it."""
         dead = EngineDead(f"the engine thread died: {type(error).__name__}: {error}")
@@ -373,9 +286,8 @@ class EngineWorker:
                 break
             if item is not None:
                 _settle(item[1], None, dead)
-        for fut in self._grants.values():
-            _settle(fut, None, dead)
-        self._grants.clear()
+        if self._engine is not None and self._engine.connector is not None:
+            self._engine.connector.engine_stopped(dead)
         for rid, q in self._streams.items():
             q.put_nowait(RequestOutput(rid, [], "", True, FinishReason.ERROR, error=str(dead)))
         if self._on_death is not None:
