@@ -36,8 +36,8 @@ from kvtransfer.link import blocks_from_proto, ends_lease
 from proto import common_pb2 as common
 from proto import decode_pb2 as pb
 from proto import decode_pb2_grpc as pb_grpc
-from proto.convert import FALLBACK, sampling_from_proto, top_to_proto
-from worker.base import WorkerBase, invalid_argument
+from proto.convert import FALLBACK, top_to_proto
+from worker.base import WorkerBase
 from worker.config import WorkerConfig
 from worker import spans as worker_spans
 
@@ -78,13 +78,7 @@ class DecodeService(WorkerBase, pb_grpc.DecodeServicer):
         went away) raises here and the cleanup below always runs."""
         rid = request.request_id
         await self.refuse_if_draining(context)
-        try:
-            params = sampling_from_proto(request.sampling)
-            req = await self.engine.make_request(request.prompt_token_ids, params, rid,
-                                                 request.priority, request.output_token_ids,
-                                                 request.cache_salt)
-        except ValueError as e:
-            return await invalid_argument(context, e)
+        req = await self.request_from(context, request, request.prompt_token_ids)
         info = self.engine.info
         need = blocks_for(len(req.token_ids) + 1, info.block_size)
         if need > info.num_blocks:

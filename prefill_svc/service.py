@@ -20,7 +20,7 @@ import time
 import grpc
 
 from engine.request import FinishReason
-from proto.convert import sampling_from_proto, top_to_proto
+from proto.convert import top_to_proto
 from engine.engine_thread import EngineWorker
 from kvtransfer.base import SourceBlocks, get_backend
 from kvtransfer.lease import Lease, LeaseTable
@@ -30,7 +30,7 @@ from proto import common_pb2 as common
 from proto import kv_link_pb2
 from proto import prefill_pb2 as pb
 from proto import prefill_pb2_grpc as pb_grpc
-from worker.base import WorkerBase, invalid_argument
+from worker.base import WorkerBase
 from worker.config import WorkerConfig
 from worker import spans as worker_spans
 
@@ -86,13 +86,7 @@ class PrefillService(WorkerBase, pb_grpc.PrefillServicer):
         rid = request.request_id
         t0 = time.monotonic()
         await self.refuse_if_draining(context)
-        try:
-            params = sampling_from_proto(request.sampling)
-            req = await self.engine.make_request(request.token_ids, params, rid,
-                                                 request.priority, request.output_token_ids,
-                                                 request.cache_salt)
-        except ValueError as e:
-            return await invalid_argument(context, e)
+        req = await self.request_from(context, request, request.token_ids)
         if request.deadline_unix_ms and request.deadline_unix_ms < time.time() * 1000:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                 f"request {rid}: deadline passed before prefill started")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Sequence
 
 import grpc
 
@@ -17,13 +18,12 @@ from engine.engine_thread import (AbortedBeforeArrival, DuplicateRequestError, E
                                   EngineLoad, EngineWorker)
 from engine.kv_connector import KVConnector
 from engine.llm_engine import LLMEngine
-from engine.request import RequestOutput
+from engine.request import Request, RequestOutput
 from kvtransfer.base import CompatRecord
 from proto import common_pb2 as common
 from worker.config import WorkerConfig
-from worker.events import events_to_proto
-from proto.convert import field_error_trailer
-from worker.events import KVEventHub
+from proto.convert import field_error_trailer, sampling_from_proto
+from worker.events import KVEventHub, events_to_proto
 from worker.metrics import WorkerMetrics
 from worker import server as grpc_server
 from tracing import provider as tracing
@@ -125,6 +125,19 @@ class WorkerBase:
         if self.busy():
             log.warning("%s: drain ended with work left: %s, %d leases", self.worker_id,
                         self.engine.load, self.active_leases())
+
+    async def request_from(self, context, message, prompt_ids: Sequence[int]) -> Request:
+        """The engine request a Prefill or Generate message asks for (its sampling, priority,
+        outputs so far and cache salt over prompt_ids); a client's error aborts the call
+        with INVALID_ARGUMENT naming the field. Nothing is held yet either way."""
+        try:
+            params = sampling_from_proto(message.sampling)
+            return await self.engine.make_request(prompt_ids, params, message.request_id,
+                                                  message.priority, message.output_token_ids,
+                                                  message.cache_salt)
+        except ValueError as e:
+            await invalid_argument(context, e)
+            raise  # abort raised already; for a context that does not
 
     async def refuse_if_draining(self, context) -> None:
         if self.draining or not self.engine.alive:
