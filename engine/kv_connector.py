@@ -86,6 +86,12 @@ class KVConnector(abc.ABC):
         Whoever this is handed to owns the load (see the module docstring)."""
         raise NotImplementedError(f"{type(self).__name__} loads no external KV")
 
+    def load_ended(self, req: Request) -> None:
+        """req's external KV load is over (it runs here now, its KV arrived or to be
+        recomputed). From here on req is this engine's own: a later admission (after a
+        preemption by recompute dropped its KV) must compute it here, so
+        ``external_kv`` answers None for it from now on."""
+
     # -- finishing (LLMEngine) ----------------------------------------------------------
     def ends_after_prompt(self, req: Request) -> bool:
         """True: req ends (finish_reason None) in the step that samples its first

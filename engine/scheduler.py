@@ -116,6 +116,7 @@ class Scheduler:
         if loaded:
             req.num_computed_tokens = self._external(req).num_tokens
             self.kv.cache_computed(req)
+        self.connector.load_ended(req)
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         self.running.sort(key=Request.sort_key)

@@ -66,6 +66,9 @@ class DecodeConnector(KVConnector):
     def external_kv(self, req: Request) -> ExternalKV | None:
         return req.kv_transfer if isinstance(req.kv_transfer, ExternalKV) else None
 
+    def load_ended(self, req: Request) -> None:
+        req.kv_transfer = None  # its pull is over: recomputed here if preempted later
+
     def blocks_allocated(self, req: Request, num_local_tokens: int,
                          fill: list[tuple[int, int]]) -> None:
         self.granted.append(RemoteReservation(req.request_id, num_local_tokens, fill))

@@ -98,3 +98,30 @@ def test_a_reservation_goes_to_its_one_caller(tiny_model_dir) -> None:
         finally:
             worker.stop()
     asyncio.run(asyncio.wait_for(body(), 120))
+
+
+def test_a_pulled_request_preempted_by_recompute_is_recomputed_here(tiny_model_dir) -> None:
+    """Once its pull ended, a decode-side request is this engine's: preempted by recompute
+    (its KV dropped), it is recomputed here and runs to its end. It was admitted as a
+    remote load a second time: a reservation nobody waits for, and a worker would abort
+    the request mid-stream."""
+    conn = DecodeConnector()
+    eng = LLMEngine(EngineConfig.from_flat(
+        model=str(tiny_model_dir), dtype="float32", num_kv_blocks=5, max_model_len=64,
+        preemption_mode="recompute", swap_space=0.0), connector=conn)
+    req = eng.make_request(_prompt(40, 1), SamplingParams(max_tokens=20, ignore_eos=True),
+                           "remote", priority=5)
+    conn.add_remote(eng, req, 39)
+    eng.step()
+    assert [g.request_id for g in conn.take_grants()] == ["remote"]
+    eng.finish_loading("remote", loaded=True)
+    outs = [o for _ in range(3) for o in eng.step()]
+    eng.add_request(_prompt(50, 2), GREEDY, request_id="urgent", priority=0)
+    while eng.has_unfinished():
+        outs += eng.step()
+        assert conn.take_grants() == []
+    mine = [o for o in outs if o.request_id == "remote"]
+    assert eng.stats.preemptions and mine[-1].finished
+    assert (mine[-1].finish_reason.value, sum(len(o.new_token_ids) for o in mine)) == ("length", 20)
+    eng.leak_check()
+    conn.leak_check()
