@@ -18,6 +18,11 @@ import torch
 
 from engine.attention.base import ATTENTION_BACKENDS
 from core.kv.layout import KV_CACHE_DTYPES, is_quantized
+from core.states import PreemptionMode
+
+
+PREEMPTION_MODES = ("auto", *(m.value for m in PreemptionMode))
+"""--preemption-mode's choices: auto, or a PreemptionMode forced."""
 
 
 @dataclass(frozen=True)
@@ -183,7 +188,7 @@ class SchedulerConfig:
             raise ValueError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.priority_batch_cap < 0:
             raise ValueError(f"--priority-batch-cap must be >= 0, got {self.priority_batch_cap}")
-        if self.preemption_mode not in ("auto", "swap", "recompute"):
+        if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"--preemption-mode must be swap, recompute or auto; "
                              f"got {self.preemption_mode!r}")
 
@@ -319,7 +324,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         mode, swap = self.scheduler.preemption_mode, self.cache.swap_space
-        if swap < 0 or (swap == 0 and mode != "recompute"):
+        if swap < 0 or (swap == 0 and mode != PreemptionMode.RECOMPUTE.value):
             raise ValueError(f"--swap-space must be > 0 with --preemption-mode "
                              f"{mode} (got {swap}); use "
                              "--preemption-mode recompute to run without a swap pool")
