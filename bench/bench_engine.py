@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from engine.config import EngineConfig, dtype_name, resolve_dtype  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.sampling import SamplingParams  # noqa: E402
+from core.sampling import SamplingParams  # noqa: E402
 from tandem.bench.hf_baseline import generate_timed, load_hf  # noqa: E402
 
 DEFAULT_MODEL = os.environ.get("TANDEM_MODEL", "/root/.cache/tandem/SmolLM2-135M-Instruct.Q4_1.gguf")

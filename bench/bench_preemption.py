@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.sampling import SamplingParams  # noqa: E402
+from core.sampling import SamplingParams  # noqa: E402
 from tandem.fetch_model import default_model_path  # noqa: E402
 
 

@@ -43,9 +43,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 from bench.quant_quality import agreement, fixed_text, forced_agreement, greedy, perplexity  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
-from engine.kv_cache import blocks_for  # noqa: E402
+from core.kv import blocks_for  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.sampling import SamplingParams  # noqa: E402
+from core.sampling import SamplingParams  # noqa: E402
 from tandem.fetch_model import default_model_path  # noqa: E402
 
 KV_DTYPES = ("bfloat16", "int8")

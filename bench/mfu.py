@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.quant.linear import QuantLinear  # noqa: E402
-from engine.sampling import SamplingParams  # noqa: E402
+from core.sampling import SamplingParams  # noqa: E402
 from tandem.bench.datasets import LengthDist, synthetic  # noqa: E402
 from tandem.bench.report import target_line  # noqa: E402
 from tandem.bench.script import BenchRun  # noqa: E402

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.sampling import SamplingParams  # noqa: E402
+from core.sampling import SamplingParams  # noqa: E402
 from tandem.bench.servers import Noise, load_note  # noqa: E402
 
 DEFAULT_MODEL = os.environ.get("TANDEM_MODEL",

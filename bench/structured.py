@@ -35,7 +35,7 @@ from engine.config import EngineConfig  # noqa: E402
 from core.guided.compiler import GrammarCompiler  # noqa: E402
 from core.guided.spec import GuidedSpec  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.sampling import SamplingParams  # noqa: E402
+from core.sampling import SamplingParams  # noqa: E402
 from tests.guided_cases import SCHEMAS  # noqa: E402
 
 DEFAULT_MODEL = os.environ.get("TANDEM_MODEL",

@@ -53,7 +53,7 @@ def test_hashes_chain_and_agree_across_processes() -> None:
     assert hash_token_blocks([99] * 16 + toks[16:32], 16, seed=5)[1] != a[1]  # chained
     assert hash_token_blocks(toks, 16, seed=6)[0] != a[0]  # seeded
     assert hash_token_blocks(toks, 16, seed=5, prior=a[:1]) == a  # extends lazily
-    code = ("from engine.kv_cache import hash_token_blocks;"
+    code = ("from core.kv import hash_token_blocks;"
             "print(hash_token_blocks(list(range(40)), 16, seed=5)[1].hex())")
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            check=True).stdout.strip()
