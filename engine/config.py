@@ -25,6 +25,19 @@ PREEMPTION_MODES = ("auto", *(m.value for m in PreemptionMode))
 """--preemption-mode's choices: auto, or a PreemptionMode forced."""
 
 
+def at_least(flag: str, value: float | None, low: float) -> None:
+    """Refuse a flag's value below ``low`` (None, where a flag allows it, is unset)."""
+    if value is not None and value < low:
+        raise ValueError(f"{flag} must be >= {low}, got {value}")
+
+
+def one_of(flag: str, value: Any, choices: typing.Iterable[Any]) -> None:
+    """Refuse a flag's value outside its choices, listing them."""
+    choices = tuple(choices)
+    if value not in choices:
+        raise ValueError(f"{flag} must be one of {', '.join(map(str, choices))}; got {value!r}")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Llama-family hyperparameters, as stored in a GGUF header or config.json."""
@@ -116,8 +129,7 @@ class LoadConfig:
     the container's CPU limit (cgroup cpu.max, rounded up)."""
 
     def __post_init__(self) -> None:
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"--max-model-len must be >= 1, got {self.max_model_len}")
+        at_least("--max-model-len", self.max_model_len, 1)
         ATTENTION_BACKENDS.check(self.attention_backend, extra=("auto",))
         resolve_dtype(self.dtype, self.device)
 
@@ -151,13 +163,10 @@ class CacheConfig:
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"--block-size must be a power of two >= 1, got {self.block_size}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"--kv-blocks must be >= 1, got {self.num_kv_blocks}")
+        at_least("--kv-blocks", self.num_kv_blocks, 1)
         if self.kv_cache_memory_gib <= 0:
             raise ValueError(f"--kv-cache-memory-gib must be > 0, got {self.kv_cache_memory_gib}")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}; "
-                             f"got {self.kv_cache_dtype!r}")
+        one_of("--kv-cache-dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
 
 
 @dataclass(frozen=True)
@@ -182,15 +191,10 @@ class SchedulerConfig:
     its requests arrives (the newcomer then waits one layer, not one step)."""
 
     def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
-            raise ValueError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.priority_batch_cap < 0:
-            raise ValueError(f"--priority-batch-cap must be >= 0, got {self.priority_batch_cap}")
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"--preemption-mode must be swap, recompute or auto; "
-                             f"got {self.preemption_mode!r}")
+        at_least("--max-num-seqs", self.max_num_seqs, 1)
+        at_least("--max-num-batched-tokens", self.max_num_batched_tokens, 1)
+        at_least("--priority-batch-cap", self.priority_batch_cap, 0)
+        one_of("--preemption-mode", self.preemption_mode, PREEMPTION_MODES)
 
 
 @dataclass(frozen=True)
@@ -210,14 +214,9 @@ class QuantConfig:
 
     def __post_init__(self) -> None:
         from engine.quant.base import METHODS  # torch-only module; keeps config import light
-        if self.quantization not in METHODS:
-            raise ValueError(f"--quantization must be one of {', '.join(METHODS)}; "
-                             f"got {self.quantization!r}")
-        if self.quant_group_size not in (32, 64, 128, 256):
-            raise ValueError(f"--quant-group-size must be 32, 64, 128 or 256, "
-                             f"got {self.quant_group_size}")
-        if self.quant_packed_max_rows is not None and self.quant_packed_max_rows < 0:
-            raise ValueError(f"--quant-packed-max-rows must be >= 0, got {self.quant_packed_max_rows}")
+        one_of("--quantization", self.quantization, METHODS)
+        one_of("--quant-group-size", self.quant_group_size, (32, 64, 128, 256))
+        at_least("--quant-packed-max-rows", self.quant_packed_max_rows, 0)
 
 
 @dataclass(frozen=True)
@@ -247,9 +246,7 @@ class SpecConfig:
             raise ValueError(f"--num-speculative-tokens must be >= 1 with "
                              f"--speculative-method {self.speculative_method}, "
                              f"got {self.num_speculative_tokens}")
-        if self.speculative_max_batch < 0:
-            raise ValueError(f"--speculative-max-batch must be >= 0, "
-                             f"got {self.speculative_max_batch}")
+        at_least("--speculative-max-batch", self.speculative_max_batch, 0)
         if (self.speculative_method == "draft") != bool(self.speculative_model):
             raise ValueError("--speculative-model is required by --speculative-method draft "
                              "and only used by it")
@@ -267,8 +264,7 @@ class CompileConfig:
     """Largest compiled decode batch (bigger decode batches run eagerly); None = max_num_seqs."""
 
     def __post_init__(self) -> None:
-        if self.compile_max_batch is not None and self.compile_max_batch < 1:
-            raise ValueError(f"--compile-max-batch must be >= 1, got {self.compile_max_batch}")
+        at_least("--compile-max-batch", self.compile_max_batch, 1)
 
 
 @dataclass(frozen=True)
