@@ -37,12 +37,22 @@ ATTENTION_BACKENDS: Registry[type[AttentionBackend]] = Registry(
 class AttentionBackend(ABC):
     name: str
 
-    @abstractmethod
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D]; returns [T, Hq, D].
 
-        Writes k, v into ``kv[:, layer]`` first (see module docstring)."""
+        Writes k, v into ``kv[:, layer]`` first (see module docstring), then attends."""
+        write_kv(layer, k, v, kv, meta)
+        out = torch.empty_like(q)
+        self.attend(layer, q, kv, meta, scale, out)
+        return out
+
+    @abstractmethod
+    def attend(self, layer: int, q: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata,
+               scale: float, out: torch.Tensor) -> None:
+        """Fill ``out`` ([T, Hq, D]) with each row's attention over the paged cache, which
+        already holds this step's K and V: the batch's prefill rows first (their
+        ``query_lens``), then one row per decode."""
 
     @classmethod
     def available(cls, device: torch.device) -> str | None:

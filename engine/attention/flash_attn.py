@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.base import AttentionBackend, gather_kv, write_kv
+from engine.attention.base import AttentionBackend, gather_kv
 from engine.attention.metadata import AttentionMetadata
 
 
@@ -29,11 +29,9 @@ class FlashAttnBackend(AttentionBackend):
             return "the flash-attn package is not installed (pip install 'tandem[gpu]')"
         return None
 
-    def forward(self, layer, q, k, v, kv, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def attend(self, layer, q, kv, meta: AttentionMetadata, scale: float, out) -> None:
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
-        write_kv(layer, k, v, kv, meta)
-        out = torch.empty_like(q)
         p, ntok = meta.num_prefills, meta.num_prefill_tokens
         if p:
             ks, vs = zip(*(gather_kv(layer, kv, meta.block_tables[i], meta.seq_lens[i],
@@ -59,7 +57,6 @@ class FlashAttnBackend(AttentionBackend):
             out[ntok:] = flash_attn_with_kvcache(
                 q[ntok:].unsqueeze(1), kc, vc, cache_seqlens=cache_lens, block_table=bt,
                 softmax_scale=scale, causal=True).squeeze(1)
-        return out
 
 
 def _cu_seqlens(meta: AttentionMetadata, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,18 +7,16 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.base import AttentionBackend, gather_kv, write_kv
+from engine.attention.base import AttentionBackend, gather_kv
 from engine.attention.metadata import AttentionMetadata
 
 
 class NaiveBackend(AttentionBackend):
     name = "naive"
 
-    def forward(self, layer, q, k, v, kv, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        write_kv(layer, k, v, kv, meta)
-        out = torch.empty_like(q)
+    def attend(self, layer, q, kv, meta: AttentionMetadata, scale: float, out) -> None:
         start = 0
-        rep = q.shape[1] // k.shape[1]
+        rep = q.shape[1] // kv.shape[-2]
         for qlen, slen, table in zip(meta.query_lens, meta.seq_lens, meta.block_tables):
             qs = q[start:start + qlen].float()  # [Lq, Hq, D]
             ks, vs = gather_kv(layer, kv, table, slen, meta.kv_quant, torch.float32)
@@ -31,4 +29,3 @@ class NaiveBackend(AttentionBackend):
             probs = scores.softmax(-1)
             out[start:start + qlen] = torch.einsum("hqk,khd->qhd", probs, vs).to(q.dtype)
             start += qlen
-        return out

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.attention.base import AttentionBackend, gather_kv, write_kv
+from engine.attention.base import AttentionBackend, gather_kv
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.paged_decode import paged_decode
 
@@ -38,9 +38,7 @@ def _decode_inputs(meta: AttentionMetadata, device) -> tuple[torch.Tensor, torch
 class SDPABackend(AttentionBackend):
     name = "sdpa"
 
-    def forward(self, layer, q, k, v, kv, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        write_kv(layer, k, v, kv, meta)
-        out = torch.empty_like(q)
+    def attend(self, layer, q, kv, meta: AttentionMetadata, scale: float, out) -> None:
         start = 0
         for i in range(meta.num_prefills):
             qlen, slen = meta.query_lens[i], meta.seq_lens[i]
@@ -56,4 +54,3 @@ class SDPABackend(AttentionBackend):
         if meta.num_decodes:
             bt, lens = meta.cached("decode", lambda: _decode_inputs(meta, q.device))
             out[start:] = paged_decode(q[start:], kv, layer, bt, lens, scale, meta.kv_quant)
-        return out
