@@ -89,12 +89,14 @@ def attention_case(block_size: int, dtype=torch.bfloat16):
 @guarded("attention")
 def check_attention() -> None:
     from engine.attention import build_metadata, get_backend
+    from engine.attention.base import LayerAttention
     from engine.attention.naive import NaiveBackend
+    SCALE = LayerAttention(0.125)
 
     for name in ("flash_attn", "sdpa"):
         for block_size in (16, 256):
             q, k, v, kv, meta = attention_case(block_size)
-            ref = NaiveBackend().forward(0, q, k, v, kv.clone(), meta, 0.125)
+            ref = NaiveBackend().forward(0, q, k, v, kv.clone(), meta, SCALE)
             cu = build_metadata(meta.query_lens, meta.seq_lens, meta.num_prefills,
                                 meta.block_tables, block_size, "cuda")
             try:
@@ -102,9 +104,9 @@ def check_attention() -> None:
             except RuntimeError as e:
                 row(f"attention {name}", "SKIP", str(e))
                 break
-            out = backend.forward(0, q.cuda(), k.cuda(), v.cuda(), kv.clone().cuda(), cu, 0.125)
+            out = backend.forward(0, q.cuda(), k.cuda(), v.cuda(), kv.clone().cuda(), cu, SCALE)
             err = (out.float().cpu() - ref.float()).abs().max().item()
-            ms = cuda_time(lambda: backend.forward(0, q.cuda(), k.cuda(), v.cuda(), kv.cuda(), cu, 0.125))
+            ms = cuda_time(lambda: backend.forward(0, q.cuda(), k.cuda(), v.cuda(), kv.cuda(), cu, SCALE))
             row(f"attention {name} block {block_size}", "OK" if err < 3e-2 else "FAIL",
                 f"max err vs naive {err:.2e}; {ms:.3f} ms (3 prefills + 12 decodes)")
 
@@ -112,7 +114,9 @@ def check_attention() -> None:
 @guarded("quantized KV")
 def check_kv_quant() -> None:
     from engine.attention import build_metadata, get_backend
+    from engine.attention.base import LayerAttention
     from engine.attention.naive import NaiveBackend
+    SCALE = LayerAttention(0.125)
     from engine.kv_cache.quant import encode
 
     for quant in ("int8", "fp8_e4m3"):
@@ -120,7 +124,7 @@ def check_kv_quant() -> None:
         kv = encode(kv, quant)
         args = (meta.query_lens, meta.seq_lens, meta.num_prefills, meta.block_tables, 16)
         ref = NaiveBackend().forward(0, q, k, v, kv.clone(), build_metadata(*args, kv_quant=quant),
-                                     0.125)
+                                     SCALE)
         for name in ("flash_attn", "sdpa"):
             try:
                 backend = get_backend(name, "cuda")
@@ -128,7 +132,7 @@ def check_kv_quant() -> None:
                 row(f"kv {quant} {name}", "SKIP", str(e))
                 continue
             cu = build_metadata(*args, device="cuda", kv_quant=quant)
-            out = backend.forward(0, q.cuda(), k.cuda(), v.cuda(), kv.clone().cuda(), cu, 0.125)
+            out = backend.forward(0, q.cuda(), k.cuda(), v.cuda(), kv.clone().cuda(), cu, SCALE)
             err = (out.float().cpu() - ref.float()).abs().max().item()
             row(f"kv {quant} {name}", "OK" if err < 3e-2 else "FAIL", f"max err vs naive {err:.2e}")
 

@@ -16,6 +16,7 @@ through them needs nothing else.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -34,25 +35,51 @@ ATTENTION_BACKENDS: Registry[type[AttentionBackend]] = Registry(
     })
 
 
+@dataclass(frozen=True)
+class LayerAttention:
+    """One layer's attention parameters (they differ by layer in some families)."""
+
+    scale: float
+    """Multiplies q.k before the soft-cap and softmax."""
+    window: int | None = None
+    """Sliding window: a query at position p sees keys at positions p - window + 1 .. p
+    (``window`` keys, itself included, as transformers' sliding-window masks); None = all."""
+    softcap: float | None = None
+    """Logit soft-cap: scores become softcap * tanh(scores / softcap) before the softmax."""
+
+
 class AttentionBackend(ABC):
     name: str
+    supports: frozenset[str] = frozenset()
+    """The optional LayerAttention fields ("window", "softcap") this backend computes;
+    a model asking for another is refused by ``check`` at start-up, never ignored."""
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                kv: torch.Tensor, meta: AttentionMetadata, params: LayerAttention
+                ) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D]; returns [T, Hq, D].
 
         Writes k, v into ``kv[:, layer]`` first (see module docstring), then attends."""
         write_kv(layer, k, v, kv, meta)
         out = torch.empty_like(q)
-        self.attend(layer, q, kv, meta, scale, out)
+        self.attend(layer, q, kv, meta, params, out)
         return out
 
     @abstractmethod
     def attend(self, layer: int, q: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata,
-               scale: float, out: torch.Tensor) -> None:
+               params: LayerAttention, out: torch.Tensor) -> None:
         """Fill ``out`` ([T, Hq, D]) with each row's attention over the paged cache, which
         already holds this step's K and V: the batch's prefill rows first (their
         ``query_lens``), then one row per decode."""
+
+    def check(self, params: LayerAttention) -> None:
+        """Refuse, naming --attention-backend, a layer this backend would compute wrongly."""
+        asked = {f for f in ("window", "softcap") if getattr(params, f) is not None}
+        missing = sorted(asked - self.supports)
+        if missing:
+            raise ValueError(f"--attention-backend {self.name} does not compute "
+                             f"{' or '.join(missing)} attention, which this model's layers use; "
+                             f"use --attention-backend naive")
 
     @classmethod
     def available(cls, device: torch.device) -> str | None:

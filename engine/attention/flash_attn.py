@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.base import AttentionBackend, gather_kv
+from engine.attention.base import AttentionBackend, LayerAttention, gather_kv
 from engine.attention.metadata import AttentionMetadata
 
 
@@ -29,9 +29,10 @@ class FlashAttnBackend(AttentionBackend):
             return "the flash-attn package is not installed (pip install 'tandem[gpu]')"
         return None
 
-    def attend(self, layer, q, kv, meta: AttentionMetadata, scale: float, out) -> None:
+    def attend(self, layer, q, kv, meta: AttentionMetadata, params: LayerAttention, out) -> None:
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
+        scale = params.scale
         p, ntok = meta.num_prefills, meta.num_prefill_tokens
         if p:
             ks, vs = zip(*(gather_kv(layer, kv, meta.block_tables[i], meta.seq_lens[i],

@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.base import AttentionBackend, gather_kv
+from engine.attention.base import AttentionBackend, LayerAttention, gather_kv
 from engine.attention.metadata import AttentionMetadata
 
 
 class NaiveBackend(AttentionBackend):
     name = "naive"
 
-    def attend(self, layer, q, kv, meta: AttentionMetadata, scale: float, out) -> None:
+    supports = frozenset({"window", "softcap"})
+
+    def attend(self, layer, q, kv, meta: AttentionMetadata, params: LayerAttention, out) -> None:
         start = 0
         rep = q.shape[1] // kv.shape[-2]
         for qlen, slen, table in zip(meta.query_lens, meta.seq_lens, meta.block_tables):
@@ -22,10 +24,15 @@ class NaiveBackend(AttentionBackend):
             ks, vs = gather_kv(layer, kv, table, slen, meta.kv_quant, torch.float32)
             ks = ks.float().repeat_interleave(rep, dim=1)  # [S, Hq, D]
             vs = vs.float().repeat_interleave(rep, dim=1)
-            scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale  # [Hq, Lq, S]
+            scores = torch.einsum("qhd,khd->hqk", qs, ks) * params.scale  # [Hq, Lq, S]
+            if params.softcap is not None:
+                scores = params.softcap * torch.tanh(scores / params.softcap)
             qpos = torch.arange(slen - qlen, slen).unsqueeze(1)
             kpos = torch.arange(slen).unsqueeze(0)
-            scores = scores.masked_fill(kpos > qpos, float("-inf"))
+            hidden = kpos > qpos
+            if params.window is not None:
+                hidden |= kpos <= qpos - params.window
+            scores = scores.masked_fill(hidden, float("-inf"))
             probs = scores.softmax(-1)
             out[start:start + qlen] = torch.einsum("hqk,khd->qhd", probs, vs).to(q.dtype)
             start += qlen

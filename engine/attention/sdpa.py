@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.attention.base import AttentionBackend, gather_kv
+from engine.attention.base import AttentionBackend, LayerAttention, gather_kv
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.paged_decode import paged_decode
 
@@ -38,7 +38,8 @@ def _decode_inputs(meta: AttentionMetadata, device) -> tuple[torch.Tensor, torch
 class SDPABackend(AttentionBackend):
     name = "sdpa"
 
-    def attend(self, layer, q, kv, meta: AttentionMetadata, scale: float, out) -> None:
+    def attend(self, layer, q, kv, meta: AttentionMetadata, params: LayerAttention, out) -> None:
+        scale = params.scale
         start = 0
         for i in range(meta.num_prefills):
             qlen, slen = meta.query_lens[i], meta.seq_lens[i]

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention.base import AttentionBackend
+from engine.attention.base import AttentionBackend, LayerAttention
 from engine.attention.metadata import AttentionMetadata
 from engine.config import ModelConfig
 from engine.layers.rms_norm import RMSNorm
@@ -69,7 +69,7 @@ class Attention(nn.Module):
         self.hq, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, (self.hq + 2 * self.hkv) * self.d, bias=False)
         self.o_proj = nn.Linear(self.hq * self.d, cfg.hidden_size, bias=False)
-        self.scale = self.d ** -0.5
+        self.params = LayerAttention(scale=self.d ** -0.5)
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -84,7 +84,7 @@ class Attention(nn.Module):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                ctx: ForwardContext) -> torch.Tensor:
         """The paged-cache part (writes K/V, never compiled) -> o [T, Hq * D]."""
-        o = ctx.backend.forward(self.layer, q, k, v, ctx.kv, ctx.meta, self.scale)  # [T, Hq, D]
+        o = ctx.backend.forward(self.layer, q, k, v, ctx.kv, ctx.meta, self.params)  # [T, Hq, D]
         return o.reshape(q.shape[0], self.hq * self.d)
 
 

@@ -8,6 +8,7 @@ import torch
 
 from engine.attention import build_metadata, get_backend
 from engine.attention.naive import NaiveBackend
+from engine.attention.base import LayerAttention
 
 
 def _case(rng: random.Random, block_size: int, hq: int, hkv: int, dtype=torch.float32):
@@ -48,8 +49,8 @@ def test_sdpa_matches_naive(block_size: int, hq: int, hkv: int) -> None:
             kv_a, kv_b = kv.clone(), kv.clone()
             meta_b = build_metadata(meta.query_lens, meta.seq_lens, meta.num_prefills,
                                     meta.block_tables, block_size)
-            out_ref = naive.forward(layer, q, k, v, kv_a, meta, 0.25)
-            out = sdpa.forward(layer, q, k, v, kv_b, meta_b, 0.25)
+            out_ref = naive.forward(layer, q, k, v, kv_a, meta, LayerAttention(0.25))
+            out = sdpa.forward(layer, q, k, v, kv_b, meta_b, LayerAttention(0.25))
             torch.testing.assert_close(out, out_ref, atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(kv_b, kv_a, atol=0, rtol=0)  # same K/V writes
 
@@ -58,7 +59,7 @@ def test_write_kv_touches_only_its_slots() -> None:
     rng = random.Random(7)
     layers, q, k, v, kv, meta, tables = _case(rng, 16, 4, 2)
     before = kv.clone()
-    get_backend("sdpa").forward(0, q, k, v, kv, meta, 0.25)
+    get_backend("sdpa").forward(0, q, k, v, kv, meta, LayerAttention(0.25))
     changed = (kv != before).any(dim=(1, 2, 4, 5)).nonzero().tolist()  # (block, row) pairs
     expect = {(int(b), int(o)) for b, o in zip(meta.slot_blocks, meta.slot_offsets)}
     assert {(b, o) for b, o in changed} <= expect
@@ -68,8 +69,8 @@ def test_write_kv_touches_only_its_slots() -> None:
 def test_bf16_close_to_reference() -> None:
     rng = random.Random(3)
     layers, q, k, v, kv, meta, _ = _case(rng, 16, 9, 3, dtype=torch.bfloat16)
-    ref = NaiveBackend().forward(0, q, k, v, kv.clone(), meta, 0.125)
-    out = get_backend("sdpa").forward(0, q, k, v, kv.clone(), meta, 0.125)
+    ref = NaiveBackend().forward(0, q, k, v, kv.clone(), meta, LayerAttention(0.125))
+    out = get_backend("sdpa").forward(0, q, k, v, kv.clone(), meta, LayerAttention(0.125))
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
 
@@ -93,10 +94,11 @@ def test_flash_attn_matches_naive_on_cuda() -> None:
     fa, naive = get_backend("flash_attn", "cuda"), NaiveBackend()
     for block_size in (16, 256):
         layers, q, k, v, kv, meta, _ = _case(rng, block_size, 8, 2, dtype=torch.bfloat16)
-        ref = naive.forward(0, q, k, v, kv.clone(), meta, 0.25)
+        ref = naive.forward(0, q, k, v, kv.clone(), meta, LayerAttention(0.25))
         cu = build_metadata(meta.query_lens, meta.seq_lens, meta.num_prefills,
                             meta.block_tables, block_size, "cuda")
-        out = fa.forward(0, q.cuda(), k.cuda(), v.cuda(), kv.clone().cuda(), cu, 0.25)
+        out = fa.forward(0, q.cuda(), k.cuda(), v.cuda(), kv.clone().cuda(), cu,
+                         LayerAttention(0.25))
         torch.testing.assert_close(out.float().cpu(), ref.float(), atol=2e-2, rtol=2e-2)
 
 
@@ -106,11 +108,11 @@ def test_sdpa_on_cuda_matches_naive() -> None:
         pytest.skip("needs CUDA")
     rng = random.Random(12)
     layers, q, k, v, kv, meta, _ = _case(rng, 16, 8, 2, dtype=torch.bfloat16)
-    ref = NaiveBackend().forward(0, q, k, v, kv.clone(), meta, 0.25)
+    ref = NaiveBackend().forward(0, q, k, v, kv.clone(), meta, LayerAttention(0.25))
     cu = build_metadata(meta.query_lens, meta.seq_lens, meta.num_prefills, meta.block_tables,
                         16, "cuda")
     out = get_backend("sdpa", "cuda").forward(0, q.cuda(), k.cuda(), v.cuda(),
-                                               kv.clone().cuda(), cu, 0.25)
+                                               kv.clone().cuda(), cu, LayerAttention(0.25))
     torch.testing.assert_close(out.float().cpu(), ref.float(), atol=2e-2, rtol=2e-2)
 
 
@@ -136,7 +138,8 @@ def test_paged_decode_matches_naive(dtype: torch.dtype, impl: str) -> None:
         meta = build_metadata([1] * len(lens), lens, 0, tables, block_size)
         q = torch.randn(len(lens), hq, 16, dtype=dtype)
         k, v = torch.randn(len(lens), hkv, 16, dtype=dtype), torch.randn(len(lens), hkv, 16, dtype=dtype)
-        ref = NaiveBackend().forward(1, q, k, v, kv, meta, 0.25)  # writes the new K/V too
+        ref = NaiveBackend().forward(1, q, k, v, kv, meta, LayerAttention(0.25))
+        # (forward writes the new K/V too)
         width = max(len(t) for t in tables)
         bt = torch.tensor([t + [0] * (width - len(t)) for t in tables])
         out = fn(q, kv, 1, bt, torch.tensor(lens), 0.25)
@@ -171,3 +174,32 @@ def test_paged_decode_kernel_long_contexts(kind: str, d: int) -> None:
         out = pd.kernel_decode(q, kv, 1, bt, torch.tensor(lens), 0.125, quant)
         ref = pd.gathered_decode(q, kv, 1, bt, torch.tensor(lens), 0.125, quant)
         torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("window,softcap", [(5, None), (None, 3.0), (8, 2.0)])
+def test_naive_window_and_softcap_follow_their_definitions(window, softcap) -> None:
+    """One sequence whose whole context is new: the reference against the formula written
+    out on dense tensors (a key at distance >= window is hidden; logits soft-capped)."""
+    torch.manual_seed(3)
+    n, h, d = 13, 2, 8
+    q, k, v = (torch.randn(n, h, d) for _ in range(3))
+    meta = build_metadata([n], [n], 1, [[0]], 16)
+    kv = torch.zeros(1, 1, 2, 16, h, d)
+    params = LayerAttention(0.3, window=window, softcap=softcap)
+    out = NaiveBackend().forward(0, q, k, v, kv, meta, params)
+    s = torch.einsum("qhd,khd->hqk", q, k) * 0.3
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    pos = torch.arange(n)
+    dist = pos[:, None] - pos[None, :]
+    hidden = (dist < 0) | (dist >= (window or n + 1))
+    want = torch.einsum("hqk,khd->qhd", s.masked_fill(hidden, float("-inf")).softmax(-1), v)
+    torch.testing.assert_close(out, want)
+
+
+def test_a_backend_refuses_parameters_it_does_not_compute() -> None:
+    class Plain(NaiveBackend):
+        name, supports = "plain", frozenset()
+    Plain().check(LayerAttention(1.0))
+    with pytest.raises(ValueError, match="--attention-backend plain does not compute window"):
+        Plain().check(LayerAttention(1.0, window=4))

@@ -10,6 +10,7 @@ import torch
 import engine.attention.paged_decode as pd
 from engine.attention import build_metadata, get_backend
 from engine.attention.naive import NaiveBackend
+from engine.attention.base import LayerAttention
 from engine.config import EngineConfig
 from core.kv import kv_block_bytes, kv_format_block_bytes
 from engine.kv_cache.quant import decode, encode, rotation
@@ -87,8 +88,8 @@ def test_sdpa_matches_naive_on_a_quantized_cache(quant: str, dtype: torch.dtype,
         layers, q, k, v, kv, args = _case(rng, quant, dtype)
         for layer in range(layers):
             kv_a, kv_b = kv.clone(), kv.clone()
-            ref = naive.forward(layer, q, k, v, kv_a, build_metadata(*args, kv_quant=quant), 0.125)
-            out = sdpa.forward(layer, q, k, v, kv_b, build_metadata(*args, kv_quant=quant), 0.125)
+            ref = naive.forward(layer, q, k, v, kv_a, build_metadata(*args, kv_quant=quant), LayerAttention(0.125))
+            out = sdpa.forward(layer, q, k, v, kv_b, build_metadata(*args, kv_quant=quant), LayerAttention(0.125))
             torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
             assert torch.equal(kv_b, kv_a)  # the same quantized bytes written
 

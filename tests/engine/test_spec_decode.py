@@ -413,8 +413,8 @@ def test_a_verify_row_attends_as_decode_queries(tiny_model_dir, monkeypatch) -> 
     a.draft = list(guesses)
     seen = []
     forward = run.backend.forward
-    monkeypatch.setattr(run.backend, "forward", lambda layer, q, k, v, kv, meta, scale:
-                        seen.append(meta) or forward(layer, q, k, v, kv, meta, scale))
+    monkeypatch.setattr(run.backend, "forward", lambda layer, q, k, v, kv, meta, params:
+                        seen.append(meta) or forward(layer, q, k, v, kv, meta, params))
     captured = {}
     monkeypatch.setattr(run, "_sample", lambda sampled, rows, logits, plain, banned:
                         captured.update(rows=rows, logits=logits.clone()))
