@@ -5,6 +5,7 @@ import argparse
 import logging
 import sys
 
+from core.progress import show_progress
 from tandem import commands
 
 
@@ -25,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    show_progress(logging.getLogger().level)
     try:
         return int(args.run(args) or 0)
     except (ValueError, FileNotFoundError, RuntimeError) as e:

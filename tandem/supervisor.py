@@ -172,6 +172,9 @@ class Cluster:
 
     def _wait_workers(self) -> None:
         deadline = time.monotonic() + READY_TIMEOUT_S
+        print(f"tandem up: starting {len(self.workers)} worker(s): loading the model and "
+              "compiling decode steps (a first start takes about a minute; each worker "
+              "prints its progress)", file=sys.stderr, flush=True)
         for w in self.workers:
             while not w.ready_file.exists():
                 if not w.running:

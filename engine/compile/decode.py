@@ -29,6 +29,7 @@ import torch
 
 from engine.models.llama import (EAGER, LlamaForCausalLM, Segments, first_segment,
                                  last_segment, middle_segment)
+from core.progress import progress
 from engine.timing import best_pair
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,12 @@ def decode_buckets(max_rows: int) -> list[int]:
     while out[-1] < max_rows:
         out.append(out[-1] * 2)
     return out
+
+
+def inductor_cache_dir() -> str:
+    """Where inductor keeps compiled code (TORCHINDUCTOR_CACHE_DIR or its default)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    return cache_dir()
 
 
 def _slower(compiled: float, eager: float) -> bool:
@@ -106,6 +113,10 @@ class CompiledDecode:
         unless it is clearly slower (``SLOWER_MARGIN``). A failure disables compiled steps,
         logged."""
         t0 = time.perf_counter()
+        if self.disabled is None:
+            progress.info("compiling the decode step for batch sizes %s (inductor caches the "
+                          "code in %s, so a restart is faster; --no-compile skips this)",
+                          ",".join(map(str, self.buckets)), inductor_cache_dir())
         for i, b in enumerate(self.buckets if self.disabled is None else ()):
             t = time.perf_counter()
             try:
@@ -121,12 +132,13 @@ class CompiledDecode:
             slower = _slower(compiled, eager)
             if slower:
                 self.slower.add(b)
-            log.info("compiled decode step %d/%d (batch %d) in %.1fs: %.1f ms vs %.1f ms eager%s",
-                     i + 1, len(self.buckets), b, time.perf_counter() - t, compiled, eager,
-                     " (slower: this batch runs eagerly)" if slower else "")
+            progress.info("compiled decode step %d/%d (batch %d) in %.1fs: "
+                          "%.1f ms vs %.1f ms eager%s", i + 1, len(self.buckets), b,
+                          time.perf_counter() - t, compiled, eager,
+                          " (slower: this batch runs eagerly)" if slower else "")
         self.compile_seconds = time.perf_counter() - t0
-        log.info("compiled decode steps for batches %s in %.1fs (--no-compile skips this)",
-                 ",".join(map(str, self.buckets)), self.compile_seconds)
+        progress.info("compiled decode steps for batches %s in %.1fs",
+                      ",".join(map(str, self.buckets)), self.compile_seconds)
 
     def fail(self, reason: str) -> None:
         self.disabled = reason

@@ -163,3 +163,29 @@ def test_start_up_timings_alternate_and_a_loss_is_timed_again() -> None:
     best_pair(lambda: calls.append("a"), lambda: calls.append("b"), reps=2, warmup=1,
               retry_if=lambda x, y: False)
     assert calls == ["a", "b"] * 3
+
+
+def test_compilation_prints_progress_at_the_default_log_level(monkeypatch, caplog) -> None:
+    """A first start compiles for about a minute: at the CLI's default --log-level
+    (WARNING) it prints a line when it starts, one per bucket with its time, and one
+    at the end, on the tandem.progress logger; --log-level ERROR hides them."""
+    import logging
+
+    from core.progress import progress, show_progress
+    from engine.compile import decode as cd
+
+    show_progress(logging.WARNING)
+    assert progress.isEnabledFor(logging.INFO)
+    c = cd.CompiledDecode(torch.nn.Linear(1, 1), torch.device("cpu"), max_rows=4)
+    monkeypatch.setattr(cd, "best_pair", lambda a, b, retry_if=None: (1.0, 1.0))
+    monkeypatch.setattr(logging.getLogger(), "level", logging.WARNING)  # as the CLI leaves it
+    c.warm_up(lambda rows, segments: None)
+    lines = [r.getMessage() for r in caplog.records if r.name == "tandem.progress"]
+    assert lines[0].startswith("compiling the decode step for batch sizes 1,2,4 (inductor "
+                               f"caches the code in {cd.inductor_cache_dir()}")
+    assert [m.split(" in ")[0] for m in lines[1:4]] == [
+        f"compiled decode step {i}/3 (batch {b})" for i, b in ((1, 1), (2, 2), (3, 4))]
+    assert lines[4].startswith("compiled decode steps for batches 1,2,4 in ")
+    show_progress(logging.ERROR)
+    assert not progress.isEnabledFor(logging.INFO)
+    show_progress(logging.WARNING)
