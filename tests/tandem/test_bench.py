@@ -276,3 +276,20 @@ def test_format_table_lists_runs_side_by_side():
     assert any(line.startswith("TTFT p50 (ms)") and "100.0" in line and "200.0" in line
                for line in table.splitlines())
     assert "goodput" in table
+
+
+def test_vs_peers_names_the_cpu_and_runs_vllm_at_its_best_dtype(monkeypatch, tmp_path):
+    """bench/vs_peers.py heads its output with the CPU's model and flags, and runs vLLM in
+    bf16 only where the CPU computes bf16 in hardware (AVX512-BF16 or AMX), else fp32."""
+    from bench import vs_peers
+
+    cpuinfo = {"avx2": "flags\t: fpu avx2 fma sse4_2",
+               "amx": "flags\t: avx2 fma amx_bf16 avx512_bf16"}
+    real = vs_peers.Path
+    for kind, want in (("avx2", False), ("amx", True)):
+        f = tmp_path / kind
+        f.write_text(f"model name\t: Test CPU {kind}\n{cpuinfo[kind]}\n")
+        monkeypatch.setattr(vs_peers, "Path", lambda p, f=f: f if p == "/proc/cpuinfo" else real(p))
+        line, bf16 = vs_peers.cpu_description()
+        assert line.startswith(f"CPU: Test CPU {kind}; flags: avx2 fma")
+        assert bf16 is want
