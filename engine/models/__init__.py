@@ -5,5 +5,33 @@ from core.registry import Registry
 
 MODELS: Registry = Registry("model architecture", "--model", {
     "llama": "engine.models.llama:LlamaForCausalLM",
+    "mistral": "engine.models.mistral:MistralForCausalLM",
 })
 """ModelConfig.architecture -> the class that runs it."""
+
+HF_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+}
+"""config.json ``architectures[0]`` -> the MODELS entry that runs it."""
+
+HF_MODEL_TYPES: dict[str, str] = {
+    "llama": "llama",
+    "mistral": "mistral",
+}
+"""config.json ``model_type`` -> MODELS entry, for configs without ``architectures``."""
+
+
+def resolve_architecture(architectures: list[str] | None, model_type: str | None,
+                         source: str) -> str:
+    """The MODELS entry for a config.json; ValueError naming the file, the architecture
+    and what is supported when none runs it (a model is served exactly or refused)."""
+    if architectures:
+        arch = architectures[0]
+        if arch in HF_ARCHITECTURES:
+            return HF_ARCHITECTURES[arch]
+    elif model_type in HF_MODEL_TYPES:
+        return HF_MODEL_TYPES[model_type]
+    raise ValueError(f"{source}: architecture {architectures[0] if architectures else None!r} "
+                     f"(model_type {model_type!r}) is not supported; supported: "
+                     f"{', '.join(HF_ARCHITECTURES)}")

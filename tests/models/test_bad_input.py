@@ -1,0 +1,69 @@
+"""What a user can get wrong about a checkpoint is refused at start-up, naming the file
+and the architecture, field, tensor or flag; nothing is served wrong."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+
+
+def _engine(path: Path, **flags) -> LLMEngine:
+    flags = {"dtype": "float32", "max_model_len": 128, "num_kv_blocks": 64, **flags}
+    return LLMEngine(EngineConfig.from_flat(model=str(path), **flags))
+
+
+def _copy(checkpoint, family: str, tmp_path: Path, **config_changes) -> Path:
+    """A copy of the family's test checkpoint with config.json fields changed (None:
+    removed)."""
+    path = Path(shutil.copytree(checkpoint(family), tmp_path / family))
+    cfg = json.loads((path / "config.json").read_text())
+    for key, value in config_changes.items():
+        if value is None:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+def test_an_unknown_architecture_is_refused_naming_it(checkpoint, tmp_path) -> None:
+    path = _copy(checkpoint, "llama", tmp_path, architectures=["GPTNeoXForCausalLM"],
+                 model_type="gpt_neox")
+    with pytest.raises(ValueError, match=r"config\.json: architecture 'GPTNeoXForCausalLM' "
+                                         r"\(model_type 'gpt_neox'\) is not supported; "
+                                         r"supported: LlamaForCausalLM, MistralForCausalLM"):
+        _engine(path)
+
+
+@pytest.mark.parametrize("family, field", [("llama", "intermediate_size")])
+def test_a_missing_config_field_is_named(checkpoint, tmp_path, family: str, field: str) -> None:
+    """A field every family reads, and one only Gemma reads."""
+    path = _copy(checkpoint, family, tmp_path, **{field: None})
+    with pytest.raises(ValueError, match=rf"{path}/config\.json: .*'{field}'.* missing"):
+        _engine(path, attention_backend="naive")
+
+
+def test_a_rope_scaling_we_do_not_compute_is_refused(checkpoint, tmp_path) -> None:
+    path = _copy(checkpoint, "llama", tmp_path, rope_parameters={
+        "rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+        "original_max_position_embeddings": 128})
+    with pytest.raises(ValueError, match=r"config\.json: rope_scaling type 'yarn' is not supported"):
+        _engine(path)
+
+
+def test_a_sliding_window_on_a_backend_without_one_is_refused(checkpoint, monkeypatch) -> None:
+    """The runner asks the backend about every layer before loading: a backend that does
+    not compute windows (sdpa until it does; flash_attn's window is another helper's) is
+    refused naming the flag, never run with the window ignored."""
+    from engine.attention.sdpa import SDPABackend
+
+    monkeypatch.setattr(SDPABackend, "supports", frozenset())
+    with pytest.raises(ValueError, match=r"--attention-backend sdpa does not compute window"):
+        _engine(checkpoint("mistral"), attention_backend="sdpa")
