@@ -6,18 +6,33 @@ from core.registry import Registry
 MODELS: Registry = Registry("model architecture", "--model", {
     "llama": "engine.models.llama:LlamaForCausalLM",
     "mistral": "engine.models.mistral:MistralForCausalLM",
+    "qwen2": "engine.models.qwen:Qwen2ForCausalLM",
+    "qwen3": "engine.models.qwen:Qwen3ForCausalLM",
+    "gemma2": "engine.models.gemma:Gemma2ForCausalLM",
+    "gemma3": "engine.models.gemma:Gemma3ForCausalLM",
+    "phi3": "engine.models.phi3:Phi3ForCausalLM",
 })
 """ModelConfig.architecture -> the class that runs it."""
 
 HF_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
+    "Phi3ForCausalLM": "phi3",
 }
 """config.json ``architectures[0]`` -> the MODELS entry that runs it."""
 
 HF_MODEL_TYPES: dict[str, str] = {
     "llama": "llama",
     "mistral": "mistral",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma2": "gemma2",
+    "gemma3_text": "gemma3",
+    "phi3": "phi3",
 }
 """config.json ``model_type`` -> MODELS entry, for configs without ``architectures``."""
 

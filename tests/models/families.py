@@ -44,6 +44,23 @@ FAMILIES: dict[str, Family] = {
     "llama": Family("LlamaForCausalLM", "LlamaConfig"),
     "mistral": Family("MistralForCausalLM", "MistralConfig",
                       {"sliding_window": WINDOW}, backend="naive"),
+    "qwen2": Family("Qwen2ForCausalLM", "Qwen2Config"),
+    "qwen3": Family("Qwen3ForCausalLM", "Qwen3Config", {"head_dim": 16}),
+    "gemma2": Family("Gemma2ForCausalLM", "Gemma2Config",
+                     {"head_dim": 16, "sliding_window": WINDOW, "query_pre_attn_scalar": 24,
+                      "attn_logit_softcapping": 1.5, "final_logit_softcapping": 4.0},
+                     backend="naive"),
+    "gemma3": Family("Gemma3ForCausalLM", "Gemma3TextConfig",
+                     {"head_dim": 16, "sliding_window": WINDOW, "query_pre_attn_scalar": 24,
+                      "num_hidden_layers": 3, "layer_types": ["sliding_attention",
+                                                              "full_attention",
+                                                              "sliding_attention"],
+                      "rope_parameters": {
+                          "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                             "rope_theta": 100000.0},
+                          "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}},
+                     backend="naive"),
+    "phi3": Family("Phi3ForCausalLM", "Phi3Config"),
 }
 
 

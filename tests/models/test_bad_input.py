@@ -42,7 +42,8 @@ def test_an_unknown_architecture_is_refused_naming_it(checkpoint, tmp_path) -> N
         _engine(path)
 
 
-@pytest.mark.parametrize("family, field", [("llama", "intermediate_size")])
+@pytest.mark.parametrize("family, field", [("llama", "intermediate_size"),
+                                           ("gemma2", "query_pre_attn_scalar")])
 def test_a_missing_config_field_is_named(checkpoint, tmp_path, family: str, field: str) -> None:
     """A field every family reads, and one only Gemma reads."""
     path = _copy(checkpoint, family, tmp_path, **{field: None})
@@ -58,6 +59,27 @@ def test_a_rope_scaling_we_do_not_compute_is_refused(checkpoint, tmp_path) -> No
         _engine(path)
 
 
+def test_a_tensor_of_the_wrong_shape_is_named(checkpoint, tmp_path) -> None:
+    path = _copy(checkpoint, "qwen2", tmp_path)
+    tensors = load_file(str(path / "model.safetensors"))
+    name = "model.layers.1.self_attn.k_proj.bias"
+    tensors[name] = torch.zeros(tensors[name].shape[0] + 1)
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(ValueError, match=rf"{path}: checkpoint tensor {name} has shape \[33\]; "
+                                         r"the qwen2 model config\.json describes needs \[32\]"):
+        _engine(path)
+
+
+def test_a_missing_tensor_is_named(checkpoint, tmp_path) -> None:
+    path = _copy(checkpoint, "qwen3", tmp_path)
+    tensors = load_file(str(path / "model.safetensors"))
+    del tensors["model.layers.0.self_attn.q_norm.weight"]
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"checkpoint is missing 1 tensors, e\.g\. "
+                                         r"model\.layers\.0\.self_attn\.q_norm\.weight"):
+        _engine(path)
+
+
 def test_a_sliding_window_on_a_backend_without_one_is_refused(checkpoint, monkeypatch) -> None:
     """The runner asks the backend about every layer before loading: a backend that does
     not compute windows (sdpa until it does; flash_attn's window is another helper's) is
@@ -67,3 +89,10 @@ def test_a_sliding_window_on_a_backend_without_one_is_refused(checkpoint, monkey
     monkeypatch.setattr(SDPABackend, "supports", frozenset())
     with pytest.raises(ValueError, match=r"--attention-backend sdpa does not compute window"):
         _engine(checkpoint("mistral"), attention_backend="sdpa")
+
+
+def test_packed_weights_are_refused_where_a_linear_has_a_bias(checkpoint) -> None:
+    """engine/quant's packed layers add no bias: refusing beats dropping Qwen2's."""
+    with pytest.raises(ValueError, match=r"--quantization int8: model\.layers\.0\.self_attn"
+                                         r"\.qkv_proj carries a bias"):
+        _engine(checkpoint("qwen2"), quantization="int8")
