@@ -11,6 +11,8 @@ MODELS: Registry = Registry("model architecture", "--model", {
     "gemma2": "engine.models.gemma:Gemma2ForCausalLM",
     "gemma3": "engine.models.gemma:Gemma3ForCausalLM",
     "phi3": "engine.models.phi3:Phi3ForCausalLM",
+    "mixtral": "engine.models.moe:MixtralForCausalLM",
+    "qwen3_moe": "engine.models.moe:Qwen3MoeForCausalLM",
 })
 """ModelConfig.architecture -> the class that runs it."""
 
@@ -22,6 +24,8 @@ HF_ARCHITECTURES: dict[str, str] = {
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "Phi3ForCausalLM": "phi3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 """config.json ``architectures[0]`` -> the MODELS entry that runs it."""
 
@@ -33,6 +37,8 @@ HF_MODEL_TYPES: dict[str, str] = {
     "gemma2": "gemma2",
     "gemma3_text": "gemma3",
     "phi3": "phi3",
+    "mixtral": "mixtral",
+    "qwen3_moe": "qwen3_moe",
 }
 """config.json ``model_type`` -> MODELS entry, for configs without ``architectures``."""
 

@@ -136,6 +136,9 @@ class CausalLM(nn.Module):
     architecture = "base"
     ignored: tuple[str, ...] = ("rotary_emb.",)
     """Checkpoint tensors holding nothing to load (recomputed buffers)."""
+    renames: tuple[tuple[str, str], ...] = ()
+    """(checkpoint name part, ours): where a family's checkpoints name a module otherwise
+    than the shared layers do (Mixtral's ``block_sparse_moe`` is our ``mlp``)."""
 
     def __init__(self, cfg: ModelConfig, model: DecoderModel,
                  final_softcap: float | None = None) -> None:
@@ -186,4 +189,4 @@ class CausalLM(nn.Module):
         where = checkpoint_map(self, skip={"lm_head.weight"} if self.cfg.tie_word_embeddings
                                else set())
         ignored = self.ignored + (("lm_head.weight",) if self.cfg.tie_word_embeddings else ())
-        load_tensors(self, where, tensors, ignored, self.architecture)
+        load_tensors(self, where, tensors, ignored, self.architecture, self.renames)

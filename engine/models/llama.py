@@ -39,17 +39,21 @@ def checkpoint_names(module_path: str, tie_word_embeddings: bool) -> list[str]:
 
 def llama_layer(cfg: ModelConfig, i: int, *, window: int | None = None,
                 qkv_bias: bool | None = None, qk_norm: Callable[[int], nn.Module] | None = None,
-                qkv: Sequence[str] = QKV, gate_up: Sequence[str] = GATE_UP) -> DecoderLayer:
+                qkv: Sequence[str] = QKV, gate_up: Sequence[str] = GATE_UP,
+                mlp: nn.Module | None = None) -> DecoderLayer:
     """One pre-norm Llama layer. window: its sliding window (Mistral); qkv_bias: q/k/v
     biases without an o_proj one (Qwen2; default: attention_bias on all four); qk_norm:
-    per-head q/k norms (Qwen3); qkv, gate_up: the checkpoint's names (fused in Phi-3)."""
+    per-head q/k norms (Qwen3); qkv, gate_up: the checkpoint's names (fused in Phi-3);
+    mlp: another feed-forward block (a mixture of experts)."""
     bias = cfg.attention_bias
     attn = Attention(i, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                      LayerAttention(scale=cfg.head_dim ** -0.5, window=window),
                      bias=bias if qkv_bias is None else qkv_bias, out_bias=bias, qkv=qkv,
                      qk_norm=qk_norm)
-    mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, gate_fn(cfg.hidden_act, cfg.source),
-                   gate_up, bias=bool(cfg.get("mlp_bias", False)))
+    if mlp is None:
+        mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size,
+                       gate_fn(cfg.hidden_act, cfg.source), gate_up,
+                       bias=bool(cfg.get("mlp_bias", False)))
     return DecoderLayer(attn, mlp, lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps))
 
 

@@ -6,7 +6,7 @@ checkpoint layout once, where it builds its layers, and loading needs no table o
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -23,6 +23,9 @@ def checkpoint_map(model: nn.Module, skip: set[str] = frozenset()) -> dict[str, 
     out: dict[str, Place] = {}
     for path, mod in model.named_modules():
         prefix = path + "." if path else ""
+        if hasattr(mod, "checkpoint_places"):  # stacked weights (MoE experts) say their own
+            out.update(mod.checkpoint_places(path))
+            continue
         if isinstance(mod, Linear):
             parent = path.rpartition(".")[0]
             for pname in ("weight", "bias"):
@@ -40,14 +43,17 @@ def checkpoint_map(model: nn.Module, skip: set[str] = frozenset()) -> dict[str, 
 
 def load_tensors(model: nn.Module, where: dict[str, Place],
                  tensors: Iterable[tuple[str, torch.Tensor]], ignored: tuple[str, ...],
-                 architecture: str) -> None:
+                 architecture: str, renames: Sequence[tuple[str, str]] = ()) -> None:
     """Copy each tensor to its place; ValueError naming the tensor when it has none, has
-    the wrong shape, or never came."""
+    the wrong shape, or never came. renames: (checkpoint substring, ours) applied to
+    each name first (a family whose checkpoints name a module otherwise)."""
     params = dict(model.named_parameters(remove_duplicate=False))
     seen: set[str] = set()
     for name, w in tensors:
         if any(name == i or i in name for i in ignored):
             continue
+        for theirs, ours in renames:
+            name = name.replace(theirs, ours)
         if name not in where:
             raise ValueError(f"checkpoint tensor {name} has no place in the {architecture} "
                              f"model (does config.json describe this checkpoint?)")

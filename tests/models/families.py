@@ -61,6 +61,12 @@ FAMILIES: dict[str, Family] = {
                           "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}},
                      backend="naive"),
     "phi3": Family("Phi3ForCausalLM", "Phi3Config"),
+    "mixtral": Family("MixtralForCausalLM", "MixtralConfig",
+                      {"num_local_experts": 8, "num_experts_per_tok": 2}),
+    "qwen3_moe": Family("Qwen3MoeForCausalLM", "Qwen3MoeConfig",
+                        {"head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2,
+                         "moe_intermediate_size": 32, "num_hidden_layers": 3,
+                         "mlp_only_layers": [1]}),
 }
 
 
