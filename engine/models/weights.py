@@ -52,19 +52,23 @@ def load_tensors(model: nn.Module, where: dict[str, Place],
     for name, w in tensors:
         if any(name == i or i in name for i in ignored):
             continue
+        key = name  # errors name the checkpoint's tensor, not our name for it
         for theirs, ours in renames:
-            name = name.replace(theirs, ours)
-        if name not in where:
+            key = key.replace(theirs, ours)
+        if key not in where:
             raise ValueError(f"checkpoint tensor {name} has no place in the {architecture} "
                              f"model (does config.json describe this checkpoint?)")
-        pname, index = where[name]
+        pname, index = where[key]
         target = params[pname] if index is None else params[pname][index]
         if tuple(target.shape) != tuple(w.shape):
             raise ValueError(f"checkpoint tensor {name} has shape {list(w.shape)}; the "
                              f"{architecture} model config.json describes needs "
                              f"{list(target.shape)}")
         target.copy_(w)
-        seen.add(name)
+        seen.add(key)
     missing = sorted(set(where) - seen)
     if missing:
-        raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[0]}")
+        first = missing[0]
+        for theirs, ours in renames:
+            first = first.replace(ours, theirs)
+        raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {first}")

@@ -96,3 +96,15 @@ def test_packed_weights_are_refused_where_a_linear_has_a_bias(checkpoint) -> Non
     with pytest.raises(ValueError, match=r"--quantization int8: model\.layers\.0\.self_attn"
                                          r"\.qkv_proj carries a bias"):
         _engine(checkpoint("qwen2"), quantization="int8")
+
+
+def test_a_missing_tensor_is_named_as_the_checkpoint_names_it(checkpoint, tmp_path) -> None:
+    """Mixtral's experts load into our stacked ``mlp`` weights; the error still names the
+    checkpoint's own tensor."""
+    path = _copy(checkpoint, "mixtral", tmp_path)
+    tensors = load_file(str(path / "model.safetensors"))
+    del tensors["model.layers.1.block_sparse_moe.experts.3.w2.weight"]
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"checkpoint is missing 1 tensors, e\.g\. "
+                                         r"model\.layers\.1\.block_sparse_moe\.experts\.3\.w2\.weight"):
+        _engine(path)
