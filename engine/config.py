@@ -40,7 +40,8 @@ def one_of(flag: str, value: Any, choices: typing.Iterable[Any]) -> None:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Llama-family hyperparameters, as stored in a GGUF header or config.json."""
+    """A model's hyperparameters, as stored in a GGUF header or config.json: the fields
+    every family reads, and ``extra`` for those only some families read (``need``)."""
 
     vocab_size: int
     hidden_size: int
@@ -60,6 +61,19 @@ class ModelConfig:
     name: str = "llama"
     architecture: str = "llama"
     """The model family, a key of engine.models.MODELS."""
+    hidden_act: str = "silu"
+    """The MLP gate's nonlinearity (engine/layers/activation.py GATES)."""
+    attention_bias: bool = False
+    """q/k/v/o projections carry biases (Llama's attention_bias)."""
+    sliding_window: int | None = None
+    """Keys a sliding layer sees (itself included); None: no layer slides."""
+    layer_types: tuple[str, ...] | None = None
+    """Per layer "full_attention" or "sliding_attention" where config.json lists them;
+    None: the family's default."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """The config.json fields not above, read by the families that need them."""
+    source: str = field(default="", compare=False)
+    """The file this config came from (errors name it); not part of the fingerprint."""
 
     def __post_init__(self) -> None:
         for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -69,14 +83,46 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"model config: num_heads ({self.num_heads}) must be a multiple "
                              f"of num_kv_heads ({self.num_kv_heads})")
+        if self.layer_types is not None and len(self.layer_types) != self.num_layers:
+            raise ValueError(f"{self.source}: layer_types lists {len(self.layer_types)} layers, "
+                             f"num_hidden_layers is {self.num_layers}")
 
     @property
     def q_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
 
+    def get(self, key: str, default: Any = None) -> Any:
+        """An extra config field, or default when the checkpoint has none (or null)."""
+        value = self.extra.get(key)
+        return default if value is None else value
+
+    def need(self, key: str) -> Any:
+        """An extra config field this family cannot run without; ValueError naming the
+        file and the field when the checkpoint lacks it."""
+        if self.extra.get(key) is None:
+            raise ValueError(f"{self.source or 'model config'}: the {self.architecture} "
+                             f"architecture needs the field {key!r}, which is missing")
+        return self.extra[key]
+
+    def layer_window(self, layer: int, sliding_by_default: bool) -> int | None:
+        """This layer's sliding window, or None where it attends to everything:
+        config.json's layer_types says whether it slides, else the family's default."""
+        default = "sliding_attention" if sliding_by_default else "full_attention"
+        kind = self.layer_types[layer] if self.layer_types else default
+        if kind == "full_attention":
+            return None
+        if kind != "sliding_attention":
+            raise ValueError(f"{self.source}: layer_types[{layer}] is {kind!r} (supported: "
+                             f"full_attention, sliding_attention)")
+        if self.sliding_window is None:
+            raise ValueError(f"{self.source}: layer {layer} slides (layer_types) but the "
+                             f"field 'sliding_window' is missing")
+        return self.sliding_window
+
     def fingerprint(self) -> str:
         """Stable short hash of the architecture (the weights add their own digest)."""
-        blob = json.dumps(asdict(self), sort_keys=True, default=str).encode()
+        shape = {k: v for k, v in asdict(self).items() if k != "source"}
+        blob = json.dumps(shape, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
 

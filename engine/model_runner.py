@@ -19,8 +19,7 @@ from engine.kv_cache.quant import row_width, storage_dtype
 from engine.loader import LoadedCheckpoint
 from engine.loader.gguf_loader import raw_rows
 from engine.compile.decode import CompiledDecode
-from engine.models.llama import (ForwardContext, LlamaForCausalLM, Segments, StepInterrupted,
-                                 checkpoint_names)
+from engine.models.base import CausalLM, ForwardContext, Segments, StepInterrupted
 from engine.quant.apply import QuantReport, quantize_model, select_paths
 from engine.quant.base import resolve_method
 from engine.models import MODELS
@@ -55,16 +54,12 @@ class ModelRunner:
                 log.info("torch threads %d: the container's CPU limit (--num-threads sets "
                          "them)", threads)
         t0 = time.perf_counter()
-        with torch.device("meta"):
-            model = MODELS.load(ckpt.config.architecture)(ckpt.config, max_model_len)
-        model = model.to_empty(device=self.device)  # no random init: every weight is loaded
-        model.tie_weights()  # to_empty gives each module its own new Parameter
-        model.load_weights(ckpt.tensors)
+        self.backend = get_backend(config.load.attention_backend, self.device)
+        model = self._build(ckpt, max_model_len)
         self.quant = self._quantize(model, ckpt)
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         if self.quant is not None:
             select_paths(self.model, self.quant, config.quant.quant_packed_max_rows)
-        self.backend = get_backend(config.load.attention_backend, self.device)
         self.kv_dtype = config.resolved_kv_cache_dtype
         self.kv_quant = config.kv_quant
         self.num_blocks = self._num_blocks()
@@ -87,6 +82,22 @@ class ModelRunner:
                  self.backend.name, self.num_blocks, config.cache.block_size, self.kv_dtype,
                  self.block_bytes)
 
+    def _build(self, ckpt: LoadedCheckpoint, max_model_len: int) -> CausalLM:
+        """The family's model with the checkpoint's weights. Every layer's attention is
+        checked against the backend first: a window or soft-cap the backend would not
+        compute is refused before anything loads, never run wrong."""
+        with torch.device("meta"):
+            model = MODELS.load(ckpt.config.architecture)(ckpt.config, max_model_len)
+        for params in model.attention_params():
+            self.backend.check(params)
+        model = model.to_empty(device=self.device)  # no random init: every weight is loaded
+        model.tie_weights()  # to_empty gives each module its own new Parameter
+        try:
+            model.load_weights(ckpt.tensors)
+        except ValueError as e:
+            raise ValueError(f"{ckpt.path}: {e}") from e
+        return model
+
     def _allocate_kv(self, ckpt: LoadedCheckpoint) -> torch.Tensor:
         """The block-major cache [num_blocks, L, 2, B, Hkv, row] (core/kv/layout.py):
         a row is head_dim values, or head_dim int8 codes and a float16 scale when quantized."""
@@ -97,17 +108,21 @@ class ModelRunner:
         assert kv[0].numel() * kv.element_size() == self.block_bytes, "one block-bytes formula"
         return kv
 
-    def _quantize(self, model: LlamaForCausalLM, ckpt: LoadedCheckpoint) -> QuantReport | None:
+    def _quantize(self, model: CausalLM, ckpt: LoadedCheckpoint) -> QuantReport | None:
         """Pack the linear weights per --quantization (None: dense, as loaded)."""
         method = resolve_method(self.config.quant.quantization, ckpt.reader is not None)
         if method == "none":
             return None
+        biased = [p for p, m in model.named_modules()
+                  if isinstance(m, torch.nn.Linear) and m.bias is not None]
+        if biased:  # engine/quant/linear.py's packed layer has no bias: refuse, never drop it
+            raise ValueError(f"--quantization {method}: {biased[0]} carries a bias, which the "
+                             f"packed layers do not add; use --quantization none")
         lookup = (raw_rows(ckpt.reader, ckpt.config, ckpt.path) if ckpt.reader is not None
                   else lambda name: None)
-        tie = ckpt.config.tie_word_embeddings
 
         def sources(path: str):
-            found = [lookup(n) for n in checkpoint_names(path, tie)]
+            found = [lookup(n) for n in model.checkpoint_names(path)]
             return None if any(f is None for f in found) else found
 
         report = quantize_model(model, method, self.dtype, sources,

@@ -1,6 +1,6 @@
 """A compiled decode step: torch.compile'd segments for bucketed batch sizes.
 
-Only the parts of a step between attention calls are compiled (models/llama.py
+Only the parts of a step between attention calls are compiled (models/base.py
 ``Segments``: embedding + layer 0 up to attention; one layer's output + the next
 layer's q/k/v; the last layer's output + the final norm). Attention itself stays
 eager, so it reads the paged cache through whatever backend is configured, and
@@ -27,9 +27,9 @@ from typing import Callable
 
 import torch
 
-from engine.models.llama import (EAGER, LlamaForCausalLM, Segments, first_segment,
-                                 last_segment, middle_segment)
 from core.progress import progress
+from engine.models.base import (EAGER, CausalLM, Segments, first_segment, last_segment,
+                                middle_segment)
 from engine.timing import best_pair
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ class CompiledDecode:
     """The compiled segments, the buckets they were built for, and what went wrong if
     anything did (``disabled``: None while compiled steps run)."""
 
-    def __init__(self, model: LlamaForCausalLM, device: torch.device, max_rows: int,
+    def __init__(self, model: CausalLM, device: torch.device, max_rows: int,
                  options: dict | None = None) -> None:
         import torch._dynamo
 

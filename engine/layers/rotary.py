@@ -1,4 +1,5 @@
-"""Rotary position embedding (rotate-half layout, HF convention), with rope scaling.
+"""Rotary position embedding (rotate-half layout, HF convention), with the rope scalings
+of Llama 3 and linear interpolation (others are refused by ``check_scaling``).
 
 cos/sin tables are built once for the whole context window in fp32 and indexed by
 each token's absolute position, so chunked prefill and decode need no state here.
@@ -32,7 +33,20 @@ def inv_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None)
         return torch.where(mid, blended, scaled).float()
     if kind in (None, "default"):
         return inv.float()
-    raise ValueError(f"rope_scaling.rope_type {kind!r} is not supported (linear, llama3)")
+    raise ValueError(f"rope_scaling type {kind!r} is not supported ({', '.join(ROPE_SCALINGS)})")
+
+
+ROPE_SCALINGS = ("default", "linear", "llama3")
+"""The rope_scaling types (config.json's ``rope_type``, or older ``type``) computed here."""
+
+
+def check_scaling(scaling: dict[str, Any] | None, source: str) -> None:
+    """ValueError naming the file for a rope_scaling type we would compute wrongly
+    (YaRN, Phi-3's long/short factors, dynamic NTK, ...), before anything loads."""
+    kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
+    if kind not in ROPE_SCALINGS:
+        raise ValueError(f"{source}: rope_scaling type {kind!r} is not supported "
+                         f"(supported: {', '.join(ROPE_SCALINGS)})")
 
 
 class RotaryEmbedding(nn.Module):

@@ -1,55 +1,89 @@
-"""HF-style directories: config.json + *.safetensors (Llama family)."""
+"""HF-style directories: config.json + *.safetensors, for every family engine.models
+runs; any other architecture is refused here, naming it."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from safetensors import safe_open
 
 from engine.config import ModelConfig
+from engine.layers.rotary import check_scaling
 from engine.loader.base import LoadedCheckpoint
 from engine.loader.fingerprint import weights_fingerprint
+from engine.models import resolve_architecture
+
+_PARSED = {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+           "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
+           "rope_theta", "rope_scaling", "max_position_embeddings",
+           "tie_word_embeddings", "bos_token_id", "eos_token_id", "architectures", "model_type",
+           "hidden_act", "hidden_activation", "attention_bias", "sliding_window", "layer_types"}
+_NOISE = {"transformers_version", "dtype", "torch_dtype", "use_cache", "initializer_range",
+          "attention_dropout", "_name_or_path", "output_router_logits", "router_aux_loss_coef"}
 
 
-def hf_config(d: dict, path: Path) -> ModelConfig:
-    arch = (d.get("architectures") or ["LlamaForCausalLM"])[0]
-    if d.get("model_type", "llama") not in ("llama", "mistral") and "Llama" not in arch:
-        raise ValueError(f"{path}/config.json: model_type {d.get('model_type')!r} is not "
-                         "supported (Llama family only)")
-    heads = int(d["num_attention_heads"])
-    # transformers >= 5 writes rope_parameters {rope_theta, rope_type, ...} instead of
-    # top-level rope_theta / rope_scaling
+def _rope(d: dict, source: str) -> tuple[float, dict | None]:
+    """(theta, scaling) from top-level rope_theta / rope_scaling or transformers >= 5's
+    rope_parameters {rope_theta, rope_type, ...} (per layer type where it nests them)."""
     rope = d.get("rope_parameters") or {}
+    if "full_attention" in rope:  # Gemma 3: one set per layer type; the family reads both
+        rope = rope["full_attention"]
     theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
     scaling = d.get("rope_scaling")
     if scaling is None and rope.get("rope_type", "default") != "default":
         scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    check_scaling(scaling, source)
+    return float(theta), scaling
+
+
+def _required(d: dict, key: str, source: str) -> Any:
+    if d.get(key) is None:
+        raise ValueError(f"{source}: the field {key!r} is missing")
+    return d[key]
+
+
+def hf_config(d: dict, path: Path) -> ModelConfig:
+    source = str(path / "config.json")
+    # neither field: a bare Llama config, as this loader always read one
+    arch = resolve_architecture(d.get("architectures"), d.get("model_type", "llama"), source)
+    heads = int(_required(d, "num_attention_heads", source))
+    hidden = int(_required(d, "hidden_size", source))
+    theta, scaling = _rope(d, source)
     eos = d.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    window = d.get("sliding_window")
+    if d.get("use_sliding_window") is False:  # Qwen2 keeps a window it does not use
+        window = None
+    types = d.get("layer_types")
     return ModelConfig(
-        vocab_size=int(d["vocab_size"]), hidden_size=int(d["hidden_size"]),
-        intermediate_size=int(d["intermediate_size"]),
-        num_layers=int(d["num_hidden_layers"]), num_heads=heads,
+        vocab_size=int(_required(d, "vocab_size", source)), hidden_size=hidden,
+        intermediate_size=int(_required(d, "intermediate_size", source)),
+        num_layers=int(_required(d, "num_hidden_layers", source)), num_heads=heads,
         num_kv_heads=int(d.get("num_key_value_heads") or heads),
-        head_dim=int(d.get("head_dim") or d["hidden_size"] // heads),
+        head_dim=int(d.get("head_dim") or hidden // heads),
         rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
-        rope_theta=float(theta),
-        rope_scaling=scaling,
+        rope_theta=theta, rope_scaling=scaling,
         max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
         bos_token_id=d.get("bos_token_id"), eos_token_ids=eos_ids,
-        name=path.name,
+        name=path.name, architecture=arch,
+        hidden_act=str(d.get("hidden_act") or d.get("hidden_activation") or "silu"),
+        attention_bias=bool(d.get("attention_bias", False)),
+        sliding_window=None if window is None else int(window),
+        layer_types=None if types is None else tuple(types),
+        extra={k: v for k, v in d.items() if k not in _PARSED and k not in _NOISE},
+        source=source,
     )
 
 
 def load_hf_dir(path: Path) -> LoadedCheckpoint:
     try:
         raw = json.loads((path / "config.json").read_text())
-        config = hf_config(raw, path)
-    except (KeyError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}/config.json: cannot read model config ({e!r})") from e
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}/config.json: cannot read model config ({e})") from e
+    config = hf_config(raw, path)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{path}: no *.safetensors files next to config.json")

@@ -28,7 +28,7 @@ import torch
 
 from engine.attention import build_metadata
 from engine.config import SpecConfig
-from engine.models.llama import ForwardContext
+from engine.models.base import ForwardContext
 from engine.request import Request
 from engine.spec.base import Proposer
 

@@ -1,0 +1,80 @@
+"""Mixture-of-experts feed-forward: a router picks each token's top-k experts, and the
+experts run as grouped matmuls over the rows routed to them.
+
+The tokens' (token, expert) pairs are sorted by expert, so each active expert's rows are
+one contiguous slice: an expert costs one gate/up and one down matmul per forward over
+all its tokens, and an expert no token chose costs nothing. There is never a loop over
+tokens, nor over experts that got none. The weights are stacked ([E, 2I, H] and
+[E, H, I]) and filled from the checkpoint's per-expert tensors.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.layers.activation import gated
+from engine.layers.linear import single
+
+
+class FusedExperts(nn.Module):
+    def __init__(self, num_experts: int, hidden: int, inter: int,
+                 act: Callable[[torch.Tensor], torch.Tensor],
+                 names: Sequence[str] = ("gate_proj", "up_proj", "down_proj")) -> None:
+        """names: the checkpoint's per-expert gate, up and down tensors
+        (``experts.{e}.<name>.weight``)."""
+        super().__init__()
+        self.num_experts, self.inter, self.act, self.names = num_experts, inter, act, tuple(names)
+        self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden), requires_grad=False)
+        self.down = nn.Parameter(torch.empty(num_experts, hidden, inter), requires_grad=False)
+
+    def checkpoint_places(self, path: str) -> dict[str, tuple[str, object]]:
+        """Checkpoint tensor -> (our parameter, the index it fills): engine/models/weights.py."""
+        gate, up, down = self.names
+        out = {}
+        for e in range(self.num_experts):
+            pre = f"{path}.{e}."
+            out[pre + gate + ".weight"] = (f"{path}.gate_up", (e, slice(0, self.inter)))
+            out[pre + up + ".weight"] = (f"{path}.gate_up", (e, slice(self.inter, 2 * self.inter)))
+            out[pre + down + ".weight"] = (f"{path}.down", e)
+        return out
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [T, H]; ids, weights [T, k] (each token's experts and their fp32 weights)
+        -> sum over k of weight * expert(x) [T, H]."""
+        k = ids.shape[1]
+        order = ids.flatten().argsort(stable=True)  # (token, slot) pairs grouped by expert
+        counts = torch.bincount(ids.flatten(), minlength=self.num_experts).tolist()
+        token = order // k  # [T k] the token of each sorted pair
+        rows = x[token]  # [T k, H]
+        out = torch.empty_like(rows)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                h = gated(F.linear(rows[start:start + n], self.gate_up[e]), self.act)  # [n, I]
+                out[start:start + n] = F.linear(h, self.down[e])  # [n, H]
+                start += n
+        scaled = (out * weights.flatten()[order, None]).to(x.dtype)
+        return torch.zeros_like(x).index_add_(0, token, scaled)
+
+
+class SparseMoE(nn.Module):
+    """The router (``gate``: softmax over experts, top-k, optionally renormalised to sum
+    to 1) and the experts."""
+
+    def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int, renormalize: bool,
+                 act: Callable[[torch.Tensor], torch.Tensor],
+                 names: Sequence[str] = ("gate_proj", "up_proj", "down_proj")) -> None:
+        super().__init__()
+        self.top_k, self.renormalize = top_k, renormalize
+        self.gate = single(hidden, num_experts, "gate", parallel="replicated")
+        self.experts = FusedExperts(num_experts, hidden, inter, act, names)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        probs = self.gate(x).float().softmax(-1)  # [T, E]
+        weights, ids = probs.topk(self.top_k, dim=-1)  # [T, k]
+        if self.renormalize:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return self.experts(x, ids, weights)
