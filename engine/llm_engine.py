@@ -28,7 +28,7 @@ from core.kv import BlockHash, blocks_for, check_salt
 from engine.kv_cache import KVCacheManager, KVEvent
 from engine.kv_connector import KVConnector
 from engine.model_runner import ModelRunner
-from engine.models.llama import StepInterrupted
+from engine.models.base import StepInterrupted
 from engine.output import OutputProcessor
 from engine.request import (DuplicateRequestError, FinishReason, Request, RequestOutput,
                             RequestStatus)
