@@ -3,6 +3,10 @@
 A ``PackedWeight`` is one linear weight [N, K] kept quantized in the layout a
 PyTorch kernel reads directly, with the kernel call next to it:
 
+* ``blocks`` (CPU with AVX2, FMA and F16C; blocks.py): codes and fp16 (d, m) per group,
+  as GGUF stores them, multiplied by our ``torch.ops.tandem.block_mm`` in fp32. The
+  layout of a GGUF's tensors wherever it is the vectorised path (fp32 activations, or
+  no AVX-512 for aten's bf16 kernels), and of every Q8_0 tensor (per-32 scales).
 * ``int8``: per-output-channel symmetric int8 [N, K] plus scales [N];
   ``aten._weight_int8pack_mm`` (CPU and CUDA).
 * ``int4``: 4-bit codes in groups of ``group_size`` along K, asymmetric:
@@ -31,8 +35,10 @@ from typing import Literal
 import torch
 
 from engine.native import NativeKernel, cpu_flags
+from engine.quant.blocks import BLOCK_KERNEL, pack_blocks
 
 PackedKind = Literal["int8", "int4"]
+Layout = Literal["aten", "tiles", "blocks"]
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 INT4_AMX_MIN_ROWS = 3
 """From this many rows tandem::int4_mm multiplies on AMX tiles (where the CPU has them);
@@ -82,15 +88,18 @@ class PackedWeight:
     data: torch.Tensor
     """int8: [N, K] int8; int4: the kernel's packed uint8 (CPU) / int32 (CUDA) layout."""
     scales: torch.Tensor
-    """int8: [N]; int4: [K / group, N, 2] (scale, zero), activation dtype."""
+    """int8: [N]; int4: [K / group, N, 2] (scale, zero), activation dtype; blocks:
+    [N, K / group, 2] (d, m) fp16 bits as int16."""
     out_features: int
     in_features: int
     group_size: int = 0
-    layout: Literal["aten", "tiles"] = "aten"
-    """int4 on CPU: whose kernel reads ``data`` (above)."""
+    layout: Layout = "aten"
+    """Whose kernel reads ``data`` (above)."""
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] -> x @ W^T [M, N], in x's dtype."""
+        if self.layout == "blocks":
+            return torch.ops.tandem.block_mm(x, self.data, self.scales, self.group_size)
         if self.kind == "int8":
             return torch.ops.aten._weight_int8pack_mm(x, self.data, self.scales)
         if self.layout == "tiles":
@@ -106,9 +115,18 @@ class PackedWeight:
             self.scales.numel() * self.scales.element_size()
 
     def dequantize(self) -> torch.Tensor:
-        """[N, K] in the scales' dtype: the weights this kernel multiplies by."""
-        eye = torch.eye(self.in_features, dtype=self.scales.dtype, device=self.scales.device)
+        """[N, K] in the scales' dtype (blocks: fp32): the weights this kernel multiplies by."""
+        dtype = torch.float32 if self.layout == "blocks" else self.scales.dtype
+        eye = torch.eye(self.in_features, dtype=dtype, device=self.scales.device)
         return self.matmul(eye).t().contiguous()
+
+
+def blocks_layout(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the blocks kernel is this weight's vectorised path: on a CPU where it runs,
+    for fp32 activations (aten's int kernels have no vectorised fp32 path) or where no
+    AVX-512 runs aten's bf16 ones."""
+    return (device.type == "cpu" and (dtype == torch.float32 or "avx512f" not in cpu_flags())
+            and BLOCK_KERNEL.unavailable() is None)
 
 
 def pack_int8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> PackedWeight:
@@ -118,16 +136,21 @@ def pack_int8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> Pack
 
 
 def pack_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-              dtype: torch.dtype, layout: Literal["aten", "tiles"] | None = None
-              ) -> PackedWeight:
+              dtype: torch.dtype, layout: Layout | None = None) -> PackedWeight:
     """q [N, K] integer codes 0..15; scales, zeros [N, K / group] with w = (q - 8) * s + z.
-    layout None: ``tiles`` where tandem::int4_mm can run (CPU, bf16, the kernel built)."""
+    layout None: ``tiles`` where tandem::int4_mm can run (CPU, bf16, the kernel built),
+    else ``aten``; ``blocks`` only when asked."""
     n, k = q.shape
     if layout is None:
         layout = ("tiles" if q.device.type == "cpu" and dtype == torch.bfloat16
                   and INT4_KERNEL.unavailable() is None else "aten")
     elif layout == "tiles" and INT4_KERNEL.unavailable() is not None:
         raise RuntimeError(f"int4 tiles layout: {INT4_KERNEL.unavailable()}")
+    elif layout == "blocks" and BLOCK_KERNEL.unavailable() is not None:
+        raise RuntimeError(f"int4 blocks layout: {BLOCK_KERNEL.unavailable()}")
+    if layout == "blocks":
+        codes, sm = pack_blocks(q.to(torch.uint8), scales, zeros - 8 * scales, group_size)
+        return PackedWeight("int4", codes, sm, n, k, group_size, "blocks")
     if layout == "tiles":
         c = q.to(torch.uint8).view(n // 16, 16, k // 2, 2)
         codes = (c[..., 0] | (c[..., 1] << 4)).permute(0, 2, 1).contiguous()  # [N/16, K/2, 16]
