@@ -5,8 +5,10 @@ PyTorch kernel reads directly, with the kernel call next to it:
 
 * ``blocks`` (CPU with AVX2, FMA and F16C; blocks.py): codes and fp16 (d, m) per group,
   as GGUF stores them, multiplied by our ``torch.ops.tandem.block_mm`` in fp32. The
-  layout of a GGUF's tensors wherever it is the vectorised path (fp32 activations, or
-  no AVX-512 for aten's bf16 kernels), and of every Q8_0 tensor (per-32 scales).
+  layout of every GGUF Q8_0 tensor (kept with its per-32 scales) and, wherever it is
+  the vectorised path (fp32 activations, or no AVX-512 for aten's bf16 kernels), of
+  every other packed weight: GGUF Q4 blocks, ``--quantization int8`` (one group per
+  row) and ``int4``.
 * ``int8``: per-output-channel symmetric int8 [N, K] plus scales [N];
   ``aten._weight_int8pack_mm`` (CPU and CUDA).
 * ``int4``: 4-bit codes in groups of ``group_size`` along K, asymmetric:
@@ -35,7 +37,7 @@ from typing import Literal
 import torch
 
 from engine.native import NativeKernel, cpu_flags
-from engine.quant.blocks import BLOCK_KERNEL, pack_blocks
+from engine.quant.blocks import BLOCK, BLOCK_KERNEL, pack_blocks
 
 PackedKind = Literal["int8", "int4"]
 Layout = Literal["aten", "tiles", "blocks"]
@@ -130,8 +132,12 @@ def blocks_layout(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def pack_int8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> PackedWeight:
-    """q [N, K] int8, scales [N] -> PackedWeight (scales cast to the activation dtype)."""
+    """q [N, K] int8, scales [N] -> PackedWeight: blocks (one group per row, the scales in
+    fp16) where that layout is the fast one, else aten's (scales in the activation dtype)."""
     n, k = q.shape
+    if k % BLOCK == 0 and blocks_layout(dtype, q.device):
+        codes, sm = pack_blocks(q, scales[:, None], torch.zeros_like(scales[:, None]), k)
+        return PackedWeight("int8", codes, sm, n, k, k, "blocks")
     return PackedWeight("int8", q.contiguous(), scales.to(dtype).contiguous(), n, k)
 
 
@@ -139,11 +145,12 @@ def pack_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_
               dtype: torch.dtype, layout: Layout | None = None) -> PackedWeight:
     """q [N, K] integer codes 0..15; scales, zeros [N, K / group] with w = (q - 8) * s + z.
     layout None: ``tiles`` where tandem::int4_mm can run (CPU, bf16, the kernel built),
-    else ``aten``; ``blocks`` only when asked."""
+    else ``blocks`` where that is the fast layout (blocks_layout), else ``aten``."""
     n, k = q.shape
     if layout is None:
         layout = ("tiles" if q.device.type == "cpu" and dtype == torch.bfloat16
-                  and INT4_KERNEL.unavailable() is None else "aten")
+                  and INT4_KERNEL.unavailable() is None
+                  else "blocks" if blocks_layout(dtype, q.device) else "aten")
     elif layout == "tiles" and INT4_KERNEL.unavailable() is not None:
         raise RuntimeError(f"int4 tiles layout: {INT4_KERNEL.unavailable()}")
     elif layout == "blocks" and BLOCK_KERNEL.unavailable() is not None:
