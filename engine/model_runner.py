@@ -20,7 +20,7 @@ from engine.loader import LoadedCheckpoint
 from engine.loader.gguf_loader import raw_rows
 from engine.compile.decode import CompiledDecode
 from engine.models.base import CausalLM, ForwardContext, Segments, StepInterrupted
-from engine.quant.apply import QuantReport, quantize_model, select_paths
+from engine.quant.apply import QuantReport, kernel_fallbacks, quantize_model, select_paths
 from engine.quant.base import resolve_method
 from engine.models import MODELS
 from engine.request import Request
@@ -140,16 +140,12 @@ class ModelRunner:
 
         quantization: linears left dense; compile: the compiled decode step, disabled at
         start-up or after a failed step; paged_decode: the in-place decode attention kernel;
-        int4_mm: int4 weights on aten's kernel where ours could not be built (CPU, bf16)."""
+        block_mm, int4_mm: the weight kernels (engine/quant/apply.py kernel_fallbacks)."""
         from engine.attention.paged_decode import kernel_unavailable
-        from engine.quant.packed import INT4_KERNEL
 
         out: dict[str, list[str]] = {"quantization": list(self.quant.fallbacks) if self.quant else [],
-                                     "compile": [], "paged_decode": [], "int4_mm": []}
-        if (self.device.type == "cpu" and self.dtype == torch.bfloat16
-                and any(getattr(m, "kind", None) == "int4" for m in self.model.modules())
-                and INT4_KERNEL.unavailable() is not None):
-            out["int4_mm"].append(INT4_KERNEL.unavailable())
+                                     "compile": [], "paged_decode": [],
+                                     **kernel_fallbacks(self.model, self.dtype, self.device)}
         if self.compiled is not None and self.compiled.disabled:
             out["compile"].append(self.compiled.disabled)
         if self.device.type == "cpu" and getattr(self.backend, "name", "") == "sdpa":

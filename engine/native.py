@@ -149,6 +149,14 @@ def _cpuinfo_flags() -> set[str]:
     return set(line.partition(":")[2].split())
 
 
+SIMD_PREFIXES = ("sse", "ssse3", "avx", "fma", "f16c", "amx")
+
+
+def simd_flags() -> list[str]:
+    """The vector-instruction flags among cpu_flags(), sorted: what a start-up line names."""
+    return sorted(f for f in cpu_flags() if f.startswith(SIMD_PREFIXES))
+
+
 def march() -> str:
     """-march for the kernels: the CPU's own, or the ceiling's baseline when capped (so
     the compiler does not vectorise with instructions the ceiling hides)."""

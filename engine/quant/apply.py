@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from engine.quant.base import QuantMethod, Source, get_method
+from engine.quant.blocks import kernel_path
 from engine.quant.linear import QuantLinear
 from engine.quant.packed import UnpackableWeight
 from engine.quant.select import choose_paths
@@ -44,6 +45,9 @@ def quantize_model(model: nn.Module, method_name: str, dtype: torch.dtype,
     int8/int4); otherwise the layer stays dense, logged and listed in ``fallbacks``."""
     method: QuantMethod = get_method(method_name, group_size)
     report = QuantReport(method_name)
+    if next(model.parameters()).device.type == "cpu":  # the CPU's path, once per load
+        line, reason = kernel_path()
+        (log.info if reason is None else log.warning)(line)
     for path, mod in list(model.named_modules()):
         if not isinstance(mod, nn.Linear):
             continue
@@ -56,7 +60,7 @@ def quantize_model(model: nn.Module, method_name: str, dtype: torch.dtype,
             report.fallbacks.append(str(e))
             log.warning("quantization fallback: %s; this layer runs on dequantized weights", e)
             continue
-        with torch.no_grad():  # the dense copy holds the same (quantized) weights
+        with torch.no_grad():  # a lossy method's quantized weights; a GGUF's own
             mod.weight.copy_(values)
         parent_path, _, attr = path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
@@ -71,11 +75,30 @@ def select_paths(model: nn.Module, report: QuantReport, forced: int | None) -> N
     """After the model is in its final dtype and device: pick each layer's kernel by rows."""
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
     report.paths = choose_paths(layers, forced)
-    for (kind, n, k, g, dt, dev), (rows, table) in report.paths.items():
+    for (kind, n, k, g, dt, dev, layout), (rows, table) in report.paths.items():
         if not table:
             log.info("quant %s [%d,%d] %s: dense, not timed (no vectorised packed kernel "
                      "for this dtype on %s)", kind, n, k, dt, dev)
             continue
         cells = " ".join(f"M{m}:{tp:.0f}/{td:.0f}" for m, tp, td in table)
-        log.info("quant %s [%d,%d] %s: packed kernel up to %d rows (us packed/dense %s)",
-                 kind, n, k, dt, rows, cells)
+        log.info("quant %s [%d,%d] %s: %s kernel up to %d rows (us packed/dense %s)",
+                 kind, n, k, dt, layout, rows, cells)
+
+
+def kernel_fallbacks(model: nn.Module, dtype: torch.dtype, device: torch.device
+                     ) -> dict[str, list[str]]:
+    """The weight kernels not running, by kind, for ``tandem:engine_fallbacks``:
+    block_mm (the AVX2 block kernel, wherever packed weights are on a CPU) and int4_mm
+    (int4 weights in bf16 left to aten's kernel: neither ours multiplies them)."""
+    from engine.quant.packed import INT4_KERNEL
+
+    out: dict[str, list[str]] = {"block_mm": [], "int4_mm": []}
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    if device.type != "cpu" or not layers:
+        return out
+    if kernel_path()[1] is not None:
+        out["block_mm"].append(kernel_path()[1])
+    if (dtype == torch.bfloat16 and INT4_KERNEL.unavailable() is not None
+            and any(m.kind == "int4" and m.layout == "aten" for m in layers)):
+        out["int4_mm"].append(INT4_KERNEL.unavailable())
+    return out

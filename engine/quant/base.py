@@ -11,9 +11,10 @@ tensor when the kernel cannot take it. The caller decides whether that is an
 error (an explicit ``--quantization int8|int4``) or a logged fallback to the
 dense weights (a GGUF tensor stored in a type we cannot keep packed).
 
-Methods (``--quantization``): ``gguf`` keeps a GGUF's Q4_0/Q4_1 blocks as int4
-(exactly) and requantizes Q8_0 per channel to int8; ``int8`` and ``int4``
-quantize any checkpoint at load. ``none`` (no method) dequantizes at load.
+Methods (``--quantization``): ``gguf`` (the default for a GGUF) keeps the file's
+Q8_0/Q4_0/Q4_1 blocks with their own scales and leaves the dense copy the file's
+exact dequantization; ``int8`` and ``int4`` quantize any checkpoint at load (lossy:
+only when asked). ``none`` (no method) dequantizes at load.
 """
 from __future__ import annotations
 
@@ -43,11 +44,13 @@ class QuantMethod(ABC):
     @abstractmethod
     def pack(self, name: str, weight: torch.Tensor, dtype: torch.dtype,
              sources: Sequence[Source] | None = None) -> tuple[PackedWeight, torch.Tensor]:
-        """weight [N, K] fp32 -> (packed weight with scales in ``dtype`` (the activations'),
-        the fp32 values it represents [N, K]).
+        """weight [N, K] fp32 -> (packed weight for activations in ``dtype``, the fp32 values
+        the dense copy holds [N, K]).
 
-        The caller puts those values in the dense copy too, so both kernels multiply by
-        the same weights and a request's tokens do not depend on its batch's size.
+        The caller puts those values in the dense copy. A lossy method returns what its
+        kernel multiplies by, so both paths multiply by the same weights; ``gguf`` returns
+        the file's exact dequantization, which its blocks kernel multiplies by to fp32
+        rounding (aten's and the AVX-512 int4 kernel: to the rounding of their scales).
         Pure: reads its inputs only. Raises UnpackableWeight naming ``name``."""
 
     def describe(self, packed: PackedWeight) -> str:

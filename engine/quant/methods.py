@@ -6,8 +6,9 @@ from typing import Sequence
 import torch
 
 from engine.quant.base import QuantMethod, Source
-from engine.quant.packed import (PackedWeight, UnpackableWeight, check_shape, pack_int4,
-                                 pack_int8)
+from engine.quant.blocks import BLOCK_KERNEL, block_values, gguf_blocks
+from engine.quant.packed import (PackedWeight, UnpackableWeight, blocks_layout, check_shape,
+                                 pack_int4, pack_int8)
 from engine.quant.quantize import GGUF_BLOCK, gguf_int4_codes, int4_codes, int8_codes
 
 FOUR_BIT = ("Q4_0", "Q4_1")
@@ -16,16 +17,22 @@ EIGHT_BIT = ("Q8_0",)
 
 def _int8(weight: torch.Tensor, dtype: torch.dtype) -> tuple[PackedWeight, torch.Tensor]:
     q, scales = int8_codes(weight)
-    scales = scales.to(dtype).float()  # the kernel's scales are in the activation dtype
+    packed = pack_int8(q, scales, dtype)
+    if packed.layout == "blocks":
+        return packed, block_values(packed.data, packed.scales, packed.group_size)
+    scales = scales.to(dtype).float()  # aten's scales are in the activation dtype
     return pack_int8(q, scales, dtype), q.float() * scales[:, None]
 
 
 def _int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
           dtype: torch.dtype) -> tuple[PackedWeight, torch.Tensor]:
     n, k = q.shape
+    packed = pack_int4(q, scales, zeros, group, dtype)
+    if packed.layout == "blocks":
+        return packed, block_values(packed.data, packed.scales, group)
     scales, zeros = scales.to(dtype).float(), zeros.to(dtype).float()  # as the kernel sees them
     values = ((q.float().view(n, -1, group) - 8) * scales[..., None] + zeros[..., None])
-    return pack_int4(q, scales, zeros, group, dtype), values.view(n, k)
+    return packed, values.view(n, k)
 
 
 class Int8Method(QuantMethod):
@@ -51,8 +58,10 @@ class Int4Method(QuantMethod):
 
 
 class GGUFMethod(QuantMethod):
-    """Keep the file's blocks: 4-bit shards exactly as int4/g32; a fused weight with a
-    Q8_0 shard as per-channel int8 of its dequantized values; anything else unpackable."""
+    """Keep the file's blocks as stored (the blocks layout: Q8_0 with its per-32 scales,
+    Q4_0/Q4_1 with theirs); where that kernel is not the fast path, 4-bit shards as int4/g32
+    for aten's or our AVX-512 kernel. The dense copy stays the file's exact dequantization
+    (the loader's); anything else, or Q8_0 without the blocks kernel, is unpackable."""
 
     name = "gguf"
 
@@ -67,13 +76,21 @@ class GGUFMethod(QuantMethod):
             raise UnpackableWeight(f"{name}: GGUF type {other} cannot be kept packed "
                                    f"(packable: {', '.join(FOUR_BIT + EIGHT_BIT)})")
         n, k = weight.shape
-        if all(t in FOUR_BIT for t in types):
-            check_shape(name, "int4", n, k, GGUF_BLOCK)
-            parts = [gguf_int4_codes(raw, t) for t, raw in sources]
-            q, s, z = (torch.cat([p[i] for p in parts]) for i in range(3))
-            return _int4(q, s, z, GGUF_BLOCK, dtype)
-        check_shape(name, "int8", n, k)
-        return _int8(weight, dtype)  # Q8_0: requantized per channel
+        four_bit = all(t in FOUR_BIT for t in types)
+        if blocks_layout(dtype, weight.device) or (not four_bit and weight.device.type == "cpu"
+                                                   and BLOCK_KERNEL.unavailable() is None):
+            codes, sm = gguf_blocks(sources)
+            kind = "int4" if codes.dtype == torch.uint8 else "int8"
+            return PackedWeight(kind, codes, sm, n, k, GGUF_BLOCK, "blocks"), weight
+        if not four_bit:
+            why = BLOCK_KERNEL.unavailable() or f"no block kernel on {weight.device.type}"
+            raise UnpackableWeight(f"{name}: GGUF Q8_0 blocks need the block kernel ({why})")
+        check_shape(name, "int4", n, k, GGUF_BLOCK)
+        parts = [gguf_int4_codes(raw, t) for t, raw in sources]
+        q, s, z = (torch.cat([p[i] for p in parts]) for i in range(3))
+        return _int4(q, s, z, GGUF_BLOCK, dtype)[0], weight
 
     def describe(self, packed: PackedWeight) -> str:
-        return "Q4 as int4/g32" if packed.kind == "int4" else "Q8_0 requantized to int8"
+        if packed.layout == "blocks":
+            return f"GGUF {'Q4' if packed.kind == 'int4' else 'Q8_0/mixed'} blocks as stored"
+        return "Q4 as int4/g32"

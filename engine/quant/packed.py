@@ -3,6 +3,12 @@
 A ``PackedWeight`` is one linear weight [N, K] kept quantized in the layout a
 PyTorch kernel reads directly, with the kernel call next to it:
 
+* ``blocks`` (CPU with AVX2, FMA and F16C; blocks.py): codes and fp16 (d, m) per group,
+  as GGUF stores them, multiplied by our ``torch.ops.tandem.block_mm`` in fp32. The
+  layout of every GGUF Q8_0 tensor (kept with its per-32 scales) and, wherever it is
+  the vectorised path (fp32 activations, or no AVX-512 for aten's bf16 kernels), of
+  every other packed weight: GGUF Q4 blocks, ``--quantization int8`` (one group per
+  row) and ``int4``.
 * ``int8``: per-output-channel symmetric int8 [N, K] plus scales [N];
   ``aten._weight_int8pack_mm`` (CPU and CUDA).
 * ``int4``: 4-bit codes in groups of ``group_size`` along K, asymmetric:
@@ -31,8 +37,10 @@ from typing import Literal
 import torch
 
 from engine.native import NativeKernel, cpu_flags
+from engine.quant.blocks import BLOCK, BLOCK_KERNEL, pack_blocks
 
 PackedKind = Literal["int8", "int4"]
+Layout = Literal["aten", "tiles", "blocks"]
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 INT4_AMX_MIN_ROWS = 3
 """From this many rows tandem::int4_mm multiplies on AMX tiles (where the CPU has them);
@@ -82,15 +90,18 @@ class PackedWeight:
     data: torch.Tensor
     """int8: [N, K] int8; int4: the kernel's packed uint8 (CPU) / int32 (CUDA) layout."""
     scales: torch.Tensor
-    """int8: [N]; int4: [K / group, N, 2] (scale, zero), activation dtype."""
+    """int8: [N]; int4: [K / group, N, 2] (scale, zero), activation dtype; blocks:
+    [N, K / group, 2] (d, m) fp16 bits as int16."""
     out_features: int
     in_features: int
     group_size: int = 0
-    layout: Literal["aten", "tiles"] = "aten"
-    """int4 on CPU: whose kernel reads ``data`` (above)."""
+    layout: Layout = "aten"
+    """Whose kernel reads ``data`` (above)."""
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] -> x @ W^T [M, N], in x's dtype."""
+        if self.layout == "blocks":
+            return torch.ops.tandem.block_mm(x, self.data, self.scales, self.group_size)
         if self.kind == "int8":
             return torch.ops.aten._weight_int8pack_mm(x, self.data, self.scales)
         if self.layout == "tiles":
@@ -106,28 +117,47 @@ class PackedWeight:
             self.scales.numel() * self.scales.element_size()
 
     def dequantize(self) -> torch.Tensor:
-        """[N, K] in the scales' dtype: the weights this kernel multiplies by."""
-        eye = torch.eye(self.in_features, dtype=self.scales.dtype, device=self.scales.device)
+        """[N, K] in the scales' dtype (blocks: fp32): the weights this kernel multiplies by."""
+        dtype = torch.float32 if self.layout == "blocks" else self.scales.dtype
+        eye = torch.eye(self.in_features, dtype=dtype, device=self.scales.device)
         return self.matmul(eye).t().contiguous()
 
 
+def blocks_layout(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the blocks kernel is this weight's vectorised path: on a CPU where it runs,
+    for fp32 activations (aten's int kernels have no vectorised fp32 path) or where no
+    AVX-512 runs aten's bf16 ones."""
+    return (device.type == "cpu" and (dtype == torch.float32 or "avx512f" not in cpu_flags())
+            and BLOCK_KERNEL.unavailable() is None)
+
+
 def pack_int8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> PackedWeight:
-    """q [N, K] int8, scales [N] -> PackedWeight (scales cast to the activation dtype)."""
+    """q [N, K] int8, scales [N] -> PackedWeight: blocks (one group per row, the scales in
+    fp16) where that layout is the fast one, else aten's (scales in the activation dtype)."""
     n, k = q.shape
+    if k % BLOCK == 0 and blocks_layout(dtype, q.device):
+        codes, sm = pack_blocks(q, scales[:, None], torch.zeros_like(scales[:, None]), k)
+        return PackedWeight("int8", codes, sm, n, k, k, "blocks")
     return PackedWeight("int8", q.contiguous(), scales.to(dtype).contiguous(), n, k)
 
 
 def pack_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-              dtype: torch.dtype, layout: Literal["aten", "tiles"] | None = None
-              ) -> PackedWeight:
+              dtype: torch.dtype, layout: Layout | None = None) -> PackedWeight:
     """q [N, K] integer codes 0..15; scales, zeros [N, K / group] with w = (q - 8) * s + z.
-    layout None: ``tiles`` where tandem::int4_mm can run (CPU, bf16, the kernel built)."""
+    layout None: ``tiles`` where tandem::int4_mm can run (CPU, bf16, the kernel built),
+    else ``blocks`` where that is the fast layout (blocks_layout), else ``aten``."""
     n, k = q.shape
     if layout is None:
         layout = ("tiles" if q.device.type == "cpu" and dtype == torch.bfloat16
-                  and INT4_KERNEL.unavailable() is None else "aten")
+                  and INT4_KERNEL.unavailable() is None
+                  else "blocks" if blocks_layout(dtype, q.device) else "aten")
     elif layout == "tiles" and INT4_KERNEL.unavailable() is not None:
         raise RuntimeError(f"int4 tiles layout: {INT4_KERNEL.unavailable()}")
+    elif layout == "blocks" and BLOCK_KERNEL.unavailable() is not None:
+        raise RuntimeError(f"int4 blocks layout: {BLOCK_KERNEL.unavailable()}")
+    if layout == "blocks":
+        codes, sm = pack_blocks(q.to(torch.uint8), scales, zeros - 8 * scales, group_size)
+        return PackedWeight("int4", codes, sm, n, k, group_size, "blocks")
     if layout == "tiles":
         c = q.to(torch.uint8).view(n // 16, 16, k // 2, 2)
         codes = (c[..., 0] | (c[..., 1] << 4)).permute(0, 2, 1).contiguous()  # [N/16, K/2, 16]

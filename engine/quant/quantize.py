@@ -8,9 +8,8 @@
   Q4_0 is (q - 8) * d, so zero = 0; Q4_1 is q * d + m = (q - 8) * d + (m + 8d).
   Only the scales' rounding to the activation dtype differs (bf16 keeps 8
   mantissa bits of the fp16 d and m).
-* Q8_0 (int8 in blocks of 32 with an fp16 scale each) has no per-block int8
-  kernel in PyTorch; its dequantized values are requantized per channel
-  (``int8_codes``). The loader logs that.
+* Q8_0 (int8 in blocks of 32 with an fp16 scale each), and every GGUF block type
+  where our block kernel runs, keep the file's blocks as they are (blocks.py).
 """
 from __future__ import annotations
 

@@ -10,9 +10,9 @@ every time. Each timed call runs every layer of that shape in turn, as a model s
 does: timing one layer over and over would keep its weight in cache, where the dense
 GEMM's 2-4x more bytes cost nothing. With the weights streamed from memory (on the
 embedded model, 30 layers of each shape) the packed kernels keep winning to about
-twice the rows. In fp32 the CPU int kernels have no vectorised path and lose 8-10x at
-every size, so fp32 models on a CPU run dense (with the quantized values) without being
-timed, unless ``quant_packed_max_rows`` forces the packed kernels.
+twice the rows. In fp32 aten's CPU int kernels have no vectorised path and lose 8-10x at
+every size, so weights in aten's layout run dense in fp32 without being timed, unless
+``quant_packed_max_rows`` forces the packed kernels; the blocks kernel (blocks.py) is timed.
 """
 from __future__ import annotations
 
@@ -59,6 +59,11 @@ def measure(layers: list[QuantLinear]) -> tuple[int, list[tuple[int, float, floa
     return best_rows, table
 
 
+def _unvectorised(dtype: torch.dtype, device: str, layout: str) -> bool:
+    """aten's int kernels in fp32 on a CPU: 8-10x slower than the dense GEMM at any size."""
+    return dtype == torch.float32 and device == "cpu" and layout == "aten"
+
+
 def choose_paths(layers: list[QuantLinear], forced: int | None) -> dict[tuple, tuple]:
     """Set every layer's packed_max_rows; returns {shape key: (rows, table)} measured."""
     if forced is not None:
@@ -68,9 +73,9 @@ def choose_paths(layers: list[QuantLinear], forced: int | None) -> dict[tuple, t
     groups: dict[tuple, list[QuantLinear]] = {}
     for layer in layers:
         key = (layer.kind, layer.out_features, layer.in_features, layer.group_size,
-               layer.weight.dtype, layer.weight.device.type)
+               layer.weight.dtype, layer.weight.device.type, layer.layout)
         groups.setdefault(key, []).append(layer)
-    measured = {key: (0, []) if key[4] == torch.float32 and key[5] == "cpu" else measure(group)
+    measured = {key: (0, []) if _unvectorised(*key[4:]) else measure(group)
                 for key, group in groups.items()}
     for key, group in groups.items():
         for layer in group:

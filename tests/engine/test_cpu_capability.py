@@ -77,12 +77,51 @@ def test_a_capped_kernel_is_built_apart_and_the_int4_kernel_refused(intel) -> No
 def test_an_avx2_ceiling_reaches_a_new_process() -> None:
     """The variable is read where the engine starts (a worker process), not only here."""
     probe = ("from engine.native import cpu_flags\n"
+             "from engine.quant.blocks import kernel_path\n"
              "from engine.quant.packed import INT4_KERNEL, amx_min_rows\n"
              "assert not {f for f in cpu_flags() if f.startswith(('avx512', 'amx'))}\n"
              "assert amx_min_rows() > 1 << 40\n"
+             "assert kernel_path()[0].startswith('weight kernels: AVX2+FMA block kernel')\n"
              "print(INT4_KERNEL.unavailable())")
     r = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True,
                        timeout=120, env={**os.environ,
                                          native.CAPABILITY_ENV: "avx2"})
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("this CPU lacks avx512f"), r.stdout
+
+
+NO_SIMD_PROBE = """
+import logging, sys
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+from prometheus_client import generate_latest
+from core.sampling import SamplingParams
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from worker.metrics import WorkerMetrics
+eng = LLMEngine(EngineConfig.from_flat(model=sys.argv[1], dtype="float32",
+                                       quantization="int8", num_kv_blocks=64))
+print(eng.generate([[5, 9, 11]], SamplingParams(max_tokens=3, ignore_eos=True))[0].token_ids)
+print(eng.runner.fallbacks()["block_mm"])
+metrics = WorkerMetrics("decode", "w0")
+metrics.observe_engine(eng)
+print([ln for ln in generate_latest(metrics.registry).decode().splitlines()
+       if ln.startswith("tandem:engine_fallbacks{") and 'kind="block_mm"' in ln])
+"""
+
+
+def test_a_cpu_without_avx2_or_avx512_says_so_and_exports_the_fallback(tiny_model_dir) -> None:
+    """Issue 27, bad input: with neither AVX2 nor AVX-512 (the ``default`` ceiling) the
+    start-up names the SIMD flags found and the slower path taken (dense linears), the
+    engine still generates, and tandem:engine_fallbacks{kind="block_mm"} is 1."""
+    r = subprocess.run([sys.executable, "-c", NO_SIMD_PROBE, str(tiny_model_dir)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300,
+                       env={**os.environ, native.CAPABILITY_ENV: "default"})
+    assert r.returncode == 0, r.stderr
+    line = next(ln for ln in r.stderr.splitlines() if "weight kernels" in ln)
+    assert "weight kernels unavailable: this CPU has neither AVX2 nor AVX-512 (SIMD flags " \
+           "found: " in line and "sse4_2" in line and "avx2" not in line.split("found:")[1]
+    assert "linears run on their dense copies (slower path)" in line
+    tokens, reasons, gauge = r.stdout.strip().splitlines()
+    assert len(eval(tokens)) == 3
+    assert "neither AVX2 nor AVX-512" in reasons
+    assert eval(gauge)[0].endswith(" 1.0"), gauge

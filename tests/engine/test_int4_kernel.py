@@ -1,14 +1,20 @@
-"""Our small-batch int4 kernel (engine/quant/csrc/int4_mm.cpp, the ``tiles`` layout of
-engine/quant/packed.py): the products it computes are the dequantized weights', on both
-of its paths (AVX-512 FMAs for a row or two, AMX tiles from INT4_AMX_MIN_ROWS), for every
-group size and row counts across its blocks of 8 and 16 rows; it runs under
-torch.compile; a machine that cannot build it multiplies with aten's kernel and says so."""
+"""Our small-batch int4 kernels: the products they compute are the dequantized weights',
+for every group size and row counts across their passes; they run under torch.compile;
+a machine that can build neither multiplies with aten's kernel and says so.
+
+* ``tiles`` (engine/quant/csrc/int4_mm.cpp, bf16, AVX-512 BF16): on both of its paths
+  (AVX-512 FMAs for a row or two, AMX tiles from INT4_AMX_MIN_ROWS), blocks of 8 and 16 rows;
+* ``blocks`` (csrc/block_mm.cpp, AVX2 + FMA + F16C, fp32 sums; the AVX2 host's): exact to
+  fp32 rounding (the same bound as tests/engine/test_quant.py), passes of 4 rows."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+from engine.quant import blocks as bk
 from engine.quant import packed as pk
+from engine.quant.blocks import block_values
+from tests.engine.test_quant import within_fp32_rounding
 
 FMA_ONLY = 1 << 30
 """amx_min_rows that keeps every call on the FMA path."""
@@ -85,8 +91,50 @@ def test_bad_input_is_an_error_naming_it(kernel) -> None:
         torch.ops.tandem.int4_mm(torch.randn(2, 32).bfloat16(), tiles.data, tiles.scales, 32, 3)
 
 
-def test_without_the_kernel_int4_runs_on_atens_and_says_why(monkeypatch) -> None:
+@pytest.fixture(scope="module")
+def block_kernel() -> None:
+    if bk.BLOCK_KERNEL.unavailable() is not None:
+        pytest.skip(f"block kernel: {bk.BLOCK_KERNEL.unavailable()}")
+
+
+@pytest.mark.parametrize("g", [32, 64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_kernel_products_are_exact_to_fp32_rounding(block_kernel, g: int,
+                                                          dtype: torch.dtype) -> None:
+    n, k = 48, 512
+    q, s, z, _ = weights(n, k, g)
+    p = pk.pack_int4(q, s, z, g, dtype, layout="blocks")
+    assert p.layout == "blocks" and p.data.shape == (n, k // 2)
+    w = block_values(p.data, p.scales, g)
+    assert torch.equal(p.dequantize(), w)
+    for m in (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 40):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
+        y = p.matmul(x)
+        assert y.shape == (m, n) and y.dtype == dtype
+        if dtype == torch.float32:
+            assert within_fp32_rounding(y, x, w) <= 1.0, m
+        else:  # fp32 sums, rounded to bf16 once
+            assert close_to(y, x.float() @ w.t()), m
+
+
+def test_block_kernel_rows_and_compile(block_kernel) -> None:
+    """A row depends only on its pass of 4 rows; the op traces under torch.compile; bad
+    input is an error naming it."""
+    q, s, z, _ = weights(64, 256, 32)
+    p = pk.pack_int4(q, s, z, 32, torch.float32, layout="blocks")
+    x = torch.randn(20, 256)
+    assert torch.equal(p.matmul(x)[4:12], p.matmul(x[4:12]))
+    compiled = torch.compile(lambda t: p.matmul(t) * 2, fullgraph=True)
+    assert torch.equal(compiled(x[:5]), p.matmul(x[:5]) * 2)
+    with pytest.raises(RuntimeError, match="x must be"):
+        torch.ops.tandem.block_mm(x.half(), p.data, p.scales, 32)
+    with pytest.raises(RuntimeError, match="does not match"):
+        torch.ops.tandem.block_mm(x[:, :128], p.data, p.scales, 32)
+
+
+def test_without_the_kernels_int4_runs_on_atens_and_says_why(monkeypatch) -> None:
     monkeypatch.setattr(pk.INT4_KERNEL, "unavailable", lambda: "no compiler (test)")
+    monkeypatch.setattr(bk.BLOCK_KERNEL, "unavailable", lambda: "no compiler (test)")
     q, s, z, w = weights(32, 64, 32)
     p = pk.pack_int4(q, s, z, 32, torch.bfloat16)
     assert p.layout == "aten"
@@ -109,9 +157,13 @@ def test_an_int4_engine_runs_ours_or_reports_the_fallback(tiny_model_dir, monkey
         out = eng.generate([[5, 9, 11]] * 3, SamplingParams(max_tokens=6, ignore_eos=True))
         assert all(len(c.token_ids) == 6 for c in out)
         eng.leak_check()
-        return layouts, eng.runner.fallbacks()["int4_mm"]
+        fallbacks = eng.runner.fallbacks()
+        return layouts, fallbacks["int4_mm"], fallbacks["block_mm"]
 
     if pk.INT4_KERNEL.unavailable() is None:
-        assert start() == ({"tiles"}, [])
+        assert start() == ({"tiles"}, [], [])
+    elif bk.BLOCK_KERNEL.unavailable() is None:  # an AVX2 host: ours, not a fallback
+        assert start() == ({"blocks"}, [], [])
     monkeypatch.setattr(pk.INT4_KERNEL, "unavailable", lambda: "no compiler (test)")
-    assert start() == ({"aten"}, ["no compiler (test)"])
+    monkeypatch.setattr(bk.BLOCK_KERNEL, "unavailable", lambda: "no compiler (test)")
+    assert start() == ({"aten"}, ["no compiler (test)"], ["no compiler (test)"])

@@ -44,10 +44,58 @@ def test_fused_shards_concatenate_in_order() -> None:
     torch.testing.assert_close(packed.dequantize(), want, atol=1e-6, rtol=0)
 
 
-def test_q8_0_is_requantized_per_channel_and_f16_is_unpackable() -> None:
+def within_fp32_rounding(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> float:
+    """max |y - x @ w^T| over the bound of fp32 rounding, (K + 2) u sum_k |x_k w_k|
+    (u = 2^-24; K products summed, a scale and a min applied): at most 1 when ``y`` is
+    the exact product of ``w`` up to fp32 rounding, whatever the order of the sums."""
+    k = x.shape[1]
+    ref = x.double() @ w.double().t()
+    bound = (k + 2) * 2.0 ** -24 * (x.double().abs() @ w.double().abs().t()) + 1e-30
+    return ((y.double() - ref).abs() / bound).max().item()
+
+
+SHARDS = {"Q8_0": [QT.Q8_0], "Q4_0": [QT.Q4_0], "Q4_1": [QT.Q4_1],
+          "mixed": [QT.Q4_1, QT.Q8_0, QT.Q4_0]}
+
+
+@pytest.mark.parametrize("kernel", ["block_mm", "fallback"])
+@pytest.mark.parametrize("shards", list(SHARDS))
+def test_gguf_blocks_multiply_exactly(shards: str, kernel: str, monkeypatch) -> None:
+    """A GGUF tensor kept packed multiplies by the file's own blocks: its dense copy is
+    the gguf package's dequantization bit for bit, and its product is the exact one up
+    to fp32 rounding (Q8_0 with its per-32 scales: requantized per channel it was 124x
+    the bound). Without the block kernel (a CPU without AVX2) Q4 runs on aten's int4
+    kernel, as exactly, and Q8_0 is unpackable: it runs on its exact dense copy."""
+    from engine.quant import blocks
+
+    if kernel == "fallback":
+        monkeypatch.setattr(blocks.BLOCK_KERNEL, "unavailable", lambda: "no AVX2 (test)")
+    elif blocks.BLOCK_KERNEL.unavailable() is not None:
+        pytest.skip(f"block kernel: {blocks.BLOCK_KERNEL.unavailable()}")
+    sources, parts = [], []
+    for i, qt in enumerate(SHARDS[shards]):
+        raw = quantize(_w(32 * (i + 1), 256, seed=i).numpy(), qt)
+        sources.append((qt.name, raw))
+        parts.append(dequantize(raw, qt).reshape(raw.shape[0], 256))
+    want = torch.from_numpy(np.concatenate(parts).astype(np.float32))
+    method = get_method("gguf")
+    if kernel == "fallback" and shards in ("Q8_0", "mixed"):
+        with pytest.raises(UnpackableWeight, match="w: GGUF Q8_0 blocks need the block "
+                                                   r"kernel \(no AVX2 \(test\)\)"):
+            method.pack("w", want, torch.float32, sources)
+        return
+    packed, values = method.pack("w", want, torch.float32, sources)
+    assert torch.equal(values, want)  # the dense copy
+    assert packed.layout == ("blocks" if kernel == "block_mm" else "aten")
+    if packed.layout == "blocks":
+        assert torch.equal(packed.dequantize(), want)
+    for m in (1, 2, 3, 4, 5, 8, 33):
+        x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m))
+        assert within_fp32_rounding(packed.matmul(x), x, want) <= 1.0, m
+
+
+def test_f16_is_unpackable() -> None:
     w = _w(32, 64)
-    packed, _ = get_method("gguf").pack("lm_head", w, torch.float32, [("Q8_0", np.zeros((32, 68), np.uint8))])
-    assert packed.kind == "int8"
     with pytest.raises(UnpackableWeight, match="lm_head: GGUF type F16 cannot be kept packed"):
         get_method("gguf").pack("lm_head", w, torch.float32, [("F16", np.zeros((32, 128), np.uint8))])
 

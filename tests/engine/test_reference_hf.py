@@ -1,8 +1,8 @@
 """Our engine against Hugging Face transformers on the real model, fp32 on both sides.
 
 transformers de-quantizes the same GGUF, so both sides run the same fp32
-weights: prompt logits must agree to 1e-2 and greedy continuations token for
-token. A greedy divergence is tolerated only at a step where HF's own top two
+weights (on our side the default path too, which keeps the file's blocks packed):
+prompt logits must agree to 1e-2 and greedy continuations token for token. A greedy divergence is tolerated only at a step where HF's own top two
 logits are within 1e-3 (a near-tie that summation order can flip); anything
 else is a bug. Both sides get the same token ids (tokenizer parity is
 tests/engine/test_tokenizer.py's job), so this isolates the model, the paged
@@ -59,10 +59,12 @@ def hf_model(model_path: Path):
     return model.eval()
 
 
-@pytest.fixture(scope="module")
-def eng(model_path: Path) -> LLMEngine:
+@pytest.fixture(scope="module", params=["auto", "none"], ids=["default", "dense"])
+def eng(model_path: Path, request) -> LLMEngine:
+    """The default path (a GGUF kept packed, its blocks multiplied as stored) and the
+    dequantized one: both compute the file's weights, as HF does."""
     return LLMEngine(EngineConfig.from_flat(model=str(model_path), dtype="float32", max_model_len=1024,
-                                            num_kv_blocks=256, quantization="none"))  # HF's weights
+                                            num_kv_blocks=256, quantization=request.param))
 
 
 @pytest.fixture(scope="module")
@@ -153,10 +155,10 @@ def hf_with_weights_of(hf_model, runner):
 @pytest.mark.parametrize("method", ["gguf"])
 def test_greedy_quantized_matches_hf_with_the_same_weights(model_path: Path, hf_model,
                                                            prompts, method: str) -> None:
-    """The GGUF kept packed (Q4_1 blocks as int4, the Q8_0 embedding requantized to int8):
-    decode steps of 5 rows and the logits of sampled rows run on the packed kernels.
-    16 tokens each: in fp32 the CPU int kernels have no vectorised path (10x the dense
-    GEMM's time), and 32 took a minute."""
+    """The GGUF kept packed (its Q4_1 and Q8_0 blocks as stored where the block kernel
+    runs, else Q4_1 as int4 and Q8_0 dense): decode steps of 5 rows and the logits of
+    sampled rows run on the packed kernels. 16 tokens each: without the block kernel the
+    CPU int kernels have no vectorised fp32 path (10x the dense GEMM's time)."""
     if model_path.is_dir():
         pytest.skip("needs the GGUF")
     eng = LLMEngine(EngineConfig.from_flat(model=str(model_path), dtype="float32", max_model_len=1024,
