@@ -23,7 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from core.kv.block_hash import BlockHash
+from engine.kv_cache.block_pool import KVEventKind
 from engine.kv_cache.tiers.block_file import CorruptBlock, ForeignBlock, KVFormat, decode, encode
+from engine.kv_cache.tiers.events import MEDIUM_DISK, TierEvent
 
 log = logging.getLogger(__name__)
 SUFFIX = ".kvb"
@@ -56,6 +58,7 @@ class DiskTier:
         self.index: OrderedDict[BlockHash, int] = self._scan()
         """Blocks on disk, least recently used first, with their file sizes."""
         self._pending: dict[BlockHash, tuple[tuple[int, ...], bytes]] = {}
+        self._events: list[TierEvent] | None = None  # None: not recorded (record_events)
         self._queue: queue.Queue = queue.Queue(maxsize=queue_blocks)
         self._writer = threading.Thread(target=self._run, name="kv-disk-writer", daemon=True)
         self._writer.start()
@@ -110,6 +113,26 @@ class DiskTier:
             self._forget(block_hash)
         return None
 
+    def record_events(self) -> list[TierEvent]:
+        """Start recording; the blocks on disk now (those found at start-up included),
+        as stores without tokens (the files are not read for them)."""
+        with self._lock:
+            self._events = []
+            return [TierEvent(KVEventKind.STORED, h, MEDIUM_DISK) for h in self.index]
+
+    def drain_events(self) -> list[TierEvent]:
+        """Blocks written and files removed since the last call (any thread)."""
+        with self._lock:
+            events = self._events or []
+            if self._events is not None:
+                self._events = []
+        return events
+
+    def _event(self, kind: KVEventKind, block_hash: BlockHash, tokens: tuple[int, ...] = ()) -> None:
+        """Record one (the lock held)."""
+        if self._events is not None:
+            self._events.append(TierEvent(kind, block_hash, MEDIUM_DISK, tokens))
+
     def drain(self) -> None:
         """Wait until every queued block is written (tests; shutdown)."""
         self._queue.join()
@@ -149,6 +172,7 @@ class DiskTier:
         with self._lock:
             self.index[block_hash] = len(data)
             self.stats.written += 1
+            self._event(KVEventKind.STORED, block_hash, tokens)
 
     def _make_room(self, size: int) -> None:
         with self._lock:
@@ -158,13 +182,15 @@ class DiskTier:
                 block_hash, n = self.index.popitem(last=False)
                 doomed.append(block_hash)
                 used -= n
+                self._event(KVEventKind.REMOVED, block_hash)
             self.stats.evicted += len(doomed)
         for block_hash in doomed:
             self.path(block_hash).unlink(missing_ok=True)
 
     def _forget(self, block_hash: BlockHash) -> None:
         with self._lock:
-            self.index.pop(block_hash, None)
+            if self.index.pop(block_hash, None) is not None:
+                self._event(KVEventKind.REMOVED, block_hash)
         self.path(block_hash).unlink(missing_ok=True)
 
     def _scan(self) -> OrderedDict[BlockHash, int]:

@@ -25,9 +25,10 @@ from typing import Sequence
 import torch
 
 from core.kv.block_hash import BlockHash
-from engine.kv_cache.block_pool import BlockPool
+from engine.kv_cache.block_pool import BlockPool, KVEventKind
 from engine.kv_cache.swap import HostSlots
 from engine.kv_cache.tiers.disk import DiskTier
+from engine.kv_cache.tiers.events import MEDIUM_HOST, TierEvent
 from engine.kv_cache.tiers.host import HostEntry, HostTier
 
 
@@ -58,6 +59,9 @@ class TieredCache:
         self._copies: list[tuple[int, HostEntry | torch.Tensor]] = []
         """Promotions to copy at flush: (device block, its source)."""
         self._held: list[int] = []
+        self.events: list[TierEvent] | None = None
+        """The host tier's stores and removals since drain_events; None: nobody reads
+        them (record_events turns them on), so none pile up."""
 
     def attach(self, pool: BlockPool) -> None:
         """Hook into the device pool: its evictions come down here (the KV manager's
@@ -76,9 +80,13 @@ class TieredCache:
             return
         self.host_kv[slot].copy_(self.device_kv[block_id])
         self.stats.demoted += 1
+        if self.events is not None:
+            self.events.append(TierEvent(KVEventKind.STORED, block_hash, MEDIUM_HOST, tuple(tokens)))
 
     def _spill(self, block_hash: BlockHash, entry: HostEntry) -> None:
         """A host block loses its slot: the disk tier gets a copy (if there is one)."""
+        if self.events is not None:
+            self.events.append(TierEvent(KVEventKind.REMOVED, block_hash, MEDIUM_HOST))
         if self.disk is not None:
             payload = self.host_kv[entry.slot].contiguous().view(torch.uint8).numpy().tobytes()
             self.disk.put(block_hash, entry.tokens, payload)
@@ -141,6 +149,21 @@ class TieredCache:
         if self._held:
             self.pool.free(list(reversed(self._held)))
             self._held.clear()
+
+    def record_events(self) -> list[TierEvent]:
+        """Start recording the tiers' events; returns what they hold now, as stores
+        (the disk's blocks found at start-up, and the host's)."""
+        self.events = []
+        now = [TierEvent(KVEventKind.STORED, h, MEDIUM_HOST, e.tokens)
+               for h, e in self.host.entries.items()]
+        return now + (self.disk.record_events() if self.disk is not None else [])
+
+    def drain_events(self) -> list[TierEvent]:
+        """The host and disk tiers' events since the last call (engine thread)."""
+        events = self.events or []
+        if self.events is not None:
+            self.events = []
+        return events + (self.disk.drain_events() if self.disk is not None else [])
 
     # -- checks -------------------------------------------------------------------------
     def host_blocks_in_use(self) -> int:
