@@ -403,6 +403,12 @@ class LLMEngine:
                            "".join(texts[i]), reqs[i].finish_reason, reqs[i].num_cached_tokens)
                 for i in ids]
 
+    def close(self) -> None:
+        """At shutdown: what outlives the engine's steps ends cleanly (the disk tier's
+        queued blocks are written, so a restart finds them)."""
+        if self.tiers is not None:
+            self.tiers.close()
+
     def leak_check(self) -> None:
         """AssertionError unless no request is left and every block is free."""
         if self.requests:

@@ -89,7 +89,7 @@ def _write_prompt_to_disk(model_dir: Path, directory: Path, kv_dtype: str = "aut
     eng = _spilled_engine(model_dir, directory, kv_dtype)
     _run(eng, PROMPT)
     _evict_prompt(eng)
-    eng.tiers.disk.close()
+    eng.close()  # the disk writer's queue written
     assert eng.tiers.disk.stats.written >= 4
     eng.leak_check()
 
@@ -137,3 +137,38 @@ def test_a_corrupt_or_foreign_block_file_is_skipped_counted_and_recomputed(
     assert not path.exists() or path.read_bytes() != bytes(data)  # never kept as it was
     eng.tiers.disk.close()
     eng.leak_check()
+
+
+def test_a_stopped_engine_thread_writes_its_queued_blocks_first(flat_model_dir, tmp_path,
+                                                                monkeypatch) -> None:
+    import asyncio
+    import time
+
+    from engine.engine_thread import EngineWorker
+    from engine.kv_cache.tiers.disk import DiskTier
+
+    real = DiskTier._write
+
+    def slow_write(self, *args) -> None:  # a slow disk: blocks are still queued at stop
+        time.sleep(0.05)
+        real(self, *args)
+
+    monkeypatch.setattr(DiskTier, "_write", slow_write)
+    built = []
+
+    async def body() -> None:
+        worker = EngineWorker(lambda: built.append(_spilled_engine(flat_model_dir, tmp_path))
+                              or built[0])
+        await worker.start()
+        for i, prompt in enumerate([PROMPT, *FILLERS]):
+            q = await worker.add(await worker.make_request(prompt, GREEDY, f"r{i}"))
+            while not (await asyncio.wait_for(q.get(), 60)).finished:
+                pass
+        worker.stop()
+
+    asyncio.run(asyncio.wait_for(body(), 120))
+    disk = built[0].tiers.disk
+    assert not disk._writer.is_alive() and disk._queue.unfinished_tasks == 0
+    assert disk.stats.written >= 4 and (disk.stats.dropped, disk.stats.write_errors) == (0, 0)
+    assert sorted(p.name for p in tmp_path.glob("*.kvb")) == sorted(
+        disk.path(h).name for h in disk.index)  # every block written, and only whole files

@@ -150,6 +150,11 @@ class TieredCache:
             self.pool.free(list(reversed(self._held)))
             self._held.clear()
 
+    def close(self) -> None:
+        """The disk writer finishes its queue and stops (engine shutdown)."""
+        if self.disk is not None:
+            self.disk.close()
+
     def record_events(self) -> list[TierEvent]:
         """Start recording the tiers' events; returns what they hold now, as stores
         (the disk's blocks found at start-up, and the host's)."""
