@@ -185,3 +185,37 @@ def test_a_replay_endpoint_without_an_endpoint_is_refused() -> None:
 
     with pytest.raises(ValueError, match="--kv-events-replay-endpoint needs --kv-events-endpoint"):
         WorkerConfig(EngineConfig(), kv_events_replay_endpoint="tcp://*:5558")
+
+
+def test_a_decode_worker_publishes_its_blocks_on_the_flagged_endpoint(tiny_model_dir) -> None:
+    import asyncio
+
+    from auth.grpc_auth import channel as auth_channel
+    from decode_svc.service import DecodeService
+    from proto import decode_pb2_grpc
+    from tests.services.conftest import generate, sampling, worker_config
+
+    async def body() -> None:
+        config = worker_config(tiny_model_dir)
+        d = DecodeService(type(config)(**{**config.__dict__,
+                                          "kv_events_endpoint": "tcp://127.0.0.1:*",
+                                          "kv_events_replay_endpoint": "tcp://127.0.0.1:*"}))
+        await d.start()
+        ch = auth_channel(f"127.0.0.1:{d.port}", d.secret)
+        try:
+            await generate(decode_pb2_grpc.DecodeStub(ch), "r", PROMPT, [], sampling(4))
+            held = set(await d.engine.cached_hashes())
+            assert len(held) == 4  # the prompt's full blocks (+ decoded ones: none full)
+            _, replay = d.kv_events.endpoints
+            for _ in range(100):  # bounded: the last step's events may still be on their way
+                sub = Subscriber()
+                await asyncio.to_thread(sub.replay, replay)
+                if sub.blocks.get("GPU") == held:
+                    break
+                await asyncio.sleep(0.05)
+            assert sub.blocks == {"GPU": held}
+        finally:
+            await ch.close()
+            await d.stop(0)
+
+    asyncio.run(asyncio.wait_for(body(), 120))
