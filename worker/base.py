@@ -88,7 +88,7 @@ class WorkerBase:
             self._zmq_bridge.on_events(events)
 
     def _on_step(self, engine: LLMEngine) -> None:
-        self.metrics.observe_engine(engine, self.active_leases())
+        self.metrics.observe_engine(engine, self.active_leases(), self.kv_events)
         if self._zmq_bridge is not None:
             self._zmq_bridge.on_step(engine)
 
