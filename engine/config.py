@@ -187,7 +187,8 @@ class CacheConfig:
             raise ValueError("--kv-offload-dir needs --kv-offload-cpu-gib > 0: blocks reach "
                              "the disk tier through the host tier")
         host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        if (self.kv_offload_cpu_gib + self.swap_space) * (1 << 30) > host:
+        want = (self.kv_offload_cpu_gib + self.swap_space) * (1 << 30)
+        if self.kv_offload_cpu_gib and want > host:  # without tiers, as before: no check
             raise ValueError(f"--kv-offload-cpu-gib {self.kv_offload_cpu_gib} with --swap-space "
                              f"{self.swap_space} asks for more host memory than this machine "
                              f"has ({host / (1 << 30):.1f} GiB)")
