@@ -205,14 +205,39 @@ class CacheConfig:
     """Host (CPU) swap pool for preempted requests' KV blocks, GiB; pinned memory on CUDA."""
     hash_seed: int = 0
     """Seed of the chained block hashes; every process of one cluster must agree."""
+    kv_offload_cpu_gib: float = 0.0
+    """Host-memory KV tier, GiB: prefix blocks evicted from the device pool are kept here
+    (LRU by block hash) and promoted back on a hit; it also fills the swap pool's idle
+    space, which swapping reclaims first (docs/kv-offload.md). 0 = off."""
+    kv_offload_dir: str = ""
+    """Disk KV tier: a directory for blocks evicted from the host tier, kept across
+    restarts of the same model (fingerprint, KV format and checksum in each file); empty
+    = off. Needs --kv-offload-cpu-gib > 0."""
+    kv_offload_disk_gib: float = 16.0
+    """Most GiB the disk tier's files take in --kv-offload-dir (LRU)."""
 
     def __post_init__(self) -> None:
+        self._check_offload()
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"--block-size must be a power of two >= 1, got {self.block_size}")
         at_least("--kv-blocks", self.num_kv_blocks, 1)
         if self.kv_cache_memory_gib <= 0:
             raise ValueError(f"--kv-cache-memory-gib must be > 0, got {self.kv_cache_memory_gib}")
         one_of("--kv-cache-dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+
+    def _check_offload(self) -> None:
+        at_least("--kv-offload-cpu-gib", self.kv_offload_cpu_gib, 0)
+        if self.kv_offload_disk_gib <= 0:
+            raise ValueError(f"--kv-offload-disk-gib must be > 0, got {self.kv_offload_disk_gib}")
+        if self.kv_offload_dir and not self.kv_offload_cpu_gib:
+            raise ValueError("--kv-offload-dir needs --kv-offload-cpu-gib > 0: blocks reach "
+                             "the disk tier through the host tier")
+        host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        want = (self.kv_offload_cpu_gib + self.swap_space) * (1 << 30)
+        if self.kv_offload_cpu_gib and want > host:  # without tiers, as before: no check
+            raise ValueError(f"--kv-offload-cpu-gib {self.kv_offload_cpu_gib} with --swap-space "
+                             f"{self.swap_space} asks for more host memory than this machine "
+                             f"has ({host / (1 << 30):.1f} GiB)")
 
 
 @dataclass(frozen=True)
@@ -330,7 +355,8 @@ class EngineConfig:
         "model", "dtype", "device", "block_size", "num_kv_blocks", "kv_cache_memory_gib",
         "kv_cache_dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
         "enable_chunked_prefill", "enable_prefix_caching", "attention_backend", "swap_space",
-        "preemption_mode", "priority_batch_cap", "interrupt_steps", "hash_seed", "num_threads",
+        "preemption_mode", "priority_batch_cap", "interrupt_steps", "hash_seed",
+        "kv_offload_cpu_gib", "kv_offload_dir", "kv_offload_disk_gib", "num_threads",
         "quantization", "quant_group_size", "quant_packed_max_rows", "compile",
         "compile_max_batch", "speculative_method", "speculative_model",
         "num_speculative_tokens", "speculative_max_batch")

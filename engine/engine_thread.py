@@ -230,6 +230,7 @@ class EngineWorker:
         try:
             while not self._stopped.is_set():
                 self._iterate(engine)
+            engine.close()
         except BaseException as e:  # noqa: BLE001 - the engine thread is dying: say so
             log.critical("engine thread died", exc_info=True)
             self._dead = e

@@ -33,7 +33,8 @@ from engine.output import OutputProcessor
 from engine.request import (DuplicateRequestError, FinishReason, Request, RequestOutput,
                             RequestStatus)
 from core.sampling import SamplingParams
-from engine.kv_cache.swap import SwapPool
+from engine.kv_cache.swap import HostSlots, SwapPool
+from engine.kv_cache.tiers import build_tiers
 from engine.scheduler import Scheduler
 from engine.served_model import (checkpoint_tokenizer, context_window, open_checkpoint,
                                  served_fingerprint)
@@ -82,7 +83,11 @@ class LLMEngine:
         self.tokenizer = tokenizer or checkpoint_tokenizer(ckpt)
         self.runner = ModelRunner(config, ckpt, self.max_model_len)
         self.kv = self._kv_cache(config.cache)
-        self.swap = SwapPool(self.runner.num_swap_blocks) if self.runner.num_swap_blocks else None
+        slots = HostSlots(self.runner.num_host_slots)
+        self.swap = SwapPool(self.runner.num_swap_blocks, slots) if self.runner.num_swap_blocks else None
+        self.tiers = build_tiers(config.cache, self.kv, self.runner.kv, self.runner.swap_kv,
+                                 slots, self.fingerprint, self.runner.kv_dtype)
+        """Host and disk tiers below the device pool (--kv-offload-*); None: off."""
         self.connector = connector
         """Where KV comes from and goes to besides this engine; None: colocated."""
         if connector is not None:
@@ -222,6 +227,7 @@ class LLMEngine:
             self.apply_preemptions(batch)
         except Exception as e:  # noqa: BLE001 - the barrier: fail requests, not the engine
             log.exception("engine scheduling failed")
+            self._settle_host_copies()
             return self.fail_all(f"engine scheduling failed: {e}")
         if not batch:
             return []
@@ -303,6 +309,15 @@ class LLMEngine:
             self.stats.swap_out_bytes += sum(len(d) for d, _ in batch.swap_out) * bb
             self.stats.swap_in_bytes += sum(len(d) for _, d in batch.swap_in) * bb
             self.stats.swap_seconds += time.perf_counter() - t0
+        self._settle_host_copies()
+
+    def _settle_host_copies(self) -> None:
+        """After the step's swap copies: the tiers' promotions copy (a swap-out has read
+        the blocks they may write) and the host slots freed this step are reusable."""
+        if self.tiers is not None:
+            self.tiers.flush()
+        if self.swap is not None:
+            self.swap.slots.settle()
 
     def _finish(self, req: Request, reason: FinishReason, error: str | None = None) -> RequestOutput:
         self.requests.pop(req.request_id, None)
@@ -388,6 +403,12 @@ class LLMEngine:
                            "".join(texts[i]), reqs[i].finish_reason, reqs[i].num_cached_tokens)
                 for i in ids]
 
+    def close(self) -> None:
+        """At shutdown: what outlives the engine's steps ends cleanly (the disk tier's
+        queued blocks are written, so a restart finds them)."""
+        if self.tiers is not None:
+            self.tiers.close()
+
     def leak_check(self) -> None:
         """AssertionError unless no request is left and every block is free."""
         if self.requests:
@@ -398,6 +419,8 @@ class LLMEngine:
             self.connector.leak_check()
         if self.swap is not None:
             self.swap.leak_check()
+        if self.tiers is not None:
+            self.tiers.leak_check(self.swap.num_used if self.swap else 0)
         self.kv.leak_check()
 
 

@@ -65,10 +65,14 @@ class ModelRunner:
         self.num_blocks = self._num_blocks()
         self.kv = self._allocate_kv(ckpt)
         self.num_swap_blocks = int(config.cache.swap_space * (1 << 30)) // self.block_bytes
+        self.num_host_slots = self.num_swap_blocks + int(
+            config.cache.kv_offload_cpu_gib * (1 << 30)) // self.block_bytes
+        """The swap pool's blocks and the host KV tier's share one host tensor
+        (engine/kv_cache/swap.py HostSlots)."""
         pin = self.device.type == "cuda"
-        # empty, not zeros: a swap block is always written (swap-out) before it is read
-        self.swap_kv = torch.empty((self.num_swap_blocks, *self.kv.shape[1:]), dtype=self.kv.dtype,
-                                   pin_memory=pin) if self.num_swap_blocks else None
+        # empty, not zeros: a host slot is always written (swap-out, demotion) before it is read
+        self.swap_kv = torch.empty((self.num_host_slots, *self.kv.shape[1:]), dtype=self.kv.dtype,
+                                   pin_memory=pin) if self.num_host_slots else None
         self.sampler = Sampler()
         self._masks = None
         self.compiled: CompiledDecode | None = None

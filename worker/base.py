@@ -16,6 +16,7 @@ from core.errors import FieldError
 from core.kv.layout import scale_layout
 from engine.engine_thread import (AbortedBeforeArrival, DuplicateRequestError, EngineDead,
                                   EngineLoad, EngineWorker)
+from engine.kv_cache import KVEvent
 from engine.kv_connector import KVConnector
 from engine.llm_engine import LLMEngine
 from engine.request import Request, RequestOutput
@@ -24,6 +25,7 @@ from proto import common_pb2 as common
 from worker.config import WorkerConfig
 from proto.convert import field_error_trailer, sampling_from_proto
 from worker.events import KVEventHub, events_to_proto
+from worker.kv_events_zmq import EngineEventBridge, ZmqKVEventPublisher
 from worker.metrics import WorkerMetrics
 from worker import server as grpc_server
 from tracing import provider as tracing
@@ -47,6 +49,8 @@ class WorkerBase:
         self.engine: EngineWorker | None = None
         self.connector: KVConnector | None = None
         self.hub: KVEventHub | None = None
+        self.kv_events: ZmqKVEventPublisher | None = None
+        self._zmq_bridge: EngineEventBridge | None = None
         self.health = None
         self.draining = False
         self.died = asyncio.Event()
@@ -66,16 +70,36 @@ class WorkerBase:
         tracing.configure(f"tandem-{self.role}", self.config.otlp_traces_endpoint)
         self.server = grpc_server.new_server(self.auth)
         self.hub = KVEventHub(asyncio.get_running_loop())
+        self._zmq_bridge = self._zmq_events()
         self.engine = EngineWorker(
             lambda: LLMEngine(self.config.engine, connector=self.connector),
-            on_events=self.hub.publish,
-            on_step=lambda e: self.metrics.observe_engine(e, self.active_leases()),
+            on_events=self._on_kv_events, on_step=self._on_step,
             on_load=lambda _: self.hub.load_changed(), on_death=self._engine_died)
         self.connector = self.make_connector(self.engine)  # built before the engine is
         await self.engine.start()
         info = self.engine.info
         self.metrics.set_kv_cache(info.kv_cache_dtype, scale_layout(info.kv_cache_dtype),
                                   info.block_size, info.block_bytes)
+
+    def _on_kv_events(self, events: list[KVEvent]) -> None:
+        """Engine thread: the prefix cache's changes, to the routers' streams (and ZMQ)."""
+        self.hub.publish(events)
+        if self._zmq_bridge is not None:
+            self._zmq_bridge.on_events(events)
+
+    def _on_step(self, engine: LLMEngine) -> None:
+        self.metrics.observe_engine(engine, self.active_leases(), self.kv_events)
+        if self._zmq_bridge is not None:
+            self._zmq_bridge.on_step(engine)
+
+    def _zmq_events(self) -> EngineEventBridge | None:
+        """The vLLM-format KV event publisher (--kv-events-endpoint), bound now."""
+        if not self.config.kv_events_endpoint:
+            return None
+        self.kv_events = ZmqKVEventPublisher(
+            self.config.kv_events_endpoint, self.config.kv_events_replay_endpoint or None,
+            self.config.engine.cache.block_size)
+        return EngineEventBridge(self.kv_events)
 
     def compat(self) -> CompatRecord:
         info = self.engine.info
@@ -153,6 +177,8 @@ class WorkerBase:
             await self.server.stop(grace_s)
         if self.engine is not None:
             self.engine.stop()
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     def load_proto(self) -> common.WorkerLoad:
         return load_to_proto(self.engine.load, self.worker_id, self.engine.info.block_size,

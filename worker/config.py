@@ -57,6 +57,13 @@ class WorkerConfig:
     kv_peers: tuple[str, ...] = ()
     """Decode side: prefill workers (host:port of their KVLink) this worker may pull KV
     from, besides those the routers' discovery lists (pushed with SetKVPeers)."""
+    kv_events_endpoint: str = ""
+    """ZMQ endpoint to publish KV events on in vLLM's format (BlockStored/BlockRemoved
+    with the tier as medium), e.g. tcp://*:5557, for llm-d's or Dynamo's KV-aware routers
+    (worker/kv_events_zmq.py); empty = none (Tandem's router reads StreamKVEvents)."""
+    kv_events_replay_endpoint: str = ""
+    """ZMQ ROUTER endpoint that replays buffered KV event batches to a subscriber that
+    missed them, e.g. tcp://*:5558; needs --kv-events-endpoint."""
     otlp_traces_endpoint: str | None = None
     """OTLP/HTTP collector to export OpenTelemetry traces to, e.g. http://localhost:4318
     (/v1/traces is added to a URL without a path); default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT
@@ -76,6 +83,8 @@ class WorkerConfig:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         if self.drain_timeout_s < 0:
             raise ValueError(f"--drain-timeout-s must be >= 0, got {self.drain_timeout_s}")
+        if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
+            raise ValueError("--kv-events-replay-endpoint needs --kv-events-endpoint")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"--metrics-port must be in [0, 65535], got {self.metrics_port}")
         if self.otlp_traces_endpoint is not None:

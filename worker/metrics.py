@@ -9,9 +9,11 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from core.states import FallbackReason, PreemptionMode
+from worker.tier_metrics import TierMetrics
 
 if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
+    from worker.kv_events_zmq import ZmqKVEventPublisher
 
 FALLBACK_EVERY = 500
 """Engine-loop iterations between refreshes of tandem:engine_fallbacks."""
@@ -67,6 +69,7 @@ class WorkerMetrics:
                                "the number of reasons; the log says which",
                                list(labels) + ["kind"], registry=r)
         self._spec_metrics(counter)
+        self.tiers = TierMetrics(r, labels)
         self._ticks = 0
         self._last = None  # EngineStats seen at the previous refresh
         self._create_series()
@@ -141,9 +144,11 @@ class WorkerMetrics:
         self.labelled(self.prefix_queries).inc(queried_tokens)
         self.labelled(self.prefix_hits).inc(cached_tokens)
 
-    def observe_engine(self, engine: LLMEngine, active_leases: int = 0) -> None:
+    def observe_engine(self, engine: LLMEngine, active_leases: int = 0,
+                       kv_events: ZmqKVEventPublisher | None = None) -> None:
         """Refresh the gauges and add the engine counters' growth (called after steps)."""
         self._count_stats(engine.stats)
+        self.tiers.observe(engine, kv_events)
         self._count_spec(engine)
         self._ticks += 1
         if self._ticks % FALLBACK_EVERY == 1:  # cheap, but not per step

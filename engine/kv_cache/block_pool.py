@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from core.kv.block_hash import BlockHash
 
@@ -43,6 +43,9 @@ class BlockPool:
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[BlockHash, int] = {}
         self.events: list[KVEvent] = []
+        self.on_evict: Callable[[int, BlockHash, tuple[int, ...]], None] | None = None
+        """Told (block id, hash, tokens) before a cached block is evicted for reuse, its
+        bytes still intact: the lower KV tiers keep a copy (engine/kv_cache/tiers)."""
 
     @property
     def num_free(self) -> int:
@@ -60,7 +63,11 @@ class BlockPool:
         ids = []
         for _ in range(n):
             bid, _ = self.free_queue.popitem(last=False)
-            self._evict(self.blocks[bid])
+            block = self.blocks[bid]
+            if self.on_evict is not None and block.block_hash is not None \
+                    and self.cached.get(block.block_hash) == bid:
+                self.on_evict(bid, block.block_hash, block.token_ids)
+            self._evict(block)
             self.blocks[bid].ref_cnt = 1
             ids.append(bid)
         return ids

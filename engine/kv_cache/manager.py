@@ -14,6 +14,7 @@ from engine.kv_cache.block_pool import BlockPool
 from core.kv.layout import blocks_for
 
 if TYPE_CHECKING:
+    from engine.kv_cache.tiers.tiered import TieredCache
     from engine.request import Request
 
 
@@ -26,6 +27,8 @@ class KVCacheManager:
         self.hash_seed = hash_seed
         self.tables: dict[str, list[int]] = {}
         self._num_cached: dict[str, int] = {}  # leading blocks already registered per request
+        self.lower_tiers: TieredCache | None = None
+        """Where evicted blocks went (engine/kv_cache/tiers): a device miss looks there."""
 
     def blocks_needed(self, num_tokens: int) -> int:
         return blocks_for(num_tokens, self.block_size)
@@ -47,12 +50,15 @@ class KVCacheManager:
             return []
         limit = (len(req.token_ids) - 1) if max_tokens is None else max_tokens
         hit: list[int] = []
-        for i, h in enumerate(self.block_hashes(req)[: limit // self.block_size]):
+        hashes = self.block_hashes(req)[: limit // self.block_size]
+        for i, h in enumerate(hashes):
             bs = self.block_size
             bid = self.pool.lookup(h, req.token_ids[i * bs:(i + 1) * bs])
             if bid is None:
                 break
             hit.append(bid)
+        if self.lower_tiers is not None and len(hit) < len(hashes):
+            hit += self.lower_tiers.promote(hit, hashes, req.token_ids)
         return hit
 
     def can_allocate(self, req: Request, num_new_tokens: int, cached: list[int] = ()) -> bool:

@@ -1,0 +1,186 @@
+"""The tiers below the device pool, as the KV manager sees them: blocks the pool evicts
+come down (``demote``), a prefix that misses on the device comes back up (``promote``).
+
+Demotion copies the evicted block into a host slot at once, on the engine thread: an
+evicted block is about to be reused, and nothing writes a block between its eviction
+and the step's forward pass, so its bytes are still the cached ones. A host block that
+loses its slot is queued for the disk tier (a copy of its bytes; the writer thread
+writes it).
+
+Promotion is bookkeeping at admission, copies before the forward: ``promote`` takes
+device blocks for the lower-tier hits (evicting as any allocation does), registers them
+under their hashes, holds one reference on each and pins their host sources; ``flush``
+(after the step's swap copies, engine.apply_preemptions) copies the bytes in, then
+drops the holds and pins. So a promoted block is never evicted, and a host slot being
+read never reused, before its copy ran; and a device block freed by a swap-out in the
+same step is read (swap-out) before a promotion writes it. A disk hit is read and
+checked (block_file.py) during ``promote``: a synchronous file read at admission, the
+one copy still on the step loop (docs/kv-offload.md).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from core.kv.block_hash import BlockHash
+from engine.kv_cache.block_pool import BlockPool, KVEventKind
+from engine.kv_cache.swap import HostSlots
+from engine.kv_cache.tiers.disk import DiskTier
+from engine.kv_cache.tiers.events import MEDIUM_HOST, TierEvent
+from engine.kv_cache.tiers.host import HostEntry, HostTier
+
+
+@dataclass
+class TierStats:
+    demoted: int = 0
+    """Device blocks copied into the host tier."""
+    not_demoted: int = 0
+    """Evicted device blocks no host slot could take (every one pinned or the swap
+    pool's): lost, as without tiers."""
+    host_hits: int = 0
+    """Blocks promoted from the host tier."""
+    disk_hits: int = 0
+    """Blocks promoted from the disk tier."""
+
+
+class TieredCache:
+    def __init__(self, device_kv: torch.Tensor, host_kv: torch.Tensor, slots: HostSlots,
+                 block_size: int, disk: DiskTier | None = None) -> None:
+        self.device_kv = device_kv  # [num_blocks, L, 2, B, Hkv, row]
+        self.host_kv = host_kv  # [host slots, L, 2, B, Hkv, row], shared with the swap pool
+        self.slots = slots
+        self.block_size = block_size
+        self.disk = disk
+        self.host = HostTier(slots, self._spill)
+        self.stats = TierStats()
+        self.pool: BlockPool | None = None
+        self._copies: list[tuple[int, HostEntry | torch.Tensor]] = []
+        """Promotions to copy at flush: (device block, its source)."""
+        self._held: list[int] = []
+        self.events: list[TierEvent] | None = None
+        """The host tier's stores and removals since drain_events; None: nobody reads
+        them (record_events turns them on), so none pile up."""
+
+    def attach(self, pool: BlockPool) -> None:
+        """Hook into the device pool: its evictions come down here (the KV manager's
+        prefix misses look here: KVCacheManager.lower_tiers)."""
+        self.pool = pool
+        pool.on_evict = self.demote
+
+    # -- down ---------------------------------------------------------------------------
+    def demote(self, block_id: int, block_hash: BlockHash, tokens: Sequence[int]) -> None:
+        """The pool is evicting a cached block: keep a copy in the host tier."""
+        if self.host.get(block_hash, tokens) is not None:
+            return  # promoted from here earlier: the host copy is the same bytes
+        slot = self.host.reserve(block_hash, tokens)
+        if slot is None:
+            self.stats.not_demoted += 1
+            return
+        self.host_kv[slot].copy_(self.device_kv[block_id])
+        self.stats.demoted += 1
+        if self.events is not None:
+            self.events.append(TierEvent(KVEventKind.STORED, block_hash, MEDIUM_HOST, tuple(tokens)))
+
+    def _spill(self, block_hash: BlockHash, entry: HostEntry) -> None:
+        """A host block loses its slot: the disk tier gets a copy (if there is one)."""
+        if self.events is not None:
+            self.events.append(TierEvent(KVEventKind.REMOVED, block_hash, MEDIUM_HOST))
+        if self.disk is not None:
+            payload = self.host_kv[entry.slot].contiguous().view(torch.uint8).numpy().tobytes()
+            self.disk.put(block_hash, entry.tokens, payload)
+
+    # -- up -----------------------------------------------------------------------------
+    def promote(self, hit: list[int], hashes: Sequence[BlockHash],
+                token_ids: Sequence[int]) -> list[int]:
+        """Device blocks holding the lower tiers' hits that continue ``hit`` (the device's
+        own prefix hit, its blocks' ids) along ``hashes``; no references taken for the
+        caller (as BlockPool.lookup). Bounded by the free device blocks."""
+        pool, bs = self.pool, self.block_size
+        room = pool.num_free - sum(1 for b in hit if pool.blocks[b].ref_cnt == 0)
+        found: list[tuple[BlockHash, tuple[int, ...], HostEntry | torch.Tensor]] = []
+        for i in range(len(hit), min(len(hashes), len(hit) + room)):
+            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+            source = self._find(hashes[i], tokens)
+            if source is None:
+                break
+            if isinstance(source, HostEntry):
+                source.pins += 1  # from here on its slot is neither reused nor reclaimed
+            found.append((hashes[i], tokens, source))
+        if not found:
+            return []
+        pool.touch(hit)  # the allocation below must not evict the device hit
+        ids = pool.allocate(len(found))
+        pool.free(list(reversed(hit)))
+        for bid, (block_hash, tokens, source) in zip(ids, found):
+            pool.cache(bid, block_hash, tokens)
+            self._copies.append((bid, source))
+        self._held += ids
+        return ids
+
+    def _find(self, block_hash: BlockHash, tokens: tuple[int, ...]) -> HostEntry | torch.Tensor | None:
+        entry = self.host.get(block_hash, tokens)
+        if entry is not None:
+            self.stats.host_hits += 1
+            return entry
+        payload = self.disk.read(block_hash, tokens) if self.disk is not None else None
+        if payload is None:
+            return None
+        self.stats.disk_hits += 1
+        shape = self.device_kv.shape[1:]
+        return torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(
+            self.device_kv.dtype).view(shape)
+
+    def flush(self) -> None:
+        """Run the promotions' copies, then release their holds and pins (after the step's
+        swap copies, before its forward)."""
+        for bid, source in self._copies:
+            if isinstance(source, HostEntry):
+                self.device_kv[bid].copy_(self.host_kv[source.slot], non_blocking=True)
+            else:
+                self.device_kv[bid].copy_(source, non_blocking=True)
+        if self._copies and self.device_kv.device.type == "cuda":
+            torch.cuda.current_stream(self.device_kv.device).synchronize()  # sources reusable
+        for _, source in self._copies:
+            if isinstance(source, HostEntry):
+                source.pins -= 1
+        self._copies.clear()
+        if self._held:
+            self.pool.free(list(reversed(self._held)))
+            self._held.clear()
+
+    def close(self) -> None:
+        """The disk writer finishes its queue and stops (engine shutdown)."""
+        if self.disk is not None:
+            self.disk.close()
+
+    def record_events(self) -> list[TierEvent]:
+        """Start recording the tiers' events; returns what they hold now, as stores
+        (the disk's blocks found at start-up, and the host's)."""
+        self.events = []
+        now = [TierEvent(KVEventKind.STORED, h, MEDIUM_HOST, e.tokens)
+               for h, e in self.host.entries.items()]
+        return now + (self.disk.record_events() if self.disk is not None else [])
+
+    def drain_events(self) -> list[TierEvent]:
+        """The host and disk tiers' events since the last call (engine thread)."""
+        events = self.events or []
+        if self.events is not None:
+            self.events = []
+        return events + (self.disk.drain_events() if self.disk is not None else [])
+
+    # -- checks -------------------------------------------------------------------------
+    def host_blocks_in_use(self) -> int:
+        return len(self.host)
+
+    def leak_check(self, swap_used: int) -> None:
+        """AssertionError unless no promotion is pending and every host slot is free,
+        the swap pool's, or holds one host-tier block."""
+        if self._copies or self._held:
+            raise AssertionError(f"tier leak: {len(self._held)} promoted blocks still held")
+        pinned = [h for h, e in self.host.entries.items() if e.pins]
+        accounted = self.slots.num_free + self.slots.num_settling + len(self.host) + swap_used
+        if pinned or accounted != self.slots.num_slots:
+            raise AssertionError(f"host slot leak: {accounted}/{self.slots.num_slots} accounted, "
+                                 f"{len(pinned)} pinned")
