@@ -155,7 +155,7 @@ class Scheduler:
             if req.draft:
                 budget -= 1 + len(req.draft)
                 continue
-            while not self.kv.allocate(req, 1):
+            while not self._allocate(req, 1):
                 victim = self.running[-1]
                 self._preempt(victim, batch)
                 if victim is req:
@@ -170,7 +170,7 @@ class Scheduler:
         budget): slots for all of them, never preempting for them (no room: False, the
         row decodes plainly). Verification commits only the accepted ones."""
         del req.draft[max(0, budget - 1):]
-        if not req.draft or not self.kv.allocate(req, 1 + len(req.draft)):
+        if not req.draft or not self._allocate(req, 1 + len(req.draft)):
             return False
         batch.entries.append((req, 1 + len(req.draft)))
         return True
@@ -194,10 +194,10 @@ class Scheduler:
             req = self.swapped[0]
             if self.waiting and self.waiting[0].sort_key() < req.sort_key():
                 return  # a more important newcomer goes first
-            if not self.kv.allocate(req, 0):
+            if not self._allocate(req, 0):
                 return
             host = list(self.swap.free(req.request_id))
-            batch.swap_in.append((host, self.kv.table(req.request_id)[: len(host)]))
+            batch.swap_in.append((host, self.kv.live_blocks(req, self._slides(req))))
             self.swapped.pop(0)
             self._resume(req)
 
@@ -210,7 +210,7 @@ class Scheduler:
             if req.status is RequestStatus.RUNNING:
                 n = min(len(req.token_ids) - req.num_computed_tokens, budget)
                 if (n < len(req.token_ids) - req.num_computed_tokens and not self.chunked) \
-                        or not self.kv.allocate(req, n):
+                        or not self._allocate(req, n):
                     continue
                 batch.entries.append((req, n))
                 budget -= n
@@ -239,13 +239,21 @@ class Scheduler:
                              batch: ScheduledBatch, may_preempt: bool = True) -> bool:
         """Blocks for n more tokens of req, preempting less important running requests
         while that helps; False (req untouched) when it still does not fit."""
-        while not self.kv.allocate(req, n, cached):
+        while not self._allocate(req, n, cached):
             victim = self.running[-1] if self.running else None
             if not may_preempt or victim is None or victim.sort_key() <= req.sort_key():
                 req.num_computed_tokens = 0
                 return False
             self._preempt(victim, batch)
         return True
+
+    def _slides(self, req: Request) -> bool:
+        """Whether req's blocks before a sliding window are dropped: not when the connector
+        takes its whole table once its prompt is done (another engine reads all of it)."""
+        return self.connector is None or not self.connector.ends_after_prompt(req)
+
+    def _allocate(self, req: Request, n: int, cached: list[int] = ()) -> bool:
+        return self.kv.allocate(req, n, cached, slide=self._slides(req))
 
     def _admit(self, req: Request, batch: ScheduledBatch, budget: int) -> int | None:
         if not self._seat(req, batch):
@@ -307,9 +315,9 @@ class Scheduler:
         req.preempted_at = time.monotonic()
         mode = self._mode(req)
         if mode is PreemptionMode.SWAP:
-            nblocks = self.kv.blocks_needed(req.num_computed_tokens)
-            host = self.swap.allocate(req.request_id, nblocks)
-            batch.swap_out.append((self.kv.table(req.request_id)[:nblocks], host))
+            live = self.kv.live_blocks(req, self._slides(req))
+            host = self.swap.allocate(req.request_id, len(live))
+            batch.swap_out.append((live, host))
             self.kv.free(req)
             req.status = RequestStatus.SWAPPED
             self.swapped.append(req)
@@ -327,6 +335,6 @@ class Scheduler:
             return recompute
         if p.forced is None and req.num_computed_tokens < p.recompute_below_tokens:
             return recompute
-        if self.swap.num_free < self.kv.blocks_needed(req.num_computed_tokens):
+        if self.swap.num_free < len(self.kv.live_blocks(req, self._slides(req))):
             return recompute  # the swap pool is full: recompute is the fallback
         return PreemptionMode.SWAP
