@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from core.states import PreemptionMode
 from engine.config import SchedulerConfig
-from engine.kv_cache.manager import KVCacheManager
+from engine.kv_cache.manager import NULL_BLOCK, KVCacheManager
 from engine.kv_cache.swap import SwapPool
 from engine.kv_connector import ExternalKV, KVConnector
 from engine.request import Request, RequestStatus
@@ -116,6 +116,9 @@ class Scheduler:
         if loaded:
             req.num_computed_tokens = self._external(req).num_tokens
             self.kv.cache_computed(req)
+        elif self.kv.first_held(req.request_id) * self.kv.block_size > req.num_computed_tokens:
+            self.kv.free(req)  # only the window's blocks were allocated: recompute it all
+            req.num_computed_tokens = 0
         self.connector.load_ended(req)
         req.status = RequestStatus.RUNNING
         self.running.append(req)
@@ -284,18 +287,20 @@ class Scheduler:
         if not self._seat(req, batch, ext.may_preempt):
             return False
         hit = self.kv.find_cached_prefix(req, max_tokens=ext.num_tokens)
-        req.num_computed_tokens = len(hit) * self.kv.block_size
-        need = len(req.token_ids) - req.num_computed_tokens
+        # allocated as of the first token computed here: with a sliding window, the blocks
+        # wholly before its window are neither allocated nor loaded
+        req.num_computed_tokens = ext.num_tokens
+        need = len(req.token_ids) - ext.num_tokens
         if not self._allocate_or_preempt(req, need, hit, batch, ext.may_preempt):
             return False
-        req.num_cached_tokens = req.num_computed_tokens
+        req.num_computed_tokens = req.num_cached_tokens = len(hit) * self.kv.block_size
         self.waiting.remove(req)
         req.status = RequestStatus.WAITING_FOR_KV
         self.loading[req.request_id] = req
         table = self.kv.table(req.request_id)
         last = self.kv.blocks_needed(ext.num_tokens)
-        self.connector.blocks_allocated(req, req.num_computed_tokens,
-                                        [(i, table[i]) for i in range(len(hit), last)])
+        self.connector.blocks_allocated(req, req.num_computed_tokens, [
+            (i, table[i]) for i in range(len(hit), last) if table[i] != NULL_BLOCK])
         return True
 
     def _resume(self, req: Request) -> None:

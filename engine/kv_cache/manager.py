@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 
 NULL_BLOCK = -1
 """A table entry whose block was freed: wholly before the sliding window (never read)."""
+_CHAIN_BROKEN = 1 << 62
+"""_num_cached of a request whose chain has a hole: no later block is registered."""
 
 
 class KVCacheManager:
@@ -142,8 +144,15 @@ class KVCacheManager:
         table = self.tables[req.request_id][: self.blocks_needed(req.num_computed_tokens)]
         return table[first:]
 
+    def first_held(self, request_id: str) -> int:
+        """The index of the table's first block not dropped (0 for an unknown request)."""
+        return self._dropped.get(request_id, 0)
+
     def cache_computed(self, req: Request) -> None:
-        """Register the request's newly full, computed blocks in the prefix cache."""
+        """Register the request's newly full, computed blocks in the prefix cache, up to a
+        dropped block that was never registered (its KV was loaded elsewhere, or a swap-in
+        rebuilt the table without it): a chain with a hole could never be hit, so none
+        of the request's later hashes is published."""
         if not self.enable_prefix_caching:
             return
         table = self.tables[req.request_id]
@@ -154,8 +163,10 @@ class KVCacheManager:
         hashes = self.block_hashes(req)
         bs = self.block_size
         for i in range(done, full):
-            if table[i] != NULL_BLOCK:  # (dropped before it was computed here: a swap-in)
-                self.pool.cache(table[i], hashes[i], req.token_ids[i * bs:(i + 1) * bs])
+            if table[i] == NULL_BLOCK:
+                self._num_cached[req.request_id] = _CHAIN_BROKEN
+                return
+            self.pool.cache(table[i], hashes[i], req.token_ids[i * bs:(i + 1) * bs])
         self._num_cached[req.request_id] = full
 
     def trim(self, req: Request, num_tokens: int) -> None:
