@@ -174,3 +174,19 @@ def test_flash_attn_window_and_softcap_match_naive(bs: int) -> None:
         meta = build_metadata(qlens, slens, n, poisoned, bs, "cuda")
         out = fa.forward(0, q.cuda(), k.cuda(), v.cuda(), kv.cuda(), meta, params)
         torch.testing.assert_close(out.float().cpu(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_kernel_refuses_a_freed_block_inside_the_window() -> None:
+    """A table entry the window needs that was freed (-1) or lies outside the cache is an
+    error naming the row, never a read outside the cache."""
+    if pd.kernel_unavailable() is not None:
+        pytest.skip(f"paged decode kernel: {pd.kernel_unavailable()}")
+    kv = torch.randn(4, 1, 2, 16, 2, D)
+    q = torch.randn(1, 2, D)
+    lens = torch.tensor([40])
+    pd.kernel_decode(q, kv, 0, torch.tensor([[-1, 1, 2]]), lens, 0.25, window=20)  # 20..39
+    for table in ([[-1, 1, 2]], [[0, 1, 4]]):
+        with pytest.raises(RuntimeError, match="paged_decode: row 0 reads block"):
+            pd.kernel_decode(q, kv, 0, torch.tensor(table), lens, 0.25, window=30)
+    with pytest.raises(RuntimeError, match="row 0's table has no block 2"):
+        pd.kernel_decode(q, kv, 0, torch.tensor([[0, 1]]), lens, 0.25)

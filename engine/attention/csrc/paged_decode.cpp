@@ -344,7 +344,7 @@ void decode_kernel(const T* q, const KV* kv, const int64_t* tables, const int64_
                    int64_t n_seq, int64_t hq, int64_t hkv, int64_t d, int64_t block_size,
                    int64_t max_blocks, int64_t layer_stride, int64_t block_stride,
                    int64_t layer, double scale_d, int64_t rd, int64_t window,
-                   double softcap) {
+                   double softcap, int64_t num_blocks) {
   const int64_t group = hq / hkv, dp = (d + kW - 1) / kW * kW, stride = 2 + dp;
   const float scale = static_cast<float>(scale_d);
   const int64_t row = hkv * rd;  // one token's K (or V) at one layer
@@ -356,6 +356,15 @@ void decode_kernel(const T* q, const KV* kv, const int64_t* tables, const int64_
     longest = std::max(longest, lens[i] - first[i]);
   }
   const int64_t splits = splits_for(n_seq, longest);
+  // Every block a row reads is in its table and in the cache (a freed entry is -1): a
+  // window shorter than the KV manager's is an error here, never a read outside kv.
+  for (int64_t i = 0; i < n_seq; ++i)
+    for (int64_t b = first[i] / block_size; b * block_size < lens[i]; ++b) {
+      TORCH_CHECK(b < max_blocks, "paged_decode: row ", i, "'s table has no block ", b);
+      const int64_t id = tables[i * max_blocks + b];
+      TORCH_CHECK(id >= 0 && id < num_blocks, "paged_decode: row ", i, " reads block ", b,
+                  " of its table, whose entry ", id, " is not a block of the cache");
+    }
   std::vector<float> state(n_seq * hq * splits * stride);  // [seq, head, split]
   at::parallel_for(0, n_seq * splits, 1, [&](int64_t begin, int64_t end) {
     Scratch s(hq, group, dp);
@@ -407,13 +416,13 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv, int64_t layer
                                       tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
                                       out.data_ptr<scalar_t>(), n, hq, hkv, d, block_size,
                                       tables.size(1), kv.stride(1), kv.stride(0), layer, scale,
-                                      rd, window, softcap);
+                                      rd, window, softcap, kv.size(0));
     else
       decode_kernel<scalar_t, scalar_t>(q.data_ptr<scalar_t>(), kv.data_ptr<scalar_t>(),
                                         tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
                                         out.data_ptr<scalar_t>(), n, hq, hkv, d, block_size,
                                         tables.size(1), kv.stride(1), kv.stride(0), layer,
-                                        scale, rd, window, softcap);
+                                        scale, rd, window, softcap, kv.size(0));
   });
   return out;
 }
