@@ -82,7 +82,7 @@ class LLMEngine:
         self.max_model_len = context_window(config.load, ckpt.config)
         self.tokenizer = tokenizer or checkpoint_tokenizer(ckpt)
         self.runner = ModelRunner(config, ckpt, self.max_model_len)
-        self.kv = self._kv_cache(config.cache)
+        self.kv = self._kv_cache(config.cache, colocated=connector is None)
         slots = HostSlots(self.runner.num_host_slots)
         self.swap = SwapPool(self.runner.num_swap_blocks, slots) if self.runner.num_swap_blocks else None
         self.tiers = build_tiers(config.cache, self.kv, self.runner.kv, self.runner.swap_kv,
@@ -112,18 +112,35 @@ class LLMEngine:
         self._urgent: int | None = None
         """Best priority of requests announced by interrupt_for since the step began."""
 
-    def _kv_cache(self, cache: CacheConfig) -> KVCacheManager:
+    def _kv_cache(self, cache: CacheConfig, colocated: bool) -> KVCacheManager:
         """The block manager over the runner's pool; ValueError when the pool cannot hold
-        one request of the context window."""
+        one request of the context window: all of it, or, colocated with chunked prefill
+        and a sliding window, one chunk and the window before it (what a request then
+        holds at most; a P/D worker keeps or reads whole prompts)."""
+        window, sched = self._kv_window(), self.config.scheduler
+        tokens = self.max_model_len
+        if window is not None and colocated and sched.enable_chunked_prefill:
+            tokens = min(tokens, window - 1 + sched.max_num_batched_tokens + cache.block_size)
         capacity = self.runner.num_blocks * cache.block_size
-        if capacity < self.max_model_len:
+        if capacity < tokens:
             raise ValueError(
                 f"--kv-blocks {self.runner.num_blocks} holds {capacity} tokens, less than one "
                 f"request of the context window (--max-model-len {self.max_model_len}); "
-                f"raise --kv-blocks to at least {blocks_for(self.max_model_len, cache.block_size)} "
+                f"raise --kv-blocks to at least {blocks_for(tokens, cache.block_size)} "
                 "or lower --max-model-len")
         return KVCacheManager(self.runner.num_blocks, cache.block_size,
-                              cache.enable_prefix_caching, cache.hash_seed)
+                              cache.enable_prefix_caching, cache.hash_seed,
+                              sliding_window=window)
+
+    def _kv_window(self) -> int | None:
+        """The window KV memory follows: the model's (``ModelConfig.sliding_window``, set
+        when every layer slides), unless a separate draft model shares the block tables
+        (it may attend further back, so every block is kept)."""
+        window = getattr(self.model_config, "sliding_window", None)
+        spec = self.config.spec
+        if spec.speculative_method == "draft" and not spec.speculative_model.startswith("self:"):
+            return None
+        return window
 
     # -- requests -------------------------------------------------------------
     def make_request(self, prompt: str | Sequence[int], params: SamplingParams,

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from core.states import PreemptionMode
 from engine.config import SchedulerConfig
-from engine.kv_cache.manager import KVCacheManager
+from engine.kv_cache.manager import NULL_BLOCK, KVCacheManager
 from engine.kv_cache.swap import SwapPool
 from engine.kv_connector import ExternalKV, KVConnector
 from engine.request import Request, RequestStatus
@@ -116,6 +116,9 @@ class Scheduler:
         if loaded:
             req.num_computed_tokens = self._external(req).num_tokens
             self.kv.cache_computed(req)
+        elif self.kv.first_held(req.request_id) * self.kv.block_size > req.num_computed_tokens:
+            self.kv.free(req)  # only the window's blocks were allocated: recompute it all
+            req.num_computed_tokens = 0
         self.connector.load_ended(req)
         req.status = RequestStatus.RUNNING
         self.running.append(req)
@@ -155,7 +158,7 @@ class Scheduler:
             if req.draft:
                 budget -= 1 + len(req.draft)
                 continue
-            while not self.kv.allocate(req, 1):
+            while not self._allocate(req, 1):
                 victim = self.running[-1]
                 self._preempt(victim, batch)
                 if victim is req:
@@ -170,7 +173,7 @@ class Scheduler:
         budget): slots for all of them, never preempting for them (no room: False, the
         row decodes plainly). Verification commits only the accepted ones."""
         del req.draft[max(0, budget - 1):]
-        if not req.draft or not self.kv.allocate(req, 1 + len(req.draft)):
+        if not req.draft or not self._allocate(req, 1 + len(req.draft)):
             return False
         batch.entries.append((req, 1 + len(req.draft)))
         return True
@@ -194,10 +197,10 @@ class Scheduler:
             req = self.swapped[0]
             if self.waiting and self.waiting[0].sort_key() < req.sort_key():
                 return  # a more important newcomer goes first
-            if not self.kv.allocate(req, 0):
+            if not self._allocate(req, 0):
                 return
             host = list(self.swap.free(req.request_id))
-            batch.swap_in.append((host, self.kv.table(req.request_id)[: len(host)]))
+            batch.swap_in.append((host, self.kv.live_blocks(req, self._slides(req))))
             self.swapped.pop(0)
             self._resume(req)
 
@@ -210,7 +213,7 @@ class Scheduler:
             if req.status is RequestStatus.RUNNING:
                 n = min(len(req.token_ids) - req.num_computed_tokens, budget)
                 if (n < len(req.token_ids) - req.num_computed_tokens and not self.chunked) \
-                        or not self.kv.allocate(req, n):
+                        or not self._allocate(req, n):
                     continue
                 batch.entries.append((req, n))
                 budget -= n
@@ -239,13 +242,21 @@ class Scheduler:
                              batch: ScheduledBatch, may_preempt: bool = True) -> bool:
         """Blocks for n more tokens of req, preempting less important running requests
         while that helps; False (req untouched) when it still does not fit."""
-        while not self.kv.allocate(req, n, cached):
+        while not self._allocate(req, n, cached):
             victim = self.running[-1] if self.running else None
             if not may_preempt or victim is None or victim.sort_key() <= req.sort_key():
                 req.num_computed_tokens = 0
                 return False
             self._preempt(victim, batch)
         return True
+
+    def _slides(self, req: Request) -> bool:
+        """Whether req's blocks before a sliding window are dropped: not when the connector
+        takes its whole table once its prompt is done (another engine reads all of it)."""
+        return self.connector is None or not self.connector.ends_after_prompt(req)
+
+    def _allocate(self, req: Request, n: int, cached: list[int] = ()) -> bool:
+        return self.kv.allocate(req, n, cached, slide=self._slides(req))
 
     def _admit(self, req: Request, batch: ScheduledBatch, budget: int) -> int | None:
         if not self._seat(req, batch):
@@ -276,18 +287,20 @@ class Scheduler:
         if not self._seat(req, batch, ext.may_preempt):
             return False
         hit = self.kv.find_cached_prefix(req, max_tokens=ext.num_tokens)
-        req.num_computed_tokens = len(hit) * self.kv.block_size
-        need = len(req.token_ids) - req.num_computed_tokens
+        # allocated as of the first token computed here: with a sliding window, the blocks
+        # wholly before its window are neither allocated nor loaded
+        req.num_computed_tokens = ext.num_tokens
+        need = len(req.token_ids) - ext.num_tokens
         if not self._allocate_or_preempt(req, need, hit, batch, ext.may_preempt):
             return False
-        req.num_cached_tokens = req.num_computed_tokens
+        req.num_computed_tokens = req.num_cached_tokens = len(hit) * self.kv.block_size
         self.waiting.remove(req)
         req.status = RequestStatus.WAITING_FOR_KV
         self.loading[req.request_id] = req
         table = self.kv.table(req.request_id)
         last = self.kv.blocks_needed(ext.num_tokens)
-        self.connector.blocks_allocated(req, req.num_computed_tokens,
-                                        [(i, table[i]) for i in range(len(hit), last)])
+        self.connector.blocks_allocated(req, req.num_computed_tokens, [
+            (i, table[i]) for i in range(len(hit), last) if table[i] != NULL_BLOCK])
         return True
 
     def _resume(self, req: Request) -> None:
@@ -307,9 +320,9 @@ class Scheduler:
         req.preempted_at = time.monotonic()
         mode = self._mode(req)
         if mode is PreemptionMode.SWAP:
-            nblocks = self.kv.blocks_needed(req.num_computed_tokens)
-            host = self.swap.allocate(req.request_id, nblocks)
-            batch.swap_out.append((self.kv.table(req.request_id)[:nblocks], host))
+            live = self.kv.live_blocks(req, self._slides(req))
+            host = self.swap.allocate(req.request_id, len(live))
+            batch.swap_out.append((live, host))
             self.kv.free(req)
             req.status = RequestStatus.SWAPPED
             self.swapped.append(req)
@@ -327,6 +340,6 @@ class Scheduler:
             return recompute
         if p.forced is None and req.num_computed_tokens < p.recompute_below_tokens:
             return recompute
-        if self.swap.num_free < self.kv.blocks_needed(req.num_computed_tokens):
+        if self.swap.num_free < len(self.kv.live_blocks(req, self._slides(req))):
             return recompute  # the swap pool is full: recompute is the fallback
         return PreemptionMode.SWAP

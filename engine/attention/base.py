@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 
 from engine.attention.metadata import AttentionMetadata
 from engine.kv_cache.quant import decode, encode
@@ -113,15 +114,54 @@ def gather_blocks(layer: int, kv: torch.Tensor, block_ids: torch.Tensor,
     return decode(k, kv_quant, dtype), decode(v, kv_quant, dtype)
 
 
+def first_key(first_query: int, window: int | None) -> int:
+    """The earliest key position any query at or after ``first_query`` can see (0 without a
+    window): backends read the cache from there on, so blocks wholly before a sliding
+    window are never read (the KV manager may have freed them)."""
+    return 0 if window is None else max(0, first_query - window + 1)
+
+
 def gather_kv(layer: int, kv: torch.Tensor, table: list[int] | torch.Tensor, seq_len: int,
-              kv_quant: str | None = None, dtype: torch.dtype | None = None
+              kv_quant: str | None = None, dtype: torch.dtype | None = None, start: int = 0
               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence's K and V, [seq_len, Hkv, D] each, read through its block table
-    (dequantized to ``dtype`` when kv_quant says the cache is quantized)."""
-    nblocks = -(-seq_len // kv.shape[3])
-    idx = torch.as_tensor(table[:nblocks], dtype=torch.long, device=kv.device)
+    """One sequence's K and V at positions start .. seq_len - 1, [seq_len - start, Hkv, D]
+    each, read through its block table (blocks before ``start``'s are not read) and
+    dequantized to ``dtype`` when kv_quant says the cache is quantized."""
+    bs = kv.shape[3]
+    first, nblocks = start // bs, -(-seq_len // bs)
+    idx = torch.as_tensor(table[first:nblocks], dtype=torch.long, device=kv.device)
     k, v = gather_blocks(layer, kv, idx, kv_quant, dtype)
-    return k.view(-1, *k.shape[-2:])[:seq_len], v.view(-1, *v.shape[-2:])[:seq_len]
+    skip = start - first * bs
+    return (k.view(-1, *k.shape[-2:])[skip:seq_len - first * bs],
+            v.view(-1, *v.shape[-2:])[skip:seq_len - first * bs])
+
+
+def visible(qpos: torch.Tensor, kpos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[..., Lq, S] bool from query positions [..., Lq, 1] and key positions [..., 1, S]:
+    True where the key is at or before the query and, with a window, fewer than
+    ``window`` positions before it."""
+    seen = kpos <= qpos
+    return seen if window is None else seen & (kpos > qpos - window)
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     mask: torch.Tensor | None, params: LayerAttention) -> torch.Tensor:
+    """softmax(cap(q.k * scale) | mask) v with GQA: q [B, Hq, Lq, D], k and v [B, Hkv, S, D],
+    mask broadcastable to [B, 1, Lq, S] (True = visible; None: causal over a square) ->
+    [B, Hq, Lq, D] in q's dtype. Without a soft-cap, torch's SDPA (fused on CPU, flash
+    on CUDA); SDPA has no soft-cap, so capped layers take the explicit fp32 form."""
+    if params.softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                              scale=params.scale, enable_gqa=True)
+    rep = q.shape[1] // k.shape[1]
+    kf = k.float().repeat_interleave(rep, dim=1)  # [B, Hq, S, D]
+    vf = v.float().repeat_interleave(rep, dim=1)
+    s = q.float() @ kf.transpose(-1, -2) * params.scale  # [B, Hq, Lq, S]
+    s = params.softcap * torch.tanh(s / params.softcap)
+    if mask is None:
+        n = s.shape[-1]
+        mask = torch.ones(n, n, dtype=torch.bool, device=s.device).tril()
+    return (s.masked_fill(~mask, float("-inf")).softmax(-1) @ vf).to(q.dtype)
 
 
 def get_backend(name: str, device: torch.device | str = "cpu") -> AttentionBackend:

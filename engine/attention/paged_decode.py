@@ -1,8 +1,12 @@
 """Decode attention over the paged cache, without gathering the context first.
 
-``paged_decode(q, kv, layer, tables, lens, scale, kv_quant)`` -> [N, Hq, D] for N
-sequences with one query token each. On CPU (up to KERNEL_MAX_ROWS sequences: any
-batch the engine runs) it runs ``torch.ops.tandem.paged_decode``
+``paged_decode(q, kv, layer, tables, lens, scale, kv_quant, window, softcap)`` ->
+[N, Hq, D] for N sequences with one query token each (the query at position
+lens[i] - 1). With a sliding ``window`` a row sees only its last ``window`` keys:
+neither path reads a block wholly before them (the KV manager may have freed it; its
+table entry is then never dereferenced). ``softcap`` caps the scaled scores
+(softcap * tanh(s / softcap)) before the softmax. On CPU (up to KERNEL_MAX_ROWS
+sequences: any batch the engine runs) it runs ``torch.ops.tandem.paged_decode``
 (csrc/paged_decode.cpp): K and V rows are read in place through the block tables, one
 sequence (or, with few sequences, one range of its tokens) per task, so a step copies
 no context; an int8 cache is read as codes, its row scales folded into the scores and
@@ -10,23 +14,22 @@ the softmax weights (no dequantized copy). The extension is built on first use w
 the machine's compiler (about 20 s, once per source version: engine/native.py).
 
 Above KERNEL_MAX_ROWS, and elsewhere (CUDA, an fp8 cache, or no compiler: said once in
-the log), it takes the gathered path: one batched SDPA over the contexts padded to the
-longest, a quantized cache dequantized as it is gathered.
+the log), it takes the gathered path: one batched attention over each row's visible
+blocks padded to the widest, a quantized cache dequantized as it is gathered.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from engine.attention.base import gather_blocks
+from engine.attention.base import LayerAttention, gather_blocks, masked_attention, visible
 from engine.kv_cache.quant import rotation
 from engine.native import NativeKernel
 
 def _register_fakes() -> None:
     torch.library.register_fake("tandem::paged_decode")(
-        lambda q, kv, layer, tables, lens, scale: torch.empty_like(q))
+        lambda q, kv, layer, tables, lens, scale, window=0, softcap=0.0: torch.empty_like(q))
 
 
 KERNEL = NativeKernel("paged_decode", Path(__file__).parent / "csrc" / "paged_decode.cpp",
@@ -45,40 +48,51 @@ tiles."""
 
 
 def paged_decode(q: torch.Tensor, kv: torch.Tensor, layer: int, tables: torch.Tensor,
-                 lens: torch.Tensor, scale: float, kv_quant: str | None = None) -> torch.Tensor:
+                 lens: torch.Tensor, scale: float, kv_quant: str | None = None,
+                 window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """q [N, Hq, D]; kv the whole cache; tables [N, maxb] long (padded with any block
-    id); lens [N] long; kv_quant None (kv in q's dtype) or a quantized --kv-cache-dtype
-    -> [N, Hq, D]."""
+    id; entries before a row's window are never read); lens [N] long; kv_quant None (kv
+    in q's dtype) or a quantized --kv-cache-dtype -> [N, Hq, D]."""
     if (kv.device.type == "cpu" and q.shape[0] <= KERNEL_MAX_ROWS
             and kv_quant in (None, "int8") and kernel_unavailable() is None):
-        return kernel_decode(q, kv, layer, tables, lens, scale, kv_quant)
-    return gathered_decode(q, kv, layer, tables, lens, scale, kv_quant)
+        return kernel_decode(q, kv, layer, tables, lens, scale, kv_quant, window, softcap)
+    return gathered_decode(q, kv, layer, tables, lens, scale, kv_quant, window, softcap)
 
 
 def kernel_decode(q: torch.Tensor, kv: torch.Tensor, layer: int, tables: torch.Tensor,
-                  lens: torch.Tensor, scale: float, kv_quant: str | None = None) -> torch.Tensor:
-    """The in-place kernel. An int8 cache holds rotated rows (engine/kv_cache/quant.py):
-    the kernel gets the rotated query (q . k is unchanged) and its output, a weighted sum
-    of rotated values, is rotated back."""
+                  lens: torch.Tensor, scale: float, kv_quant: str | None = None,
+                  window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """The in-place kernel (window 0 / softcap 0.0 mean none there). An int8 cache holds
+    rotated rows (engine/kv_cache/quant.py): the kernel gets the rotated query (q . k is
+    unchanged) and its output, a weighted sum of rotated values, is rotated back."""
+    extra = (window or 0, softcap or 0.0)
     if kv_quant is None:
-        return torch.ops.tandem.paged_decode(q.contiguous(), kv, layer, tables, lens, scale)
+        return torch.ops.tandem.paged_decode(q.contiguous(), kv, layer, tables, lens, scale,
+                                             *extra)
     r = rotation(q.shape[-1], q.device)
     qr = (q.float() @ r).to(q.dtype).contiguous()
-    out = torch.ops.tandem.paged_decode(qr, kv, layer, tables, lens, scale)
+    out = torch.ops.tandem.paged_decode(qr, kv, layer, tables, lens, scale, *extra)
     return (out.float() @ r).to(q.dtype)
 
 
 def gathered_decode(q: torch.Tensor, kv: torch.Tensor, layer: int, tables: torch.Tensor,
-                    lens: torch.Tensor, scale: float, kv_quant: str | None = None
+                    lens: torch.Tensor, scale: float, kv_quant: str | None = None,
+                    window: int | None = None, softcap: float | None = None
                     ) -> torch.Tensor:
-    """The fallback: gather each context (padded to the longest), one batched SDPA with a
-    key mask (faster on CPU than an explicit matmul-softmax-matmul over the same gather)."""
-    n = q.shape[0]
-    ks, vs = gather_blocks(layer, kv, tables.reshape(-1), kv_quant, q.dtype)  # [N*maxb, B, Hkv, D]
+    """The fallback: gather each row's blocks from the first its window reaches (padded to
+    the widest row), one batched attention with a key mask (SDPA: faster on CPU than an
+    explicit matmul-softmax-matmul over the same gather)."""
+    n, bs = q.shape[0], kv.shape[3]
+    first = torch.zeros_like(lens) if window is None else (lens - window).clamp(min=0) // bs
+    width = int(((lens + bs - 1) // bs - first).max())
+    cols = (first.unsqueeze(1) + torch.arange(width, device=q.device)).clamp(
+        max=tables.shape[1] - 1)  # [N, width]: past a row's end, padding (masked)
+    ids = tables.gather(1, cols).reshape(-1)
+    ks, vs = gather_blocks(layer, kv, ids, kv_quant, q.dtype)  # [N*width, B, Hkv, D]
     ks = ks.view(n, -1, *ks.shape[-2:]).transpose(1, 2)  # [N, Hkv, S, D]
     vs = vs.view(n, -1, *vs.shape[-2:]).transpose(1, 2)
-    keys = torch.arange(ks.shape[2], device=q.device)
-    mask = (keys.unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]  # [N, 1, 1, S]
-    out = F.scaled_dot_product_attention(q.unsqueeze(2), ks, vs, attn_mask=mask, scale=scale,
-                                         enable_gqa=True)  # [N, Hq, 1, D]
+    kpos = first.unsqueeze(1) * bs + torch.arange(ks.shape[2], device=q.device)  # [N, S]
+    mask = visible((lens - 1).view(n, 1, 1, 1), kpos[:, None, None, :], window)
+    out = masked_attention(q.unsqueeze(2), ks, vs, mask,
+                           LayerAttention(scale, window, softcap))  # [N, Hq, 1, D]
     return out.squeeze(2)

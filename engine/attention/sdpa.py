@@ -1,28 +1,33 @@
 """torch scaled_dot_product_attention over the paged cache.
 
 Prefill sequences run one SDPA each over their gathered context (causal with the
-cached prefix in front: an explicit mask when a prefix exists). On CUDA, SDPA
-dispatches to a FlashAttention kernel; on CPU to a fused kernel. Decoding
-sequences run through paged_decode.py: on CPU a kernel that reads K/V in place
-through the block tables (the CPU SDPA kernel was slow for single-token queries
-and needed every context gathered first, once per layer). A quantized cache: the
-prefill path dequantizes the gathered context to the compute dtype; the decode kernel
-dequantizes int8 rows as it reads them (fp8 takes the gathered path).
+cached prefix in front: an explicit mask when a prefix exists or the layer has a
+sliding window, whose context is gathered from the first block the chunk's earliest
+query can see). On CUDA, SDPA dispatches to a FlashAttention kernel; on CPU to a
+fused kernel. A soft-capped layer takes the explicit fp32 form (base.masked_attention):
+SDPA has no soft-cap. Decoding sequences (and speculative verification, whose 1 + k
+queries arrive as k + 1 decode rows) run through paged_decode.py: on CPU a kernel
+that reads K/V in place through the block tables, skipping keys before the window
+(the CPU SDPA kernel was slow for single-token queries and needed every context
+gathered first, once per layer). A quantized cache: the prefill path dequantizes the
+gathered context to the compute dtype; the decode kernel dequantizes int8 rows as it
+reads them (fp8 takes the gathered path).
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from engine.attention.base import AttentionBackend, LayerAttention, gather_kv
+from engine.attention.base import (AttentionBackend, LayerAttention, first_key, gather_kv,
+                                   masked_attention, visible)
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.paged_decode import paged_decode
 
 
-def _causal_mask(qlen: int, slen: int, device) -> torch.Tensor:
-    """[Lq, S] bool, True where query i (at position slen-qlen+i) may see key j."""
+def _prefill_mask(qlen: int, slen: int, start: int, window: int | None,
+                  device) -> torch.Tensor:
+    """[Lq, S - start] bool: query i (at position slen-qlen+i) may see key j (at start+j)."""
     qpos = torch.arange(slen - qlen, slen, device=device).unsqueeze(1)
-    return torch.arange(slen, device=device).unsqueeze(0) <= qpos
+    return visible(qpos, torch.arange(start, slen, device=device).unsqueeze(0), window)
 
 
 def _decode_inputs(meta: AttentionMetadata, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,20 +43,25 @@ def _decode_inputs(meta: AttentionMetadata, device) -> tuple[torch.Tensor, torch
 class SDPABackend(AttentionBackend):
     name = "sdpa"
 
+    supports = frozenset({"window", "softcap"})
+
     def attend(self, layer, q, kv, meta: AttentionMetadata, params: LayerAttention, out) -> None:
-        scale = params.scale
         start = 0
         for i in range(meta.num_prefills):
             qlen, slen = meta.query_lens[i], meta.seq_lens[i]
-            ks, vs = gather_kv(layer, kv, meta.block_tables[i], slen, meta.kv_quant, q.dtype)
+            first = first_key(slen - qlen, params.window)
+            ks, vs = gather_kv(layer, kv, meta.block_tables[i], slen, meta.kv_quant, q.dtype,
+                               start=first)
             qs = q[start:start + qlen].transpose(0, 1).unsqueeze(0)  # [1, Hq, Lq, D]
-            mask = None if qlen == slen else meta.cached(
-                f"pmask{i}", lambda: _causal_mask(qlen, slen, q.device))
-            o = F.scaled_dot_product_attention(
-                qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
-                attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)
+            plain = qlen == slen and params.window is None  # causal over a square
+            mask = None if plain else meta.cached(
+                f"pmask{i}:{params.window}",
+                lambda: _prefill_mask(qlen, slen, first, params.window, q.device))
+            o = masked_attention(qs, ks.transpose(0, 1).unsqueeze(0),
+                                 vs.transpose(0, 1).unsqueeze(0), mask, params)
             out[start:start + qlen] = o[0].transpose(0, 1)
             start += qlen
         if meta.num_decodes:
             bt, lens = meta.cached("decode", lambda: _decode_inputs(meta, q.device))
-            out[start:] = paged_decode(q[start:], kv, layer, bt, lens, scale, meta.kv_quant)
+            out[start:] = paged_decode(q[start:], kv, layer, bt, lens, params.scale, meta.kv_quant,
+                                       params.window, params.softcap)

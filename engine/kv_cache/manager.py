@@ -4,6 +4,17 @@ Invariants: a running request's table covers at least ``num_computed_tokens``
 tokens plus what is scheduled this step; every block in a table holds one
 reference; a request's full, computed blocks are registered in the prefix
 cache as soon as they are computed.
+
+Sliding windows (``sliding_window``: set when every layer of the model slides, to the
+largest window): a block no layer can attend to any more, wholly before the window of
+the request's next query, is freed (``allocate`` drops it before growing the table)
+and its table entry becomes ``NULL_BLOCK``. Those entries are always a prefix of the
+table, never read by an attention backend (they start at the window), and a request
+then holds at most window / block_size + 2 blocks while it decodes; admission counts
+only the blocks a request really holds and will get. A freed block was registered
+in the prefix cache when it was computed (it is freed only once the window has passed
+it), so it stays a valid cache entry until evicted; a prefix hit is still the whole
+chain of cached blocks from the first one (every block present), so a hit is exact.
 """
 from __future__ import annotations
 
@@ -18,11 +29,23 @@ if TYPE_CHECKING:
     from engine.request import Request
 
 
+NULL_BLOCK = -1
+"""A table entry whose block was freed: wholly before the sliding window (never read)."""
+_CHAIN_BROKEN = 1 << 62
+"""_num_cached of a request whose chain has a hole: no later block is registered."""
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 hash_seed: int = 0) -> None:
+                 hash_seed: int = 0, sliding_window: int | None = None) -> None:
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
         self.pool = BlockPool(num_blocks)
         self.block_size = block_size
+        self.sliding_window = sliding_window
+        """Every layer's keys lie within this many positions of its query (None: some
+        layer sees the whole context): blocks before that window are freed."""
+        self._dropped: dict[str, int] = {}  # leading table entries freed (NULL_BLOCK)
         self.enable_prefix_caching = enable_prefix_caching
         self.hash_seed = hash_seed
         self.tables: dict[str, list[int]] = {}
@@ -61,31 +84,81 @@ class KVCacheManager:
             hit += self.lower_tiers.promote(hit, hashes, req.token_ids)
         return hit
 
-    def can_allocate(self, req: Request, num_new_tokens: int, cached: list[int] = ()) -> bool:
+    def first_live_block(self, num_computed: int) -> int:
+        """The first block the query at position ``num_computed`` (the next one computed)
+        or any later one can see: 0 without a sliding window."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, num_computed - self.sliding_window + 1) // self.block_size
+
+    def can_allocate(self, req: Request, num_new_tokens: int, cached: list[int] = (),
+                     slide: bool = True) -> bool:
+        """Whether ``allocate`` would succeed (the blocks it would drop first are counted
+        free only by allocate itself, which drops them either way)."""
         table = self.tables.get(req.request_id, [])
-        need = self.blocks_needed(req.num_computed_tokens + num_new_tokens) - len(table) - len(cached)
-        evictable_hits = sum(1 for b in cached if self.pool.blocks[b].ref_cnt == 0)
+        first = self.first_live_block(req.num_computed_tokens) if slide else 0
+        have = max(len(table), len(cached), first)
+        need = self.blocks_needed(req.num_computed_tokens + num_new_tokens) - have
+        evictable_hits = sum(1 for b in cached[first:] if self.pool.blocks[b].ref_cnt == 0)
         return need <= self.pool.num_free - evictable_hits
 
-    def allocate(self, req: Request, num_new_tokens: int, cached: list[int] = ()) -> bool:
+    def allocate(self, req: Request, num_new_tokens: int, cached: list[int] = (),
+                 slide: bool = True) -> bool:
         """Grow req's table to cover num_computed_tokens + num_new_tokens, first adopting
-        ``cached`` prefix blocks (only for a request with no table yet). False (and no
-        change) when the pool is too small."""
-        if not self.can_allocate(req, num_new_tokens, cached):
+        ``cached`` prefix blocks (only for a request with no table yet). With a sliding
+        window (and ``slide``: False keeps every block, for a table someone else reads
+        whole) the blocks before the next query's window are dropped first and no block
+        before it is taken or adopted. False when the pool is too small (the dead blocks
+        are dropped either way: no query reads them again)."""
+        first = self.first_live_block(req.num_computed_tokens) if slide else 0
+        self._drop_before(req.request_id, first)
+        if not self.can_allocate(req, num_new_tokens, cached, slide):
             return False
         table = self.tables.setdefault(req.request_id, [])
         if cached:
             assert not table, "cached prefix blocks are adopted only at admission"
-            self.pool.touch(cached)
-            table.extend(cached)
+            self.pool.touch(cached[first:])
+            table.extend([NULL_BLOCK] * min(first, len(cached)) + list(cached[first:]))
             self._num_cached[req.request_id] = len(cached)
+        if len(table) < first:  # a table rebuilt mid-context (swap-in): nothing before
+            table.extend([NULL_BLOCK] * (first - len(table)))
+        self._dropped[req.request_id] = max(self._dropped.get(req.request_id, 0),
+                                            min(first, len(table)))
         need = self.blocks_needed(req.num_computed_tokens + num_new_tokens) - len(table)
         if need > 0:
             table.extend(self.pool.allocate(need))
         return True
 
+    def _drop_before(self, request_id: str, first: int) -> None:
+        """Free the table's blocks before index ``first`` (no query will see them again),
+        oldest first, leaving NULL_BLOCK in their place."""
+        table = self.tables.get(request_id)
+        done = self._dropped.get(request_id, 0)
+        if table is None or first <= done:
+            return
+        end = min(first, len(table))
+        self.pool.free([b for b in table[done:end] if b != NULL_BLOCK])
+        table[done:end] = [NULL_BLOCK] * (end - done)
+        self._dropped[request_id] = end
+
+    def live_blocks(self, req: Request, slide: bool = True) -> list[int]:
+        """The blocks covering req's computed tokens that a later query can read, in table
+        order (sliding: the dead ones are dropped first), e.g. to swap out; after
+        ``allocate(req, 0, slide=slide)`` rebuilds the table they are as many again."""
+        first = self.first_live_block(req.num_computed_tokens) if slide else 0
+        self._drop_before(req.request_id, first)
+        table = self.tables[req.request_id][: self.blocks_needed(req.num_computed_tokens)]
+        return table[first:]
+
+    def first_held(self, request_id: str) -> int:
+        """The index of the table's first block not dropped (0 for an unknown request)."""
+        return self._dropped.get(request_id, 0)
+
     def cache_computed(self, req: Request) -> None:
-        """Register the request's newly full, computed blocks in the prefix cache."""
+        """Register the request's newly full, computed blocks in the prefix cache, up to a
+        dropped block that was never registered (its KV was loaded elsewhere, or a swap-in
+        rebuilt the table without it): a chain with a hole could never be hit, so none
+        of the request's later hashes is published."""
         if not self.enable_prefix_caching:
             return
         table = self.tables[req.request_id]
@@ -96,6 +169,9 @@ class KVCacheManager:
         hashes = self.block_hashes(req)
         bs = self.block_size
         for i in range(done, full):
+            if table[i] == NULL_BLOCK:
+                self._num_cached[req.request_id] = _CHAIN_BROKEN
+                return
             self.pool.cache(table[i], hashes[i], req.token_ids[i * bs:(i + 1) * bs])
         self._num_cached[req.request_id] = full
 
@@ -112,18 +188,21 @@ class KVCacheManager:
         """Release every block of req exactly once (idempotent per request)."""
         table = self.tables.pop(req.request_id, None)
         self._num_cached.pop(req.request_id, None)
+        self._dropped.pop(req.request_id, None)
         if table:
             self.release(table)
 
     def detach(self, request_id: str) -> list[int]:
         """Take a request's table out of the manager, its block references with it: the
         taker frees it with ``release`` (the request's own ``free`` then frees none)."""
+        self._num_cached.pop(request_id, None)
+        self._dropped.pop(request_id, None)
         return self.tables.pop(request_id)
 
     def release(self, table: list[int]) -> None:
         """Free a table's blocks tail-first (its last blocks are then evicted before
-        its shared prefix, BlockPool.free)."""
-        self.pool.free(list(reversed(table)))
+        its shared prefix, BlockPool.free); dropped entries hold nothing."""
+        self.pool.free([b for b in reversed(table) if b != NULL_BLOCK])
 
     def table(self, request_id: str) -> list[int]:
         return self.tables[request_id]

@@ -19,6 +19,10 @@
 //    the 16 of them together, instead of a horizontal reduce per (token, head);
 //  - V rows are widened chunk by chunk straight from the cache into up to kHeads
 //    heads' accumulators held in registers.
+// A sliding window (window > 0) starts a sequence's range at its last `window` keys:
+// tokens (and so blocks) before that are never read, their table entries never looked
+// at. A soft-cap (softcap > 0) maps each tile's scaled scores s to c * tanh(s / c)
+// before the online softmax.
 // An int8 cache (--kv-cache-dtype int8) is never multiplied by its scale element-wise:
 // a row is D int8 codes then its bfloat16 scale s, and s is folded into the per-token
 // scalars instead: score_t = s_t * (q . codes_t), and V's weight p_t * s_t, so
@@ -27,6 +31,7 @@
 // kv: [num_blocks, num_layers, 2, block_size, Hkv, R] contiguous, R = D (q's dtype) or
 //     D + 2 (int8 codes, then the row's bfloat16 scale as two bytes)
 // q:  [N, Hq, D] contiguous; block_tables: [N, max_blocks] int64; seq_lens: [N] int64
+// window: keys a query sees (0: all); softcap: the cap c (0: none)
 // returns [N, Hq, D] in q's dtype (zeros for a sequence of length 0).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -139,6 +144,11 @@ inline void scale_tile(float* x, const float* s) {  // x[t] *= s[t], t < kTile
   for (int t = 0; t < kTile; t += kW) (Vec::loadu(x + t) * Vec::loadu(s + t)).store(x + t);
 }
 
+inline void cap_tile(float* x, float cap) {  // x[t] = cap * tanh(x[t] / cap), t < kTile
+  const Vec c(cap), inv(1.f / cap);
+  for (int t = 0; t < kTile; t += kW) (c * (Vec::loadu(x + t) * inv).tanh()).store(x + t);
+}
+
 // Lane t of lane_mask(n, t0) is set where t0 + t < n (all-ones bits, else zero).
 inline Vec lane_mask(int n, int t0) {
   alignas(64) static const uint32_t bits[2 * kTile] = {
@@ -244,7 +254,7 @@ struct Scratch {
 template <typename KV>
 void head_tile(const KV* const* krows, const KV* const* vrows, int n, int64_t group,
                int64_t d, int64_t dp, const float* q, float* acc, float* m, float* l,
-               Scratch& s) {
+               float softcap, Scratch& s) {
   float ks[kTile] = {}, vs[kTile] = {};  // int8 row scales (0 past the tile's rows)
   if constexpr (kQuant<KV>)
     for (int t = 0; t < n; ++t) vs[t] = row_scale(vrows[t], d);
@@ -253,6 +263,7 @@ void head_tile(const KV* const* krows, const KV* const* vrows, int n, int64_t gr
     float* sc = s.w.data() + g * kTile;
     tile_scores(q + g * dp, s.kt.data(), dp, sc);
     if constexpr (kQuant<KV>) scale_tile(sc, ks);
+    if (softcap > 0.f) cap_tile(sc, softcap);
     const float alpha = softmax_step(sc, n, m[g], l[g]);
     if (alpha != 1.f)
       for (int64_t c = 0; c < dp; ++c) acc[g * dp + c] *= alpha;
@@ -267,7 +278,8 @@ void head_tile(const KV* const* krows, const KV* const* vrows, int n, int64_t gr
 // head; s.q holds the sequence's queries already scaled, [hq][dp] zero-padded.
 template <typename KV>
 void decode_task(const RowMap<KV>& map, int64_t t_begin, int64_t t_end, int64_t hkv,
-                 int64_t group, int64_t d, int64_t dp, int64_t rd, Scratch& s) {
+                 int64_t group, int64_t d, int64_t dp, int64_t rd, float softcap,
+                 Scratch& s) {
   std::fill(s.acc.begin(), s.acc.end(), 0.f);
   std::fill(s.m.begin(), s.m.end(), -std::numeric_limits<float>::infinity());
   std::fill(s.l.begin(), s.l.end(), 0.f);
@@ -296,7 +308,7 @@ void decode_task(const RowMap<KV>& map, int64_t t_begin, int64_t t_end, int64_t 
       }
       const int64_t q0 = h * group;
       head_tile(krows, vrows, n, group, d, dp, s.q.data() + q0 * dp, s.acc.data() + q0 * dp,
-                s.m.data() + q0, s.l.data() + q0, s);
+                s.m.data() + q0, s.l.data() + q0, softcap, s);
     }
   }
 }
@@ -331,25 +343,43 @@ template <typename T, typename KV>
 void decode_kernel(const T* q, const KV* kv, const int64_t* tables, const int64_t* lens, T* out,
                    int64_t n_seq, int64_t hq, int64_t hkv, int64_t d, int64_t block_size,
                    int64_t max_blocks, int64_t layer_stride, int64_t block_stride,
-                   int64_t layer, double scale_d, int64_t rd) {
+                   int64_t layer, double scale_d, int64_t rd, int64_t window,
+                   double softcap, int64_t num_blocks) {
   const int64_t group = hq / hkv, dp = (d + kW - 1) / kW * kW, stride = 2 + dp;
   const float scale = static_cast<float>(scale_d);
   const int64_t row = hkv * rd;  // one token's K (or V) at one layer
-  const int64_t splits = splits_for(n_seq, *std::max_element(lens, lens + n_seq));
+  // The first key each sequence reads: its window's, else 0.
+  std::vector<int64_t> first(n_seq, 0);
+  int64_t longest = 0;
+  for (int64_t i = 0; i < n_seq; ++i) {
+    if (window > 0) first[i] = std::max<int64_t>(0, lens[i] - window);
+    longest = std::max(longest, lens[i] - first[i]);
+  }
+  const int64_t splits = splits_for(n_seq, longest);
+  // Every block a row reads is in its table and in the cache (a freed entry is -1): a
+  // window shorter than the KV manager's is an error here, never a read outside kv.
+  for (int64_t i = 0; i < n_seq; ++i)
+    for (int64_t b = first[i] / block_size; b * block_size < lens[i]; ++b) {
+      TORCH_CHECK(b < max_blocks, "paged_decode: row ", i, "'s table has no block ", b);
+      const int64_t id = tables[i * max_blocks + b];
+      TORCH_CHECK(id >= 0 && id < num_blocks, "paged_decode: row ", i, " reads block ", b,
+                  " of its table, whose entry ", id, " is not a block of the cache");
+    }
   std::vector<float> state(n_seq * hq * splits * stride);  // [seq, head, split]
   at::parallel_for(0, n_seq * splits, 1, [&](int64_t begin, int64_t end) {
     Scratch s(hq, group, dp);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = item / splits, part = item % splits;
-      const int64_t span = (lens[seq] + splits - 1) / splits;  // whole tiles per split
+      const int64_t b = first[seq], len = lens[seq];
+      const int64_t span = (len - b + splits - 1) / splits;  // whole tiles per split
       const int64_t chunk = (span + kTile - 1) / kTile * kTile;
       for (int64_t h = 0; h < hq; ++h)
         for (int64_t c = 0; c < dp; ++c)
           s.q[h * dp + c] = c < d ? static_cast<float>(q[(seq * hq + h) * d + c]) * scale : 0.f;
       const RowMap<KV> map{kv + layer * layer_stride, tables + seq * max_blocks, block_size,
                            block_stride, row, block_size * row};
-      decode_task(map, std::min(lens[seq], part * chunk), std::min(lens[seq], (part + 1) * chunk),
-                  hkv, group, d, dp, rd, s);
+      decode_task(map, std::min(len, b + part * chunk), std::min(len, b + (part + 1) * chunk),
+                  hkv, group, d, dp, rd, static_cast<float>(softcap), s);
       for (int64_t h = 0; h < hq; ++h) {
         float* st = state.data() + ((seq * hq + h) * splits + part) * stride;
         st[0] = s.m[h];
@@ -366,7 +396,7 @@ void decode_kernel(const T* q, const KV* kv, const int64_t* tables, const int64_
 
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv, int64_t layer,
                         const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                        double scale) {
+                        double scale, int64_t window, double softcap) {
   TORCH_CHECK(q.dim() == 3 && kv.dim() == 6, "paged_decode: q [N, Hq, D], kv 6-D");
   TORCH_CHECK(q.is_contiguous() && kv.is_contiguous(), "paged_decode: contiguous inputs");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
@@ -376,6 +406,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv, int64_t layer
   const int64_t n = q.size(0), hq = q.size(1), d = q.size(2);
   const int64_t hkv = kv.size(4), block_size = kv.size(3), rd = kv.size(5);
   TORCH_CHECK(rd == (q8 ? d + 2 : d) && hq % hkv == 0, "paged_decode: head shapes disagree");
+  TORCH_CHECK(window >= 0 && softcap >= 0, "paged_decode: window and softcap >= 0 (0: none)");
   auto tables = block_tables.contiguous();
   auto lens = seq_lens.contiguous();
   auto out = at::empty_like(q);
@@ -385,20 +416,20 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv, int64_t layer
                                       tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
                                       out.data_ptr<scalar_t>(), n, hq, hkv, d, block_size,
                                       tables.size(1), kv.stride(1), kv.stride(0), layer, scale,
-                                      rd);
+                                      rd, window, softcap, kv.size(0));
     else
       decode_kernel<scalar_t, scalar_t>(q.data_ptr<scalar_t>(), kv.data_ptr<scalar_t>(),
                                         tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
                                         out.data_ptr<scalar_t>(), n, hq, hkv, d, block_size,
                                         tables.size(1), kv.stride(1), kv.stride(0), layer,
-                                        scale, rd);
+                                        scale, rd, window, softcap, kv.size(0));
   });
   return out;
 }
 
 TORCH_LIBRARY(tandem, m) {
   m.def("paged_decode(Tensor q, Tensor kv, int layer, Tensor block_tables, Tensor seq_lens, "
-        "float scale) -> Tensor");
+        "float scale, int window=0, float softcap=0.) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tandem, CPU, m) { m.impl("paged_decode", &paged_decode); }
