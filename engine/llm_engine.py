@@ -133,10 +133,13 @@ class LLMEngine:
                               sliding_window=window)
 
     def _kv_window(self) -> int | None:
-        """The window KV memory follows: the model's (``ModelConfig.sliding_window``, set
-        when every layer slides), unless a separate draft model shares the block tables
-        (it may attend further back, so every block is kept)."""
-        window = getattr(self.model_config, "sliding_window", None)
+        """The window KV memory follows: the widest of the layers' windows when every
+        layer slides (read from the model's own LayerAttention, so a family that mixes
+        sliding and global layers, Gemma 2/3 or Qwen2's max_window_layers, keeps every
+        block), unless a separate draft model shares the block tables (it may attend
+        further back, so every block is kept)."""
+        windows = [p.window for p in self.runner.model.attention_params()]
+        window = None if None in windows else max(windows)
         spec = self.config.spec
         if spec.speculative_method == "draft" and not spec.speculative_model.startswith("self:"):
             return None
