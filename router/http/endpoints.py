@@ -119,9 +119,10 @@ class Endpoints:
             first = await deltas.__anext__()
             st.metrics.ttft.observe(outcome.trace.ttft_seconds)
             shape = ResponseShape(rid, int(time.time()), st.model_name, intake.chat,
-                                  LogprobFormat(st.tokenizer, intake.chat)
+                                  LogprobFormat(st.tokenizer, intake.chat, intake.tokens_as_ids)
                                   if intake.logprobs is not None else None,
-                                  intake.include_usage, intake.tools)
+                                  intake.include_usage, intake.tools,
+                                  intake.prompt_ids if intake.return_token_ids else None)
             if intake.stream:
                 resp = OwnedStream(self._sse(first, deltas, shape, outcome), stack, headers)
                 stack = None  # the response owns it now
@@ -140,15 +141,19 @@ class Endpoints:
     async def _sse(self, first: Delta, deltas: AsyncIterator[Delta], shape: ResponseShape,
                    outcome: _Outcome) -> AsyncIterator[str]:
         m = self.state.metrics
+        opening = True  # the first chunk carries prompt_token_ids when asked
         if shape.chat:
-            yield shape.chunk(None, None, role=True)
+            yield shape.chunk(None, None, role=True, first=True)
+            opening = False
         d, last = first, time.monotonic()
         calls = ToolCallText(shape.tools) if shape.tools is not None else None
+        ids_wanted = shape.logprobs is not None or shape.prompt_ids is not None
         try:
             while True:
                 text = d.text if calls is None else calls.feed(d.text)
-                if text or (shape.logprobs is not None and d.token_ids):
-                    yield shape.chunk(text, None, d=d)
+                if text or (ids_wanted and d.token_ids):
+                    yield shape.chunk(text, None, d=d, first=opening)
+                    opening = False
                 if d.finished:
                     outcome.reason = d.finish_reason or "error"
                     break

@@ -14,10 +14,13 @@ class LogprobFormat:
     """OpenAI logprobs objects: chat (content list, top_logprobs entries) or
     completions (tokens, token_logprobs, top_logprobs dicts, text_offset)."""
 
-    def __init__(self, tokenizer: Tokenizer, chat: bool) -> None:
-        self.tokenizer, self.chat = tokenizer, chat
+    def __init__(self, tokenizer: Tokenizer, chat: bool, as_ids: bool = False) -> None:
+        """as_ids: name each token token_id:<id> (vLLM's return_tokens_as_token_ids)."""
+        self.tokenizer, self.chat, self.as_ids = tokenizer, chat, as_ids
 
     def _tok(self, token_id: int) -> str:
+        if self.as_ids:
+            return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def render(self, ids: list[int], lps: list[Logprob]) -> dict:
@@ -58,6 +61,9 @@ class ResponseShape:
     tools: ToolPlan | None = None
     """Set when the output may hold tool calls (message.tool_calls, finish_reason
     "tool_calls")."""
+    prompt_ids: list[int] | None = None
+    """vLLM's return_token_ids: the prompt's ids (and each choice's token_ids) go out
+    with the response; None: they do not."""
 
     def full(self, text: str, reason: str | None, ids: list[int], lps: list[Logprob],
              trace: Trace) -> dict:
@@ -71,9 +77,13 @@ class ResponseShape:
             choice = {"index": 0, "message": message, "logprobs": lp, "finish_reason": reason}
         else:
             choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": reason}
+        top = {}
+        if self.prompt_ids is not None:
+            choice["token_ids"] = ids
+            (top if self.chat else choice)["prompt_token_ids"] = self.prompt_ids
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": [choice],
-                "usage": usage(trace)}
+                "usage": usage(trace), **top}
 
     def _event(self, **fields) -> str:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
@@ -82,7 +92,8 @@ class ResponseShape:
         return f"data: {json.dumps(body)}\n\n"
 
     def chunk(self, text: str | None, reason: str | None, role: bool = False,
-              d: Delta | None = None) -> str:
+              d: Delta | None = None, first: bool = False) -> str:
+        """first: the stream's first chunk (it carries prompt_token_ids when asked)."""
         lps = (self.logprobs.render(d.token_ids, d.logprobs)
                if self.logprobs is not None and d is not None else None)
         if self.chat:
@@ -91,7 +102,12 @@ class ResponseShape:
             choice = {"index": 0, "delta": delta, "logprobs": lps, "finish_reason": reason}
         else:
             choice = {"index": 0, "text": text or "", "logprobs": lps, "finish_reason": reason}
-        return self._event(choices=[choice])
+        top = {}
+        if self.prompt_ids is not None:
+            choice["token_ids"] = list(d.token_ids) if d is not None else []
+            if first:
+                (top if self.chat else choice)["prompt_token_ids"] = self.prompt_ids
+        return self._event(choices=[choice], **top)
 
     def tool_call_chunks(self, calls: list[dict]) -> list[str]:
         """Each call as OpenAI streams one: its id, type and name, then its arguments."""
