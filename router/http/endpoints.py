@@ -84,6 +84,28 @@ class Endpoints:
         return {"object": "list", "data": [{"id": self.state.model_name, "object": "model",
                                             "created": 0, "owned_by": "tandem"}]}
 
+    # -- tokenizer ---------------------------------------------------------------------
+    async def tokenize(self, request: Request) -> JSONResponse:
+        """vLLM's /tokenize: {count, max_model_len, tokens, token_strs}."""
+        try:
+            ids, strs = await Reader(self.state).tokenize(request)
+        except APIError as e:
+            return e.response(_echo(request, f"tok-{uuid.uuid4().hex}"))
+        tok = self.state.tokenizer
+        return JSONResponse({"count": len(ids), "max_model_len": self.state.config.max_model_len,
+                             "tokens": ids, "token_strs": [
+                                 tok.decode([t], skip_special_tokens=False) for t in ids]
+                             if strs else None})
+
+    async def detokenize(self, request: Request) -> JSONResponse:
+        """vLLM's /detokenize: {prompt} (special tokens kept, as vLLM decodes)."""
+        try:
+            ids = await Reader(self.state).detokenize(request)
+        except APIError as e:
+            return e.response(_echo(request, f"tok-{uuid.uuid4().hex}"))
+        text = await self.state.parsing.run(self.state.tokenizer.decode, ids, False)
+        return JSONResponse({"prompt": text})
+
     # -- completions ------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
         return await self._read_and_serve(request, "cmpl", Reader.completion)

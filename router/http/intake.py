@@ -8,9 +8,10 @@ its Intake only. Every error is an APIError naming the field.
 """
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Callable, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
@@ -23,7 +24,8 @@ from router.openai_api import ChatCompletionRequest, CompletionRequest
 from router.prompts import bad_words_ids, truncated
 from router.request_fields import refuse_unsupported
 from router.state import RouterState
-from router.structured import Constraint, constraint_of
+from router.structured import Constraint, constraint_of, tool_plan
+from router.tokenize_api import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
 from router.tools import ToolPlan, template_messages
 
 M = TypeVar("M", bound=BaseModel)
@@ -78,9 +80,17 @@ class Reader:
     async def _parse(self, request: Request, model: type[M]) -> M:
         """The body as the model, checked first for what costs nothing to check (the
         served model, the priority and the deadline headers)."""
+        body = await self._validated(request, model.model_validate_json)
+        request.state.priority = self._priority(request, body)
+        request.state.deadline = self._deadline(request)
+        return body
+
+    async def _validated(self, request: Request, validate: Callable[[bytes], M]) -> M:
+        """The body validated (on the parsing pool), its refused fields refused and its
+        model checked; APIError naming the field otherwise."""
         raw = await _body(request)
         try:
-            body = await self.state.parsing.run(model.model_validate_json, raw)
+            body = await self.state.parsing.run(validate, raw)
         except ValidationError as e:
             raise APIError.from_errors(e.errors()) from None
         except RecursionError:
@@ -92,9 +102,31 @@ class Reader:
         if body.model not in (None, "", self.state.model_name):
             raise APIError(404, f"model {body.model!r} does not exist; this server serves "
                                 f"{self.state.model_name!r}", param="model")
-        request.state.priority = self._priority(request, body)
-        request.state.deadline = self._deadline(request)
         return body
+
+    # -- /tokenize, /detokenize ------------------------------------------------------------
+    async def tokenize(self, request: Request) -> tuple[list[int], bool]:
+        """The ids of a /tokenize body's prompt or messages (rendered as a chat request
+        renders them), and whether it asks for each token's text."""
+        body = await self._validated(request, _tokenize_body)
+        if isinstance(body, TokenizeCompletionRequest):
+            ids = await self.state.parsing.run(self.state.tokenizer.encode, body.prompt,
+                                               body.add_special_tokens)
+            return ids, body.return_token_strs
+        try:
+            plan = tool_plan(body)
+        except ValueError as e:
+            raise APIError.invalid(e) from None
+        return await self.state.parsing.run(self._chat_ids, body, plan), body.return_token_strs
+
+    async def detokenize(self, request: Request) -> list[int]:
+        body = await self._validated(request, DetokenizeRequest.model_validate_json)
+        vocab = self.state.tokenizer.vocab_size
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"tokens: token id {bad} is outside the vocabulary "
+                                f"[0, {vocab})", param="tokens")
+        return body.tokens
 
     async def _intake(self, request: Request, body, ids: list[int], chat: bool,
                       logprobs: int | None, constraint: Constraint) -> Intake:
@@ -206,6 +238,16 @@ class Reader:
 
 _CONSTRAINT_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice",
                       "guided_grammar", "structured_outputs", "tools", "tool_choice")
+
+
+def _tokenize_body(raw: bytes) -> TokenizeChatRequest | TokenizeCompletionRequest:
+    """A chat-style body (it has messages) or a completion-style one (a prompt)."""
+    try:
+        data = json.loads(raw)
+    except ValueError as e:
+        raise APIError(400, f"the body is not JSON: {e}") from None
+    chat = isinstance(data, dict) and "messages" in data
+    return (TokenizeChatRequest if chat else TokenizeCompletionRequest).model_validate(data)
 
 
 def _constrains(body) -> bool:

@@ -1,4 +1,4 @@
-"""One cluster shared by the router tests that need real workers and the official
+"""`api`: one cluster shared by the router tests that need real workers and the official
 client: a prefill and a decode worker on the tiny model behind a router whose
 threshold sends prompts of more than 4 uncached tokens through the prefill worker
 (disaggregated) and shorter ones to the decode worker alone (local prefill)."""
@@ -7,15 +7,23 @@ from __future__ import annotations
 import openai
 import pytest
 
+from core.tokenizer import Tokenizer
+
 from tests.cluster.launch import cluster
 
-WORKER_ARGS = ["--dtype", "float32", "--kv-blocks", "256", "--max-model-len", "256"]
+WORKER_ARGS = ["--dtype", "float32", "--kv-blocks", "256", "--max-model-len", "1024"]
 
 
 @pytest.fixture(scope="session")
-def openai_cluster(tiny_model_dir):
+def api(tiny_model_dir):
     with cluster(tiny_model_dir, "tcp", worker_args=WORKER_ARGS,
-                 router_args=["--local-prefill-threshold", "4"]) as c:
+                 router_args=["--local-prefill-threshold", "4", "--max-model-len", "1024"]) as c:
         c.client = openai.OpenAI(base_url=c.url + "/v1", api_key="unused", max_retries=0,
                                  timeout=120)
         yield c
+
+
+@pytest.fixture(scope="session")
+def tiny_tok(tiny_model_dir) -> Tokenizer:
+    """The tiny model's tokenizer (byte-level: one token per byte, specials 0-2)."""
+    return Tokenizer.load(tiny_model_dir)

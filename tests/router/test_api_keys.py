@@ -85,3 +85,11 @@ def test_metrics_key_and_no_docs(up) -> None:
         r = httpx.get(up + path, timeout=10, headers={"authorization": "Bearer k-from-env-0004"})
         assert r.status_code == 404, path
     assert httpx.get(up + "/health", timeout=10).status_code == 200  # probes stay open
+
+
+def test_tokenize_and_detokenize_need_a_key(up) -> None:
+    for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [70]})):
+        assert httpx.post(url := up + path, json=body, timeout=30).status_code == 401
+        ok = httpx.post(url, json=body, timeout=30,
+                        headers={"authorization": "Bearer k-from-env-0004"})
+        assert ok.status_code == 200, ok.text
