@@ -32,6 +32,9 @@ is compiled on the router and on every worker the request touches."""
 MAX_CACHE_SALT_CHARS = 256
 """Longest cache_salt a client may send (it is hashed at the router, whatever its
 length; the bound keeps a body's fields sane)."""
+MAX_BATCH_PROMPTS = 256
+"""Most prompts one /v1/completions request may carry (each is a request of its own
+through admission and the workers)."""
 MAX_TOOLS = 128
 """Most tools one chat request may offer (their schemas become one grammar)."""
 GREEDY_TEMPERATURE = 1e-5

@@ -168,7 +168,8 @@ class _Common(_Strict):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int]
+    prompt: str | list[str] | list[int] | list[list[int]]
+    """One prompt (a string or token ids) or a batch of them: a choice per prompt."""
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: Literal[False] = False
     best_of: Literal[1] | None = None
@@ -177,6 +178,13 @@ class CompletionRequest(_Common):
     add_special_tokens: bool = True
     """vLLM: the tokenizer's special tokens (BOS) around a text prompt."""
     prompt_embeds: Any = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The body's prompts, in order (a bare string or id list is one)."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)
 
 
 class FunctionDefinition(_Strict):

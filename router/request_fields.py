@@ -36,7 +36,7 @@ def _f(name: str, endpoints: str, defined_by: str, status: str, note: str = "") 
 FIELDS: tuple[RequestField, ...] = (
     _f("model", BOTH, "OpenAI", IMPLEMENTED, "the served model's name (or absent); another is a 404"),
     _f("messages", CHAT, "OpenAI", IMPLEMENTED, "text content parts; roles system, user, assistant (with tool_calls), tool"),
-    _f("prompt", COMPLETIONS, "OpenAI", IMPLEMENTED, "a string or a list of token ids"),
+    _f("prompt", COMPLETIONS, "OpenAI", IMPLEMENTED, "a string, token ids, or a list of up to 256 of either: a choice per prompt (index i is prompt i), streamed interleaved; a prompt's error names prompt[i]"),
     _f("max_tokens", BOTH, "OpenAI", IMPLEMENTED),
     _f("max_completion_tokens", CHAT, "OpenAI", IMPLEMENTED, "max_tokens wins when both are set"),
     _f("temperature", BOTH, "OpenAI", IMPLEMENTED, "[0, 2]; 0 is greedy"),

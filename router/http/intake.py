@@ -16,7 +16,7 @@ from typing import Callable, TypeVar
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from core.limits import check_priority, check_prompt
+from core.limits import MAX_BATCH_PROMPTS, check_priority, check_prompt
 from core.sampling import SamplingParams
 from router.cache_salt import request_salt
 from router.http.errors import APIError
@@ -58,15 +58,28 @@ class Reader:
     def __init__(self, state: RouterState) -> None:
         self.state = state
 
-    async def completion(self, request: Request) -> Intake:
+    async def completions(self, request: Request) -> list[Intake]:
+        """One Intake per prompt of the body (a string or token ids, or a list of either),
+        in order; a prompt's error is a 400 naming prompt[i] when there are several."""
         body = await self._parse(request, CompletionRequest)
+        prompts = body.prompts()
+        if not prompts or len(prompts) > MAX_BATCH_PROMPTS:
+            raise APIError(400, f"prompt: 1 to {MAX_BATCH_PROMPTS} prompts, got {len(prompts)}",
+                           param="prompt")
         constraint = await self._constraint(body)
-        if isinstance(body.prompt, str):
-            ids = await self.state.parsing.run(self._encode, body.prompt,
-                                               body.add_special_tokens)
-        else:
-            ids = list(body.prompt)
-        return await self._intake(request, body, ids, False, body.logprobs, constraint)
+        intakes = []
+        for i, prompt in enumerate(prompts):
+            try:
+                if isinstance(prompt, str):
+                    ids = await self.state.parsing.run(self._encode, prompt,
+                                                       body.add_special_tokens)
+                else:
+                    ids = list(prompt)
+                intakes.append(await self._intake(request, body, ids, False, body.logprobs,
+                                                  constraint))
+            except APIError as e:
+                raise e.of_prompt(i) if len(prompts) > 1 else e
+        return intakes
 
     async def chat(self, request: Request) -> Intake:
         body = await self._parse(request, ChatCompletionRequest)

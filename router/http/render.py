@@ -42,10 +42,14 @@ class LogprobFormat:
                 "text_offset": offsets}
 
 
-def usage(trace: Trace) -> dict:
-    return {"prompt_tokens": trace.prompt_tokens, "completion_tokens": trace.output_tokens,
-            "total_tokens": trace.prompt_tokens + trace.output_tokens,
-            "prompt_tokens_details": {"cached_tokens": trace.realized_cached_tokens}}
+def usage(*traces: Trace) -> dict:
+    """The usage object of one request, or the sum over a batch's sub-requests."""
+    prompt = sum(t.prompt_tokens for t in traces)
+    output = sum(t.output_tokens for t in traces)
+    return {"prompt_tokens": prompt, "completion_tokens": output,
+            "total_tokens": prompt + output,
+            "prompt_tokens_details": {"cached_tokens": sum(t.realized_cached_tokens
+                                                           for t in traces)}}
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,8 @@ class ResponseShape:
     prompt_ids: list[int] | None = None
     """vLLM's return_token_ids: the prompt's ids (and each choice's token_ids) go out
     with the response; None: they do not."""
+    index: int = 0
+    """The choice's index (a batch of prompts: the prompt's)."""
 
     def full(self, text: str, reason: str | None, ids: list[int], lps: list[Logprob],
              trace: Trace) -> dict:
@@ -74,9 +80,10 @@ class ResponseShape:
             if calls:
                 message, reason = {"role": "assistant", "content": None,
                                    "tool_calls": calls}, "tool_calls"
-            choice = {"index": 0, "message": message, "logprobs": lp, "finish_reason": reason}
+            choice = {"index": self.index, "message": message, "logprobs": lp,
+                      "finish_reason": reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": reason}
+            choice = {"index": self.index, "text": text, "logprobs": lp, "finish_reason": reason}
         top = {}
         if self.prompt_ids is not None:
             choice["token_ids"] = ids
@@ -99,9 +106,11 @@ class ResponseShape:
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else (
                 {} if text is None else {"content": text})
-            choice = {"index": 0, "delta": delta, "logprobs": lps, "finish_reason": reason}
+            choice = {"index": self.index, "delta": delta, "logprobs": lps,
+                      "finish_reason": reason}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": lps, "finish_reason": reason}
+            choice = {"index": self.index, "text": text or "", "logprobs": lps,
+                      "finish_reason": reason}
         top = {}
         if self.prompt_ids is not None:
             choice["token_ids"] = list(d.token_ids) if d is not None else []
@@ -121,8 +130,8 @@ class ResponseShape:
                                                  "logprobs": None, "finish_reason": None}]))
         return out
 
-    def usage_chunk(self, trace: Trace) -> str:
-        return self._event(choices=[], usage=usage(trace))
+    def usage_chunk(self, *traces: Trace) -> str:
+        return self._event(choices=[], usage=usage(*traces))
 
     @staticmethod
     def error_event(message: str) -> str:
