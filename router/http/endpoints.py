@@ -22,6 +22,8 @@ from core.kv import blocks_for
 from router.flow import Delta
 from router.http.errors import APIError
 from router.http.batch import serve_batch
+from router.http.responses import serve_responses
+from router.http.tokens import TokenReader
 from router.http.intake import Intake, Reader
 from router.http.owned import FLOW_ERRORS, Outcome, OwnedStream, echo_headers
 from router.http.render import LogprobFormat, ResponseShape
@@ -61,7 +63,7 @@ class Endpoints:
     async def tokenize(self, request: Request) -> JSONResponse:
         """vLLM's /tokenize: {count, max_model_len, tokens, token_strs}."""
         try:
-            ids, strs = await Reader(self.state).tokenize(request)
+            ids, strs = await TokenReader(self.state).tokenize(request)
         except APIError as e:
             return e.response(echo_headers(request, f"tok-{uuid.uuid4().hex}"))
         tok = self.state.tokenizer
@@ -73,11 +75,14 @@ class Endpoints:
     async def detokenize(self, request: Request) -> JSONResponse:
         """vLLM's /detokenize: {prompt} (special tokens kept, as vLLM decodes)."""
         try:
-            ids = await Reader(self.state).detokenize(request)
+            ids = await TokenReader(self.state).detokenize(request)
         except APIError as e:
             return e.response(echo_headers(request, f"tok-{uuid.uuid4().hex}"))
         text = await self.state.parsing.run(self.state.tokenizer.decode, ids, False)
         return JSONResponse({"prompt": text})
+
+    async def responses(self, request: Request) -> Response:
+        return await serve_responses(self, request)
 
     # -- completions ------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:

@@ -8,7 +8,6 @@ its Intake only. Every error is an APIError naming the field.
 """
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from typing import Callable, TypeVar
@@ -24,8 +23,7 @@ from router.openai_api import ChatCompletionRequest, CompletionRequest
 from router.prompts import bad_words_ids, truncated
 from router.request_fields import refuse_unsupported
 from router.state import RouterState
-from router.structured import Constraint, constraint_of, tool_plan
-from router.tokenize_api import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
+from router.structured import Constraint, constraint_of
 from router.tools import ToolPlan, template_messages
 
 M = TypeVar("M", bound=BaseModel)
@@ -82,7 +80,9 @@ class Reader:
         return intakes
 
     async def chat(self, request: Request) -> Intake:
-        body = await self._parse(request, ChatCompletionRequest)
+        return await self._chat(request, await self._parse(request, ChatCompletionRequest))
+
+    async def _chat(self, request: Request, body: ChatCompletionRequest) -> Intake:
         if body.max_completion_tokens and not body.max_tokens:
             body.max_tokens = body.max_completion_tokens
         constraint = await self._constraint(body)
@@ -116,30 +116,6 @@ class Reader:
             raise APIError(404, f"model {body.model!r} does not exist; this server serves "
                                 f"{self.state.model_name!r}", param="model")
         return body
-
-    # -- /tokenize, /detokenize ------------------------------------------------------------
-    async def tokenize(self, request: Request) -> tuple[list[int], bool]:
-        """The ids of a /tokenize body's prompt or messages (rendered as a chat request
-        renders them), and whether it asks for each token's text."""
-        body = await self._validated(request, _tokenize_body)
-        if isinstance(body, TokenizeCompletionRequest):
-            ids = await self.state.parsing.run(self.state.tokenizer.encode, body.prompt,
-                                               body.add_special_tokens)
-            return ids, body.return_token_strs
-        try:
-            plan = tool_plan(body)
-        except ValueError as e:
-            raise APIError.invalid(e) from None
-        return await self.state.parsing.run(self._chat_ids, body, plan), body.return_token_strs
-
-    async def detokenize(self, request: Request) -> list[int]:
-        body = await self._validated(request, DetokenizeRequest.model_validate_json)
-        vocab = self.state.tokenizer.vocab_size
-        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise APIError(400, f"tokens: token id {bad} is outside the vocabulary "
-                                f"[0, {vocab})", param="tokens")
-        return body.tokens
 
     async def _intake(self, request: Request, body, ids: list[int], chat: bool,
                       logprobs: int | None, constraint: Constraint) -> Intake:
@@ -251,16 +227,6 @@ class Reader:
 
 _CONSTRAINT_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice",
                       "guided_grammar", "structured_outputs", "tools", "tool_choice")
-
-
-def _tokenize_body(raw: bytes) -> TokenizeChatRequest | TokenizeCompletionRequest:
-    """A chat-style body (it has messages) or a completion-style one (a prompt)."""
-    try:
-        data = json.loads(raw)
-    except ValueError as e:
-        raise APIError(400, f"the body is not JSON: {e}") from None
-    chat = isinstance(data, dict) and "messages" in data
-    return (TokenizeChatRequest if chat else TokenizeCompletionRequest).model_validate(data)
 
 
 def _constrains(body) -> bool:

@@ -4,6 +4,7 @@ threshold sends prompts of more than 4 uncached tokens through the prefill worke
 (disaggregated) and shorter ones to the decode worker alone (local prefill)."""
 from __future__ import annotations
 
+import httpx
 import openai
 import pytest
 
@@ -20,7 +21,18 @@ def api(tiny_model_dir):
                  router_args=["--local-prefill-threshold", "4", "--max-model-len", "1024"]) as c:
         c.client = openai.OpenAI(base_url=c.url + "/v1", api_key="unused", max_retries=0,
                                  timeout=120)
+        c.requests_total = lambda **labels: requests_total(c.url, **labels)
         yield c
+
+
+def requests_total(url: str, **labels: str) -> float:
+    """The router's tandem:router_requests_total summed over the series with these
+    labels (path=..., finish_reason=...)."""
+    body = httpx.get(url + "/metrics", timeout=10).text
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    return sum(float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
+               if line.startswith("tandem:router_requests_total{")
+               and all(w in line for w in want))
 
 
 @pytest.fixture(scope="session")

@@ -23,13 +23,6 @@ def _one(api, prompt, **kw) -> openai.types.Completion:
                                          extra_body={"ignore_eos": True, **kw})
 
 
-def _finished(api, reason: str) -> float:
-    body = httpx.get(api.url + "/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
-               if line.startswith("tandem:router_requests_total{")
-               and f'finish_reason="{reason}"' in line)
-
-
 def test_a_choice_per_prompt_each_as_alone(api, tiny_tok) -> None:
     alone = [_one(api, p) for p in PROMPTS]
     batch = _one(api, PROMPTS, return_token_ids=True)
@@ -79,7 +72,7 @@ LONG_BATCH = {"prompt": ["a b c", "the slow brown dog sleeps", "x y z w"], "max_
 
 
 def test_a_client_gone_mid_stream_aborts_every_prompt(api) -> None:
-    before = _finished(api, "abort")
+    before = api.requests_total(finish_reason="abort")
     with httpx.stream("POST", api.url + "/v1/completions", timeout=60,
                       json={**LONG_BATCH, "stream": True}) as r:
         assert r.status_code == 200
@@ -88,12 +81,12 @@ def test_a_client_gone_mid_stream_aborts_every_prompt(api) -> None:
                 break
     api.leak_check()
     assert api.load(api.decode[0]).num_running == 0
-    assert _finished(api, "abort") == before + 3
+    assert api.requests_total(finish_reason="abort") == before + 3
 
 
 def test_a_client_gone_before_the_response_aborts_every_prompt(api) -> None:
     """Not streamed: the client closes its socket while the three sub-requests run."""
-    before = _finished(api, "abort")
+    before = api.requests_total(finish_reason="abort")
     u = urlparse(api.url)
     body = json.dumps(LONG_BATCH).encode()
     with socket.create_connection((u.hostname, u.port), timeout=30) as s:
@@ -105,4 +98,4 @@ def test_a_client_gone_before_the_response_aborts_every_prompt(api) -> None:
             time.sleep(0.05)
         assert api.load(api.decode[0]).num_running == 3
     api.leak_check()
-    assert _finished(api, "abort") == before + 3
+    assert api.requests_total(finish_reason="abort") == before + 3

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import uuid
 
-import httpx
 import openai
 import pytest
 
@@ -16,12 +15,6 @@ import pytest
 SHORT = "hi"  # 2 tokens: prefilled by the decode worker (threshold 4)
 LONG = "the quick brown fox jumps over"  # through the prefill worker
 EOS = 0
-
-
-def _path_count(api, path: str) -> float:
-    body = httpx.get(api.url + "/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
-               if line.startswith("tandem:router_requests_total{") and f'path="{path}"' in line)
 
 
 def _run(api, prompt: str, max_tokens: int = 8, **extra) -> openai.types.Completion:
@@ -40,9 +33,9 @@ def _ids(r) -> list[int]:
 @pytest.fixture(params=["local_prefill", "disaggregated"])
 def prompt(request, api):
     """Each test runs on both paths; the router's metrics show it took the one named."""
-    before = _path_count(api, request.param)
+    before = api.requests_total(path=request.param)
     yield SHORT if request.param == "local_prefill" else LONG
-    assert _path_count(api, request.param) > before
+    assert api.requests_total(path=request.param) > before
 
 
 def test_logit_bias_bans_the_greedy_choice_and_forces_another(api, prompt) -> None:
