@@ -20,12 +20,21 @@ MAX_TOP_K = 2**31 - 1
 MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS = 1024
+"""Most logit_bias entries one request may carry (each is applied to its row every step)."""
+MAX_BAD_WORDS = 256
+MAX_BAD_WORD_TOKENS = 64
+"""bad_words: at most this many words, each at most this many tokens (each checked
+against the output's tail every step)."""
 MAX_GUIDED_CHARS = 200_000
 """Longest output constraint (schema, regex, choices, grammar) a request may carry: it
 is compiled on the router and on every worker the request touches."""
 MAX_CACHE_SALT_CHARS = 256
 """Longest cache_salt a client may send (it is hashed at the router, whatever its
 length; the bound keeps a body's fields sane)."""
+MAX_BATCH_PROMPTS = 256
+"""Most prompts one /v1/completions request may carry (each is a request of its own
+through admission and the workers)."""
 MAX_TOOLS = 128
 """Most tools one chat request may offer (their schemas become one grammar)."""
 GREEDY_TEMPERATURE = 1e-5

@@ -101,6 +101,8 @@ class LLMEngine:
         eos = set(ckpt.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = tuple(sorted(eos))
+        """The model's end tokens (masked until a request's min_tokens)."""
         self.guided = GrammarCompiler(self.tokenizer, ckpt.config.vocab_size, sorted(eos))
         """Constraints compiled once each, checked before a request is queued."""
         self.outputs = OutputProcessor(self.tokenizer, eos, self.max_model_len, self.guided)
@@ -159,7 +161,9 @@ class LLMEngine:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         check_prompt(ids, self.model_config.vocab_size, self.max_model_len, output_token_ids)
         check_priority(priority)
+        params.check_vocab(self.model_config.vocab_size)
         req = Request(request_id, ids, params, priority, cache_salt=check_salt(cache_salt))
+        req.sampling.eos_token_ids = self.eos_token_ids
         if params.guided is not None:  # the grammar compiles and can finish, or no work
             if not output_token_ids:
                 self.guided.check(params.guided, params.max_tokens)

@@ -34,8 +34,8 @@ class OutputProcessor:
         accept = None
         if self.guided is not None and p.guided is not None and p.stop:
             accept = self.guided.acceptor(p.guided, p.stop, req.sampling.guide)
-        self.text[req.request_id] = TextAssembler(self.tokenizer, req.token_ids, p.stop,
-                                                  p.include_stop_str_in_output, accept)
+        self.text[req.request_id] = TextAssembler.for_params(self.tokenizer, req.token_ids, p,
+                                                             accept, req.num_output_tokens)
 
     def forget(self, request_id: str) -> None:
         """No text is owed for this request any more (handed off to another worker)."""

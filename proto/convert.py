@@ -57,7 +57,13 @@ def sampling_from_proto(m: common.SamplingParams) -> SamplingParams:
         stop_token_ids=tuple(m.stop_token_ids), ignore_eos=m.ignore_eos,
         logprobs=m.logprobs if m.HasField("logprobs") else None,
         guided=GuidedSpec(m.guided.kind, m.guided.text) if m.HasField("guided") else None,
-        speculate=m.speculate if m.HasField("speculate") else True)
+        speculate=m.speculate if m.HasField("speculate") else True,
+        min_tokens=m.min_tokens, logit_bias=dict(m.logit_bias),
+        allowed_token_ids=tuple(m.allowed_token_ids) or None,
+        bad_words_token_ids=tuple(tuple(w.ids) for w in m.bad_words),
+        include_stop_str_in_output=m.include_stop_str_in_output,
+        skip_special_tokens=(m.skip_special_tokens if m.HasField("skip_special_tokens")
+                             else True))
 
 
 def sampling_to_proto(p: SamplingParams) -> common.SamplingParams:
@@ -65,7 +71,11 @@ def sampling_to_proto(p: SamplingParams) -> common.SamplingParams:
         max_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
         min_p=p.min_p, repetition_penalty=p.repetition_penalty,
         presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-        stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos, stop=list(p.stop))
+        stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos, stop=list(p.stop),
+        min_tokens=p.min_tokens, logit_bias=dict(p.logit_bias),
+        allowed_token_ids=list(p.allowed_token_ids or ()),
+        bad_words=[common.TokenIds(ids=list(w)) for w in p.bad_words_token_ids],
+        include_stop_str_in_output=p.include_stop_str_in_output)
     if p.seed is not None:
         m.seed = p.seed
     if p.logprobs is not None:
@@ -74,6 +84,8 @@ def sampling_to_proto(p: SamplingParams) -> common.SamplingParams:
         m.guided.kind, m.guided.text = p.guided.kind, p.guided.text
     if not p.speculate:
         m.speculate = False
+    if not p.skip_special_tokens:
+        m.skip_special_tokens = False
     return m
 
 

@@ -337,8 +337,7 @@ class _TextStream:
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams,
                  accept=None) -> None:
-        self.text = TextAssembler(tokenizer, prompt_ids, params.stop,
-                                  params.include_stop_str_in_output, accept)
+        self.text = TextAssembler.for_params(tokenizer, prompt_ids, params, accept)
 
     def feed(self, token_ids: list[int], reason: str | None, logprobs: list[Logprob]) -> Delta:
         text, hit = self.text.add(token_ids)

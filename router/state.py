@@ -16,6 +16,7 @@ from router.discovery.base import Discovery
 from router.flow import RequestFlow
 from router.http.offload import EdgeWork
 from router.metrics import RouterMetrics
+from router.responses_store import ResponseStore
 from router.workers import WorkerPool
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,8 @@ class RouterState:
     """Checking and compiling output constraints, apart from the rest."""
     request_log: TextIO | None = None
     """Where each finished request's trace goes (--log-requests), one JSON line each."""
+    responses: ResponseStore = field(default_factory=ResponseStore)
+    """Stored /v1/responses conversations, per API key (previous_response_id)."""
 
 
 @asynccontextmanager

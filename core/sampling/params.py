@@ -12,13 +12,15 @@ from typing import Any
 
 from core.errors import FieldError
 from core.guided.spec import GuidedSpec
-from core.limits import (GREEDY_TEMPERATURE, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
-                         MAX_STOP_TOKEN_IDS, MAX_TOP_K)
+from core.limits import (GREEDY_TEMPERATURE, MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGIT_BIAS,
+                         MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOP_K)
 
 MAX_LOGPROBS = 20
 """Most top alternatives a request may ask for (OpenAI's limit)."""
 
 MAX_SEED = 2**63 - 1
+MAX_LOGIT_BIAS_VALUE = 100.0
+"""OpenAI's bound on a logit_bias value (either sign)."""
 
 
 def _check_int(name: str, value: Any, lo: int, hi: int | None = None) -> None:
@@ -76,6 +78,21 @@ class SamplingParams:
     and ignore_eos does not apply."""
     speculate: bool = True
     """False: this request opts out of speculative decoding (when the engine speculates)."""
+    min_tokens: int = 0
+    """vLLM: fewest tokens to generate before EOS, a stop token id or a stop string may end
+    the output (EOS and the stop ids are masked until then; stop strings are looked for
+    only in the text after the first min_tokens tokens); at most max_tokens."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """OpenAI: (token id, bias) pairs added to the logits before sampling, each bias in
+    [-100, 100] (-100 bans the token in practice, 100 all but forces it). A dict is
+    accepted and stored as sorted pairs."""
+    allowed_token_ids: tuple[int, ...] | None = None
+    """vLLM: only these tokens may be sampled (non-empty); None: every token."""
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    """vLLM's bad_words as the tokenizer spells them: the last token of a sequence is banned
+    wherever the output ends with the tokens before it (a one-token word: everywhere)."""
+    skip_special_tokens: bool = True
+    """vLLM: leave special tokens out of the output text (and the stop-string search)."""
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, 1)
@@ -91,6 +108,7 @@ class SamplingParams:
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         self._normalise_stops()
+        self._normalise_token_rules()
         if self.guided is not None and not isinstance(self.guided, GuidedSpec):
             raise FieldError("guided", f"guided must be a GuidedSpec, "
                                        f"got {type(self.guided).__name__}")
@@ -115,6 +133,54 @@ class SamplingParams:
             _check_int("stop_token_ids", t, 0)
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", ids)
+
+    def _normalise_token_rules(self) -> None:
+        """Check min_tokens, logit_bias, allowed_token_ids and bad words; store tuples."""
+        _check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
+        bias = self.logit_bias
+        pairs = tuple(sorted(bias.items() if isinstance(bias, dict) else bias))
+        if len(pairs) > MAX_LOGIT_BIAS:
+            raise FieldError("logit_bias", f"logit_bias: at most {MAX_LOGIT_BIAS} entries, "
+                                           f"got {len(pairs)}")
+        for t, v in pairs:
+            _check_int("logit_bias", t, 0)
+            _check_float("logit_bias", v, -MAX_LOGIT_BIAS_VALUE, MAX_LOGIT_BIAS_VALUE)
+        object.__setattr__(self, "logit_bias", tuple((t, float(v)) for t, v in pairs))
+        if self.allowed_token_ids is not None:
+            allowed = tuple(self.allowed_token_ids)
+            if not allowed:
+                raise FieldError("allowed_token_ids", "allowed_token_ids must not be empty "
+                                                      "(leave it out to allow every token)")
+            for t in allowed:
+                _check_int("allowed_token_ids", t, 0)
+            object.__setattr__(self, "allowed_token_ids", allowed)
+        words = tuple(tuple(w) for w in self.bad_words_token_ids)
+        if len(words) > MAX_BAD_WORDS or any(not 0 < len(w) <= MAX_BAD_WORD_TOKENS
+                                             for w in words):
+            raise FieldError("bad_words", f"bad_words: at most {MAX_BAD_WORDS} words of 1 to "
+                                          f"{MAX_BAD_WORD_TOKENS} tokens each")
+        for w in words:
+            for t in w:
+                _check_int("bad_words", t, 0)
+        object.__setattr__(self, "bad_words_token_ids", words)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """FieldError naming the field when a token id the request names (logit_bias,
+        allowed_token_ids, bad words) is outside the vocabulary [0, vocab_size)."""
+        for name, ids in (("logit_bias", [t for t, _ in self.logit_bias]),
+                          ("allowed_token_ids", self.allowed_token_ids or ()),
+                          ("bad_words", [t for w in self.bad_words_token_ids for t in w])):
+            bad = next((t for t in ids if t >= vocab_size), None)
+            if bad is not None:
+                raise FieldError(name, f"{name}: token id {bad} is outside the vocabulary "
+                                       f"[0, {vocab_size})")
+
+    @property
+    def has_token_rules(self) -> bool:
+        """True when the sampler must mask or bias this row (logit_bias, allowed tokens,
+        bad words, min_tokens)."""
+        return bool(self.logit_bias or self.allowed_token_ids is not None
+                    or self.bad_words_token_ids or self.min_tokens)
 
     @property
     def greedy(self) -> bool:

@@ -71,6 +71,12 @@ class StopStringMatcher:
             self._accept.confirm(text[:len(text) - keep])
         return text[:len(text) - keep], False
 
+    def skip(self, text: str) -> None:
+        """The output grew by text no stop string may end in (before min_tokens; nothing
+        is held back then): only a constrained request's acceptor hears of it."""
+        if text and self._accept is not None:
+            self._accept.confirm(text)
+
     def _accepted(self, before: str) -> bool:
         """before: the text of this feed (held back text first) up to the match."""
         return self._accept is None or self._accept.accepts(before)

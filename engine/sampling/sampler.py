@@ -1,6 +1,7 @@
 """Batched token sampler: one call per engine step for the whole batch.
 
-Order: penalties -> greedy argmax -> temperature -> top-k/top-p -> min-p -> draw.
+Order: token rules (logit_bias, allowed tokens, bad words, min_tokens) -> penalties
+-> greedy argmax -> temperature -> top-k/top-p -> min-p -> draw.
 The draw is Gumbel-max in its exponential form, argmax(probs / q) with
 q ~ Exp(1), which picks token i with probability probs[i]. A seeded request
 draws its q from its own generator and every transform is row-wise, so its
@@ -24,6 +25,7 @@ import torch
 from core.sampling.params import SamplingParams
 from engine.sampling.processors import (apply_min_p_, apply_penalties_, apply_temperature_,
                                         apply_top_k_top_p_)
+from engine.sampling.rules import apply_token_rules_
 
 if TYPE_CHECKING:
     from core.guided.compiler import GuidedState
@@ -41,8 +43,8 @@ class SamplingState:
     by replaying its outputs.
     """
 
-    __slots__ = ("params", "prompt_token_ids", "output_token_ids", "guide", "_generator",
-                 "_prompt_t")
+    __slots__ = ("params", "prompt_token_ids", "output_token_ids", "guide", "eos_token_ids",
+                 "_generator", "_prompt_t", "_bias_t")
 
     def __init__(self, params: SamplingParams, prompt_token_ids: Sequence[int] = ()) -> None:
         self.params = params
@@ -50,8 +52,11 @@ class SamplingState:
         self.output_token_ids: list[int] = []
         self.guide: GuidedState | None = None
         """The grammar state of a constrained request (set by the engine)."""
+        self.eos_token_ids: tuple[int, ...] = ()
+        """The model's end tokens, masked before min_tokens (set by the engine)."""
         self._generator: torch.Generator | None = None
         self._prompt_t: torch.Tensor | None = None
+        self._bias_t: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def append(self, token_id: int) -> None:
         """Record a token the engine committed to the output (a token the grammar
@@ -91,6 +96,15 @@ class SamplingState:
         if self._prompt_t is None or self._prompt_t.device != device:
             self._prompt_t = torch.tensor(self.prompt_token_ids, dtype=torch.long, device=device)
         return self._prompt_t
+
+    def rule_tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """logit_bias as (token ids, biases) tensors, cached: the request's bias is fixed."""
+        if self._bias_t is None or self._bias_t[0].device != device:
+            bias = self.params.logit_bias
+            self._bias_t = (torch.tensor([t for t, _ in bias], dtype=torch.long, device=device),
+                            torch.tensor([v for _, v in bias], dtype=torch.float32,
+                                         device=device))
+        return self._bias_t
 
     def output_tensor(self, device: torch.device) -> torch.Tensor:
         return torch.tensor(self.output_token_ids, dtype=torch.long, device=device)
@@ -170,6 +184,7 @@ class Sampler:
         else:  # the copy and the mask in one pass
             x = logits.to(torch.float32).masked_fill(banned.to(logits.device, non_blocking=True),
                                                      float("-inf"))
+        apply_token_rules_(x, states)
         _penalise_(x, states)  # a refused token stays -inf whatever the penalties
         tokens = torch.empty(len(states), dtype=torch.long, device=x.device)
         greedy = [i for i, s in enumerate(states) if s.params.greedy]

@@ -35,7 +35,8 @@ def verify(sampler: Sampler, logits: torch.Tensor, draft: list[int], state: Samp
     position, given the guesses before it. Returns the emitted tokens (the accepted
     guesses, then the target's own token) and their logprobs, exactly as plain decoding
     would report them."""
-    if state.params.greedy and not state.params.needs_penalties and not ACCEPT_ALL:
+    p = state.params  # penalties and token rules read the history: position by position
+    if p.greedy and not p.needs_penalties and not p.has_token_rules and not ACCEPT_ALL:
         return _verify_greedy(sampler, logits, draft, state, banned)
     tokens: list[int] = []
     logprobs: list[TokenLogprobs | None] = []

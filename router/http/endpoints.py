@@ -12,51 +12,26 @@ from __future__ import annotations
 import time
 import uuid
 from contextlib import AsyncExitStack
-from dataclasses import dataclass
-from typing import AsyncIterator, Awaitable, Callable
+from typing import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import generate_latest
 
 from core.kv import blocks_for
 from router.flow import Delta
 from router.http.errors import APIError
+from router.http.batch import serve_batch
+from router.http.responses import serve_responses
+from router.http.tokens import TokenReader
 from router.http.intake import Intake, Reader
+from router.http.owned import FLOW_ERRORS, Outcome, OwnedStream, echo_headers
 from router.http.render import LogprobFormat, ResponseShape
-from router.outcomes import DeadlineExceeded, NoWorkerError, QueueFull, WorkerError
 from router.state import RouterState
 from router.tools import ToolCallText
 from router.trace import Trace
 from router import spans as router_spans
 from tracing import spans
-
-FLOW_ERRORS = (NoWorkerError, WorkerError, DeadlineExceeded, QueueFull)
-
-
-@dataclass
-class _Outcome:
-    trace: Trace
-    reason: str = "abort"
-    """How the request ended for the client; abort unless something else is known."""
-
-
-class OwnedStream(StreamingResponse):
-    """An SSE response that owns its request's resources: they are released when
-    the stream ends, fails, or is cancelled because the client went away."""
-
-    def __init__(self, content: AsyncIterator[str], stack: AsyncExitStack,
-                 headers: dict[str, str]) -> None:
-        super().__init__(content, media_type="text/event-stream", headers=headers)
-        self._stack = stack
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.body_iterator.aclose()
-            await self._stack.aclose()
-
 
 class Endpoints:
     def __init__(self, state: RouterState) -> None:
@@ -84,44 +59,59 @@ class Endpoints:
         return {"object": "list", "data": [{"id": self.state.model_name, "object": "model",
                                             "created": 0, "owned_by": "tandem"}]}
 
+    # -- tokenizer ---------------------------------------------------------------------
+    async def tokenize(self, request: Request) -> JSONResponse:
+        """vLLM's /tokenize: {count, max_model_len, tokens, token_strs}."""
+        try:
+            ids, strs = await TokenReader(self.state).tokenize(request)
+        except APIError as e:
+            return e.response(echo_headers(request, f"tok-{uuid.uuid4().hex}"))
+        tok = self.state.tokenizer
+        return JSONResponse({"count": len(ids), "max_model_len": self.state.config.max_model_len,
+                             "tokens": ids, "token_strs": [
+                                 tok.decode([t], skip_special_tokens=False) for t in ids]
+                             if strs else None})
+
+    async def detokenize(self, request: Request) -> JSONResponse:
+        """vLLM's /detokenize: {prompt} (special tokens kept, as vLLM decodes)."""
+        try:
+            ids = await TokenReader(self.state).detokenize(request)
+        except APIError as e:
+            return e.response(echo_headers(request, f"tok-{uuid.uuid4().hex}"))
+        text = await self.state.parsing.run(self.state.tokenizer.decode, ids, False)
+        return JSONResponse({"prompt": text})
+
+    async def responses(self, request: Request) -> Response:
+        return await serve_responses(self, request)
+
     # -- completions ------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
-        return await self._read_and_serve(request, "cmpl", Reader.completion)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        try:
+            intakes = await Reader(self.state).completions(request)
+        except APIError as e:
+            return e.response(echo_headers(request, rid))
+        if len(intakes) == 1:
+            return await self._serve(request, intakes[0], rid)
+        return await serve_batch(self, request, intakes, rid)
 
     async def chat(self, request: Request) -> Response:
-        return await self._read_and_serve(request, "chatcmpl", Reader.chat)
-
-    async def _read_and_serve(self, request: Request, id_prefix: str,
-                              read: Callable[[Reader, Request], Awaitable[Intake]]) -> Response:
-        rid = f"{id_prefix}-{uuid.uuid4().hex}"
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
         try:
-            intake = await read(Reader(self.state), request)
+            intake = await Reader(self.state).chat(request)
         except APIError as e:
-            return e.response(_echo(request, rid))
+            return e.response(echo_headers(request, rid))
         return await self._serve(request, intake, rid)
 
     async def _serve(self, request: Request, intake: Intake, rid: str) -> Response:
-        st = self.state
-        headers = _echo(request, rid)
+        headers = echo_headers(request, rid)
         stack = AsyncExitStack()
-        outcome = _Outcome(Trace(rid, request.headers.get("x-request-id") or ""))
+        outcome = Outcome(Trace(rid, request.headers.get("x-request-id") or ""))
         try:
-            blocks = blocks_for(len(intake.prompt_ids) + 1, st.config.block_size)
-            with spans.phase("router.queue", {"tandem.priority": intake.priority}):
-                outcome.trace.queue_seconds = await stack.enter_async_context(
-                    st.admission.slot(intake.priority, intake.deadline, blocks))
-            stack.callback(self._account, outcome)
-            st.metrics.in_flight.inc()
-            stack.callback(st.metrics.in_flight.dec)
-            deltas = st.flow.run(intake.prompt_ids, intake.params, intake.priority, rid,
-                                 outcome.trace, intake.deadline, intake.cache_salt)
-            stack.push_async_callback(deltas.aclose)
+            deltas = await self.start(stack, intake, rid, outcome)
             first = await deltas.__anext__()
-            st.metrics.ttft.observe(outcome.trace.ttft_seconds)
-            shape = ResponseShape(rid, int(time.time()), st.model_name, intake.chat,
-                                  LogprobFormat(st.tokenizer, intake.chat)
-                                  if intake.logprobs is not None else None,
-                                  intake.include_usage, intake.tools)
+            self.state.metrics.ttft.observe(outcome.trace.ttft_seconds)
+            shape = self.shape(intake, rid)
             if intake.stream:
                 resp = OwnedStream(self._sse(first, deltas, shape, outcome), stack, headers)
                 stack = None  # the response owns it now
@@ -137,18 +127,48 @@ class Endpoints:
             if stack is not None:
                 await stack.aclose()
 
+    async def start(self, stack: AsyncExitStack, intake: Intake, rid: str,
+                    outcome: Outcome) -> AsyncIterator[Delta]:
+        """Admit the request and start its flow, everything it holds on ``stack``: its
+        admission slot, the in-flight gauge, its accounting (once, when the stack
+        closes) and its flow (closing it aborts whatever the workers still hold)."""
+        st = self.state
+        blocks = blocks_for(len(intake.prompt_ids) + 1, st.config.block_size)
+        with spans.phase("router.queue", {"tandem.priority": intake.priority}):
+            outcome.trace.queue_seconds = await stack.enter_async_context(
+                st.admission.slot(intake.priority, intake.deadline, blocks))
+        stack.callback(self._account, outcome)
+        st.metrics.in_flight.inc()
+        stack.callback(st.metrics.in_flight.dec)
+        deltas = st.flow.run(intake.prompt_ids, intake.params, intake.priority, rid,
+                             outcome.trace, intake.deadline, intake.cache_salt)
+        stack.push_async_callback(deltas.aclose)
+        return deltas
+
+    def shape(self, intake: Intake, rid: str, index: int = 0) -> ResponseShape:
+        st = self.state
+        return ResponseShape(rid, int(time.time()), st.model_name, intake.chat,
+                             LogprobFormat(st.tokenizer, intake.chat, intake.tokens_as_ids)
+                             if intake.logprobs is not None else None,
+                             intake.include_usage, intake.tools,
+                             intake.prompt_ids if intake.return_token_ids else None, index)
+
     async def _sse(self, first: Delta, deltas: AsyncIterator[Delta], shape: ResponseShape,
-                   outcome: _Outcome) -> AsyncIterator[str]:
+                   outcome: Outcome) -> AsyncIterator[str]:
         m = self.state.metrics
+        opening = True  # the first chunk carries prompt_token_ids when asked
         if shape.chat:
-            yield shape.chunk(None, None, role=True)
+            yield shape.chunk(None, None, role=True, first=True)
+            opening = False
         d, last = first, time.monotonic()
         calls = ToolCallText(shape.tools) if shape.tools is not None else None
+        ids_wanted = shape.logprobs is not None or shape.prompt_ids is not None
         try:
             while True:
                 text = d.text if calls is None else calls.feed(d.text)
-                if text or (shape.logprobs is not None and d.token_ids):
-                    yield shape.chunk(text, None, d=d)
+                if text or (ids_wanted and d.token_ids):
+                    yield shape.chunk(text, None, d=d, first=opening)
+                    opening = False
                 if d.finished:
                     outcome.reason = d.finish_reason or "error"
                     break
@@ -172,7 +192,7 @@ class Endpoints:
             outcome.reason = "error"
             yield shape.error_event(str(e) or "stream ended early")
 
-    def _account(self, outcome: _Outcome) -> None:
+    def _account(self, outcome: Outcome) -> None:
         """Once per request, whatever its end: metrics and the request log line."""
         st, trace = self.state, outcome.trace
         m = st.metrics
@@ -188,11 +208,6 @@ class Endpoints:
         if st.request_log is not None:
             st.request_log.write(trace.json() + "\n")
         router_spans.finish_request(trace.fields(), outcome.reason)
-
-
-def _echo(request: Request, rid: str) -> dict[str, str]:
-    """x-request-id: the client's, echoed; else the id the router minted."""
-    return {"x-request-id": request.headers.get("x-request-id") or rid}
 
 
 async def _collect(first: Delta, deltas: AsyncIterator[Delta]):

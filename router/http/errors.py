@@ -15,6 +15,10 @@ _GRPC_TO_HTTP = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.RESOURCE
                  grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504}
 
 
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list"})
+"""pydantic's names of a union's branches in an error's location (prompt.str), not fields."""
+
+
 class APIError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
                  param: str | None = None, headers: dict[str, str] | None = None) -> None:
@@ -46,6 +50,13 @@ class APIError(Exception):
                        param=e.field)
         return cls(500, f"internal error: {type(e).__name__}", "server_error")
 
+    def of_prompt(self, i: int) -> APIError:
+        """This error as prompt i of a batch's: a prompt's own error names prompt[i]; any
+        other field it names stays, and the message says which prompt."""
+        param = f"prompt[{i}]" if self.param in (None, "prompt") else self.param
+        message = self.message.removeprefix("prompt: ").removeprefix("prompt ")
+        return APIError(self.status, f"prompt[{i}]: {message}", self.type, param, self.headers)
+
     @classmethod
     def invalid(cls, e: ValueError) -> APIError:
         """400 for a value the request may not carry, naming the field a FieldError
@@ -61,7 +72,7 @@ class APIError(Exception):
         """400 naming the first invalid field of pydantic's errors (body.messages.0.role
         -> messages.0.role; pydantic's union-branch tags are left out)."""
         err = errors[0]
-        parts = [str(p) for p in err["loc"] if p != "body"
+        parts = [str(p) for p in err["loc"] if p != "body" and p not in _TYPE_TAGS
                  and (isinstance(p, int) or str(p).isidentifier())]
         field = ".".join(parts)
         return cls(400, f"{field}: {err['msg']}" if field else err["msg"], param=field or None)

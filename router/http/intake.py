@@ -10,16 +10,18 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Callable, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from core.limits import check_priority, check_prompt
+from core.limits import MAX_BATCH_PROMPTS, check_priority, check_prompt
 from core.sampling import SamplingParams
 from router.cache_salt import request_salt
 from router.http.errors import APIError
 from router.openai_api import ChatCompletionRequest, CompletionRequest
+from router.prompts import bad_words_ids, truncated
+from router.request_fields import refuse_unsupported
 from router.state import RouterState
 from router.structured import Constraint, constraint_of
 from router.tools import ToolPlan, template_messages
@@ -44,23 +46,43 @@ class Intake:
     """time.monotonic() after which the request is refused or ended (504)."""
     cache_salt: bytes = field(default=b"", repr=False)
     """Which prefix cache the request's KV belongs to (router/cache_salt.py)."""
+    return_token_ids: bool = False
+    """vLLM's: the response carries prompt_token_ids and each choice's token_ids."""
+    tokens_as_ids: bool = False
+    """vLLM's return_tokens_as_token_ids: logprobs name tokens token_id:<id>."""
 
 
 class Reader:
     def __init__(self, state: RouterState) -> None:
         self.state = state
 
-    async def completion(self, request: Request) -> Intake:
+    async def completions(self, request: Request) -> list[Intake]:
+        """One Intake per prompt of the body (a string or token ids, or a list of either),
+        in order; a prompt's error is a 400 naming prompt[i] when there are several."""
         body = await self._parse(request, CompletionRequest)
+        prompts = body.prompts()
+        if not prompts or len(prompts) > MAX_BATCH_PROMPTS:
+            raise APIError(400, f"prompt: 1 to {MAX_BATCH_PROMPTS} prompts, got {len(prompts)}",
+                           param="prompt")
         constraint = await self._constraint(body)
-        if isinstance(body.prompt, str):
-            ids = await self.state.parsing.run(self._encode, body.prompt)
-        else:
-            ids = list(body.prompt)
-        return await self._intake(request, body, ids, False, body.logprobs, constraint)
+        intakes = []
+        for i, prompt in enumerate(prompts):
+            try:
+                if isinstance(prompt, str):
+                    ids = await self.state.parsing.run(self._encode, prompt,
+                                                       body.add_special_tokens)
+                else:
+                    ids = list(prompt)
+                intakes.append(await self._intake(request, body, ids, False, body.logprobs,
+                                                  constraint))
+            except APIError as e:
+                raise e.of_prompt(i) if len(prompts) > 1 else e
+        return intakes
 
     async def chat(self, request: Request) -> Intake:
-        body = await self._parse(request, ChatCompletionRequest)
+        return await self._chat(request, await self._parse(request, ChatCompletionRequest))
+
+    async def _chat(self, request: Request, body: ChatCompletionRequest) -> Intake:
         if body.max_completion_tokens and not body.max_tokens:
             body.max_tokens = body.max_completion_tokens
         constraint = await self._constraint(body)
@@ -71,27 +93,39 @@ class Reader:
     async def _parse(self, request: Request, model: type[M]) -> M:
         """The body as the model, checked first for what costs nothing to check (the
         served model, the priority and the deadline headers)."""
-        raw = await _body(request)
-        try:
-            body = await self.state.parsing.run(model.model_validate_json, raw)
-        except ValidationError as e:
-            raise APIError.from_errors(e.errors()) from None
-        except RecursionError:
-            raise APIError(400, "the request body is nested too deeply") from None
-        if body.model not in (None, "", self.state.model_name):
-            raise APIError(404, f"model {body.model!r} does not exist; this server serves "
-                                f"{self.state.model_name!r}", param="model")
+        body = await self._validated(request, model.model_validate_json)
         request.state.priority = self._priority(request, body)
         request.state.deadline = self._deadline(request)
         return body
 
+    async def _validated(self, request: Request, validate: Callable[[bytes], M]) -> M:
+        """The body validated (on the parsing pool), its refused fields refused and its
+        model checked; APIError naming the field otherwise."""
+        raw = await _body(request)
+        try:
+            body = await self.state.parsing.run(validate, raw)
+        except ValidationError as e:
+            raise APIError.from_errors(e.errors()) from None
+        except RecursionError:
+            raise APIError(400, "the request body is nested too deeply") from None
+        try:
+            refuse_unsupported(body)
+        except ValueError as e:
+            raise APIError.invalid(e) from None
+        if body.model not in (None, "", self.state.model_name):
+            raise APIError(404, f"model {body.model!r} does not exist; this server serves "
+                                f"{self.state.model_name!r}", param="model")
+        return body
+
     async def _intake(self, request: Request, body, ids: list[int], chat: bool,
                       logprobs: int | None, constraint: Constraint) -> Intake:
-        params = await self.state.parsing.run(self._params, body, ids, logprobs, constraint)
+        ids, params = await self.state.parsing.run(self._params, body, ids, logprobs,
+                                                   constraint)
         salt = request_salt(getattr(request.state, "api_key", None), body.cache_salt)
         return Intake(ids, params, chat, logprobs, body.stream,
                       bool(body.stream_options and body.stream_options.include_usage),
-                      constraint.tools, request.state.priority, request.state.deadline, salt)
+                      constraint.tools, request.state.priority, request.state.deadline, salt,
+                      body.return_token_ids, body.return_tokens_as_token_ids)
 
     # -- on the pools ------------------------------------------------------------------
     async def _constraint(self, body) -> Constraint:
@@ -114,35 +148,45 @@ class Reader:
             raise APIError.invalid(e) from None
         return constraint
 
-    def _encode(self, prompt: str) -> list[int]:
+    def _encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         """The prompt's tokens; a prompt too long for any tokenization to fit the context
         window is refused before it is tokenized (its size budget)."""
         tok, window = self.state.tokenizer, self.state.config.max_model_len
         if len(prompt) > window * tok.longest_token_chars:
             raise APIError(400, f"prompt: {len(prompt)} characters cannot fit the context "
                                 f"window of {window} tokens (max_model_len)", param="prompt")
-        return tok.encode(prompt)
+        return tok.encode(prompt, add_special_tokens=add_special_tokens)
 
     def _chat_ids(self, body: ChatCompletionRequest, tools: ToolPlan | None) -> list[int]:
         tok = self.state.tokenizer
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         try:
             messages, extra = template_messages(messages, tools, tok.chat_template)
-            text = tok.apply_chat_template(messages, add_generation_prompt=True, **extra)
+            kwargs = {**(body.chat_template_kwargs or {}), **extra}
+            for reserved in ("messages", "add_generation_prompt", "tokenize", "bos_token",
+                             "eos_token"):
+                kwargs.pop(reserved, None)
+            text = tok.apply_chat_template(messages, body.add_generation_prompt, **kwargs)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
         except RecursionError:
             raise APIError(400, "messages are nested too deeply", param="messages") from None
-        return tok.encode(text, add_special_tokens=False)
+        return tok.encode(text, add_special_tokens=body.add_special_tokens)
 
     def _params(self, body, ids: list[int], logprobs: int | None,
-                constraint: Constraint) -> SamplingParams:
-        """SamplingParams for the request; APIError (400) naming the field otherwise."""
+                constraint: Constraint) -> tuple[list[int], SamplingParams]:
+        """The prompt (truncated as the body asks) and SamplingParams for the request;
+        APIError (400) naming the field otherwise."""
         st = self.state
         try:
+            ids = truncated(ids, body.truncate_prompt_tokens, st.config.max_model_len,
+                            body.max_tokens)
             check_prompt(ids, st.tokenizer.vocab_size, st.config.max_model_len,
                          max_tokens=body.max_tokens)
-            return body.sampling(st.config.default_max_tokens, logprobs, constraint.spec)
+            params = body.sampling(st.config.default_max_tokens, logprobs, constraint.spec,
+                                   bad_words_ids(st.tokenizer, body.bad_words or ()))
+            params.check_vocab(st.tokenizer.vocab_size)
+            return ids, params
         except ValueError as e:
             raise APIError.invalid(e) from e
 

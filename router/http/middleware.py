@@ -1,7 +1,7 @@
 """The edge guard: a plain ASGI middleware in front of every route.
 
 1. Keys, path and body size, before any byte of the body is read: 401 without a valid
-   API key on /v1 and the API docs (when keys are set), 429 with Retry-After past the
+   API key on /v1, /tokenize, /detokenize and the API docs (when keys are set), 429 with Retry-After past the
    key's rate limit, 401 without the metrics key on /metrics (when one is set); the key
    found is put in the request's state (its priority ceiling applies in the endpoints).
    404 for a path no route serves. Only the routes that take a body (``body_routes``)
@@ -55,7 +55,7 @@ async def _error(send: Send, status: int, message: str, type_: str,
     await send({"type": "http.response.body", "body": body})
 
 
-KEYED_PREFIXES = ("/v1/", "/docs", "/redoc", "/openapi.json")
+KEYED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/docs", "/redoc", "/openapi.json")
 
 
 def _has_body(scope: Scope) -> bool:

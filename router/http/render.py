@@ -14,10 +14,13 @@ class LogprobFormat:
     """OpenAI logprobs objects: chat (content list, top_logprobs entries) or
     completions (tokens, token_logprobs, top_logprobs dicts, text_offset)."""
 
-    def __init__(self, tokenizer: Tokenizer, chat: bool) -> None:
-        self.tokenizer, self.chat = tokenizer, chat
+    def __init__(self, tokenizer: Tokenizer, chat: bool, as_ids: bool = False) -> None:
+        """as_ids: name each token token_id:<id> (vLLM's return_tokens_as_token_ids)."""
+        self.tokenizer, self.chat, self.as_ids = tokenizer, chat, as_ids
 
     def _tok(self, token_id: int) -> str:
+        if self.as_ids:
+            return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def render(self, ids: list[int], lps: list[Logprob]) -> dict:
@@ -39,10 +42,14 @@ class LogprobFormat:
                 "text_offset": offsets}
 
 
-def usage(trace: Trace) -> dict:
-    return {"prompt_tokens": trace.prompt_tokens, "completion_tokens": trace.output_tokens,
-            "total_tokens": trace.prompt_tokens + trace.output_tokens,
-            "prompt_tokens_details": {"cached_tokens": trace.realized_cached_tokens}}
+def usage(*traces: Trace) -> dict:
+    """The usage object of one request, or the sum over a batch's sub-requests."""
+    prompt = sum(t.prompt_tokens for t in traces)
+    output = sum(t.output_tokens for t in traces)
+    return {"prompt_tokens": prompt, "completion_tokens": output,
+            "total_tokens": prompt + output,
+            "prompt_tokens_details": {"cached_tokens": sum(t.realized_cached_tokens
+                                                           for t in traces)}}
 
 
 @dataclass(frozen=True)
@@ -58,6 +65,11 @@ class ResponseShape:
     tools: ToolPlan | None = None
     """Set when the output may hold tool calls (message.tool_calls, finish_reason
     "tool_calls")."""
+    prompt_ids: list[int] | None = None
+    """vLLM's return_token_ids: the prompt's ids (and each choice's token_ids) go out
+    with the response; None: they do not."""
+    index: int = 0
+    """The choice's index (a batch of prompts: the prompt's)."""
 
     def full(self, text: str, reason: str | None, ids: list[int], lps: list[Logprob],
              trace: Trace) -> dict:
@@ -68,12 +80,17 @@ class ResponseShape:
             if calls:
                 message, reason = {"role": "assistant", "content": None,
                                    "tool_calls": calls}, "tool_calls"
-            choice = {"index": 0, "message": message, "logprobs": lp, "finish_reason": reason}
+            choice = {"index": self.index, "message": message, "logprobs": lp,
+                      "finish_reason": reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": reason}
+            choice = {"index": self.index, "text": text, "logprobs": lp, "finish_reason": reason}
+        top = {}
+        if self.prompt_ids is not None:
+            choice["token_ids"] = ids
+            (top if self.chat else choice)["prompt_token_ids"] = self.prompt_ids
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": [choice],
-                "usage": usage(trace)}
+                "usage": usage(trace), **top}
 
     def _event(self, **fields) -> str:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
@@ -82,16 +99,24 @@ class ResponseShape:
         return f"data: {json.dumps(body)}\n\n"
 
     def chunk(self, text: str | None, reason: str | None, role: bool = False,
-              d: Delta | None = None) -> str:
+              d: Delta | None = None, first: bool = False) -> str:
+        """first: the stream's first chunk (it carries prompt_token_ids when asked)."""
         lps = (self.logprobs.render(d.token_ids, d.logprobs)
                if self.logprobs is not None and d is not None else None)
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else (
                 {} if text is None else {"content": text})
-            choice = {"index": 0, "delta": delta, "logprobs": lps, "finish_reason": reason}
+            choice = {"index": self.index, "delta": delta, "logprobs": lps,
+                      "finish_reason": reason}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": lps, "finish_reason": reason}
-        return self._event(choices=[choice])
+            choice = {"index": self.index, "text": text or "", "logprobs": lps,
+                      "finish_reason": reason}
+        top = {}
+        if self.prompt_ids is not None:
+            choice["token_ids"] = list(d.token_ids) if d is not None else []
+            if first:
+                (top if self.chat else choice)["prompt_token_ids"] = self.prompt_ids
+        return self._event(choices=[choice], **top)
 
     def tool_call_chunks(self, calls: list[dict]) -> list[str]:
         """Each call as OpenAI streams one: its id, type and name, then its arguments."""
@@ -105,8 +130,8 @@ class ResponseShape:
                                                  "logprobs": None, "finish_reason": None}]))
         return out
 
-    def usage_chunk(self, trace: Trace) -> str:
-        return self._event(choices=[], usage=usage(trace))
+    def usage_chunk(self, *traces: Trace) -> str:
+        return self._event(choices=[], usage=usage(*traces))
 
     @staticmethod
     def error_event(message: str) -> str:

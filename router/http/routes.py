@@ -9,6 +9,8 @@ from fastapi.exceptions import RequestValidationError
 from router.http.endpoints import Endpoints
 from router.http.errors import APIError
 from router.openai_api import ChatCompletionRequest, CompletionRequest
+from router.responses_api import ResponsesRequest
+from router.tokenize_api import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
 
 routes = APIRouter()
 
@@ -44,7 +46,8 @@ def _body_doc(model: type) -> dict:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
 
 
-BODY_MODELS = (CompletionRequest, ChatCompletionRequest)
+BODY_MODELS = (CompletionRequest, ChatCompletionRequest, ResponsesRequest,
+               TokenizeCompletionRequest, TokenizeChatRequest, DetokenizeRequest)
 
 
 @routes.post("/v1/completions", openapi_extra=_body_doc(CompletionRequest))
@@ -55,6 +58,24 @@ async def completions(request: Request):
 @routes.post("/v1/chat/completions", openapi_extra=_body_doc(ChatCompletionRequest))
 async def chat_completions(request: Request):
     return await _ep(request).chat(request)
+
+
+@routes.post("/v1/responses", openapi_extra=_body_doc(ResponsesRequest))
+async def responses(request: Request):
+    return await _ep(request).responses(request)
+
+
+@routes.post("/tokenize", openapi_extra={"requestBody": {"required": True, "content": {
+    "application/json": {"schema": {"oneOf": [
+        {"$ref": f"#/components/schemas/{m.__name__}"}
+        for m in (TokenizeCompletionRequest, TokenizeChatRequest)]}}}}})
+async def tokenize(request: Request):
+    return await _ep(request).tokenize(request)
+
+
+@routes.post("/detokenize", openapi_extra=_body_doc(DetokenizeRequest))
+async def detokenize(request: Request):
+    return await _ep(request).detokenize(request)
 
 
 async def invalid_request(request: Request, exc: RequestValidationError):

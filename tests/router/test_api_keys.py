@@ -85,3 +85,25 @@ def test_metrics_key_and_no_docs(up) -> None:
         r = httpx.get(up + path, timeout=10, headers={"authorization": "Bearer k-from-env-0004"})
         assert r.status_code == 404, path
     assert httpx.get(up + "/health", timeout=10).status_code == 200  # probes stay open
+
+
+def test_tokenize_and_detokenize_need_a_key(up) -> None:
+    for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [70]})):
+        assert httpx.post(url := up + path, json=body, timeout=30).status_code == 401
+        ok = httpx.post(url, json=body, timeout=30,
+                        headers={"authorization": "Bearer k-from-env-0004"})
+        assert ok.status_code == 200, ok.text
+
+
+def test_a_stored_response_is_its_keys_only(up) -> None:
+    def create(key: str, **body) -> httpx.Response:
+        return httpx.post(up + "/v1/responses", timeout=60, json={
+            "input": "hi", "max_output_tokens": 2, "priority": 5, **body},
+            headers={"authorization": f"Bearer {key}"})
+    first = create("k-from-env-0004")
+    assert first.status_code == 200, first.text
+    rid = first.json()["id"]
+    assert create("k-from-env-0004", previous_response_id=rid).status_code == 200
+    other = create("sk-team-low-0001", previous_response_id=rid)
+    assert other.status_code == 400
+    assert other.json()["error"]["param"] == "previous_response_id"
