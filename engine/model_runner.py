@@ -117,11 +117,6 @@ class ModelRunner:
         method = resolve_method(self.config.quant.quantization, ckpt.reader is not None)
         if method == "none":
             return None
-        biased = [p for p, m in model.named_modules()
-                  if isinstance(m, torch.nn.Linear) and m.bias is not None]
-        if biased:  # engine/quant/linear.py's packed layer has no bias: refuse, never drop it
-            raise ValueError(f"--quantization {method}: {biased[0]} carries a bias, which the "
-                             f"packed layers do not add; use --quantization none")
         lookup = (raw_rows(ckpt.reader, ckpt.config, ckpt.path) if ckpt.reader is not None
                   else lambda name: None)
 

@@ -9,6 +9,11 @@ from 32-64 with our int4 kernel, which unpacks it once per call (packed.py; see
 both: the packed weight costs 0.5 (int4/g32: 0.625) or 1 byte per weight on top
 of the dense copy. The choice depends only on the row count, which is static in
 a compiled step, so it is resolved at trace time.
+
+A bias (Qwen2's q/k/v, Llama's ``attention_bias``/``mlp_bias``) is kept as the
+nn.Linear held it and added on either path, after whichever kernel ran: every
+layout's kernel (block_mm, int4_mm, aten's int8/int4) computes x @ W^T only, and
+adding [N] to [M, N] here costs nothing next to it.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ class QuantLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = dense.in_features, dense.out_features
         self.weight = dense.weight  # [N, K]; shared with a tied embedding
+        self.bias = dense.bias  # [N] or None; the model's .to(dtype) casts it with the weight
         self.kind, self.group_size, self.label = packed.kind, packed.group_size, label
         self.layout = packed.layout
         self.register_buffer("qdata", packed.data, persistent=False)
@@ -36,11 +42,19 @@ class QuantLinear(nn.Module):
         return PackedWeight(self.kind, self.qdata, self.qscales, self.out_features,
                             self.in_features, self.group_size, self.layout)
 
+    def packed_forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
+        y = self.packed.matmul(x)
+        return y if self.bias is None else y + self.bias
+
+    def dense_forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
+        return F.linear(x, self.weight, self.bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
         if x.shape[0] <= self.packed_max_rows:
-            return self.packed.matmul(x)
-        return F.linear(x, self.weight)
+            return self.packed_forward(x)
+        return self.dense_forward(x)
 
     def extra_repr(self) -> str:
-        return (f"{self.in_features}, {self.out_features}, {self.label}, "
+        return (f"{self.in_features}, {self.out_features}, bias={self.bias is not None}, "
+                f"{self.label}, "
                 f"packed up to {self.packed_max_rows} rows")

@@ -17,7 +17,6 @@ every size, so weights in aten's layout run dense in fp32 without being timed, u
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from engine.quant.linear import QuantLinear
 from engine.timing import best_pair
@@ -38,14 +37,13 @@ def measure(layers: list[QuantLinear]) -> tuple[int, list[tuple[int, float, floa
     """layers: all of one shape -> (packed_max_rows, [(rows, packed us, dense us)]), the
     times per layer of a pass over all of them."""
     w = layers[0].weight
-    pairs = [(layer.packed, layer.weight) for layer in layers]
     table: list[tuple[int, float, float]] = []
     best_rows, losses = 0, 0
     for m in ROWS:
         x = torch.randn(m, layers[0].in_features, dtype=w.dtype, device=w.device)
-        tp, td = _best_us(lambda: [p.matmul(x) for p, _ in pairs],
-                          lambda: [F.linear(x, d) for _, d in pairs])
-        tp, td = tp / len(pairs), td / len(pairs)
+        tp, td = _best_us(lambda: [layer.packed_forward(x) for layer in layers],
+                          lambda: [layer.dense_forward(x) for layer in layers])
+        tp, td = tp / len(layers), td / len(layers)
         table.append((m, tp, td))
         if tp < td and losses == 0:
             best_rows = m

@@ -44,13 +44,18 @@ def test_fused_shards_concatenate_in_order() -> None:
     torch.testing.assert_close(packed.dequantize(), want, atol=1e-6, rtol=0)
 
 
-def within_fp32_rounding(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> float:
-    """max |y - x @ w^T| over the bound of fp32 rounding, (K + 2) u sum_k |x_k w_k|
-    (u = 2^-24; K products summed, a scale and a min applied): at most 1 when ``y`` is
-    the exact product of ``w`` up to fp32 rounding, whatever the order of the sums."""
+def within_fp32_rounding(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
+                         bias: torch.Tensor | None = None) -> float:
+    """max |y - (x @ w^T + bias)| over the bound of fp32 rounding, (K + 3) u (sum_k |x_k w_k|
+    + |bias|) (u = 2^-24; K products summed, a scale and a min applied, the bias added): at
+    most 1 when ``y`` is the exact product of ``w`` (plus ``bias``) up to fp32 rounding,
+    whatever the order of the sums."""
     k = x.shape[1]
     ref = x.double() @ w.double().t()
-    bound = (k + 2) * 2.0 ** -24 * (x.double().abs() @ w.double().abs().t()) + 1e-30
+    mag = x.double().abs() @ w.double().abs().t()
+    if bias is not None:
+        ref, mag = ref + bias.double(), mag + bias.double().abs()
+    bound = (k + 3) * 2.0 ** -24 * mag + 1e-30
     return ((y.double() - ref).abs() / bound).max().item()
 
 
@@ -111,6 +116,72 @@ def test_kernels_match_their_dequantized_weights(method: str, dtype: torch.dtype
     x = torch.randn(5, 128, dtype=dtype)
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(packed.matmul(x).float(), x.float() @ deq.t(), atol=tol, rtol=tol)
+
+
+def _biased_layer(method: str, dtype: torch.dtype
+                  ) -> tuple[QuantLinear, torch.Tensor, torch.Tensor]:
+    """A biased nn.Linear [48, 128] packed by ``method`` as quantize_model does (the dense
+    copy holds the method's values) -> (the QuantLinear, those values in fp32, the bias)."""
+    dense = torch.nn.Linear(128, 48, bias=True)
+    with torch.no_grad():
+        dense.weight.copy_(_w(48, 128, seed=3))
+        dense.bias.copy_(torch.randn(48, generator=torch.Generator().manual_seed(4)))
+    sources = None
+    if method == "gguf":  # a fused Q4_1 + Q8_0 weight, as a GGUF's q/k/v can be
+        raws = [quantize(_w(32, 128, 5).numpy(), QT.Q4_1), quantize(_w(16, 128, 6).numpy(), QT.Q8_0)]
+        sources = [("Q4_1", raws[0]), ("Q8_0", raws[1])]
+        exact = np.concatenate([dequantize(raws[0], QT.Q4_1), dequantize(raws[1], QT.Q8_0)])
+        with torch.no_grad():
+            dense.weight.copy_(torch.from_numpy(exact.reshape(48, 128).astype(np.float32)))
+    packed, values = get_method(method).pack("w", dense.weight.detach(), dtype, sources)
+    with torch.no_grad():
+        dense.weight.copy_(values)
+    bias = dense.bias.detach().clone()
+    return QuantLinear(dense.to(dtype), packed, method), values.float(), bias
+
+
+@pytest.mark.parametrize("kernel", ["block_mm", "fallback"])
+@pytest.mark.parametrize("method", ["int8", "int4", "gguf"])
+def test_biased_linear_adds_its_bias_on_every_path(method: str, kernel: str, monkeypatch) -> None:
+    """A biased layer, packed: the packed kernel (block_mm here, or aten's int8/int4 where
+    the block kernel cannot run) and the dense copy both give x @ W^T + bias for the
+    method's dequantized W, to fp32 rounding (Qwen2's q/k/v biases ran nowhere packed)."""
+    from engine.quant import blocks
+
+    if kernel == "fallback":
+        if method == "gguf":
+            pytest.skip("GGUF Q8_0 without the block kernel stays dense (unpackable)")
+        monkeypatch.setattr(blocks.BLOCK_KERNEL, "unavailable", lambda: "no AVX2 (test)")
+    elif blocks.BLOCK_KERNEL.unavailable() is not None:
+        pytest.skip(f"block kernel: {blocks.BLOCK_KERNEL.unavailable()}")
+    layer, values, bias = _biased_layer(method, torch.float32)
+    assert layer.layout == ("blocks" if kernel == "block_mm" else "aten")
+    for rows in (1, 3, 8):
+        x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows))
+        for packed_max_rows in (1 << 20, 0):  # the packed kernel, then the dense copy
+            layer.packed_max_rows = packed_max_rows
+            with torch.inference_mode():
+                y = layer(x)
+            assert within_fp32_rounding(y, x, values, bias) <= 1.0, (rows, packed_max_rows)
+
+
+def test_biased_int4_on_the_avx512_kernel_adds_its_bias() -> None:
+    """The AVX-512 int4 kernel (bf16, layout ``tiles``) adds the bias too, to bf16 rounding."""
+    from engine.quant.packed import INT4_KERNEL
+
+    if INT4_KERNEL.unavailable() is not None:
+        pytest.skip(f"int4_mm: {INT4_KERNEL.unavailable()}")
+    layer, _, bias = _biased_layer("int4", torch.bfloat16)
+    assert layer.layout == "tiles"
+    deq = layer.packed.dequantize().float()
+    for rows in (1, 3, 8):
+        x = torch.randn(rows, 128, dtype=torch.bfloat16)
+        want = x.float() @ deq.t() + bias
+        for packed_max_rows in (1 << 20, 0):
+            layer.packed_max_rows = packed_max_rows
+            with torch.inference_mode():
+                y = layer(x).float()
+            torch.testing.assert_close(y, want, atol=3e-2, rtol=3e-2)
 
 
 def test_bad_shapes_name_the_tensor() -> None:
@@ -209,7 +280,8 @@ def test_kernel_choice_is_timed_over_every_layer_of_a_shape(monkeypatch) -> None
     layers = [layer(48) for _ in range(3)] + [layer(64)]
     calls = []
     orig = torch.nn.functional.linear
-    monkeypatch.setattr(select.F, "linear", lambda x, w: calls.append(id(w)) or orig(x, w))
+    monkeypatch.setattr(torch.nn.functional, "linear",
+                        lambda x, w, b=None: calls.append(id(w)) or orig(x, w, b))
     measured = select.choose_paths(layers, None)
     assert len(measured) == 2  # two shapes
     first_shape = {id(lr.weight) for lr in layers[:3]}
@@ -250,6 +322,8 @@ def test_a_burst_of_load_at_start_up_does_not_switch_the_packed_kernel_off() -> 
                 time.sleep(0.02)
             return out
 
-    layer = SimpleNamespace(weight=torch.randn(1024, 1024), in_features=1024, packed=Fast())
+    weight = torch.randn(1024, 1024)
+    layer = SimpleNamespace(weight=weight, in_features=1024, packed_forward=Fast().matmul,
+                            dense_forward=lambda x: torch.nn.functional.linear(x, weight))
     best, table = select.measure([layer])
     assert burst["left"] == 0 and best == select.ROWS[-1], table
