@@ -139,7 +139,8 @@ class ModelRunner:
         per kind, e.g. tandem:engine_fallbacks{kind="compile"} = len(reasons)).
 
         quantization: linears left dense; compile: the compiled decode step, disabled at
-        start-up or after a failed step; paged_decode: the in-place decode attention kernel;
+        start-up (the model declares it uncompilable, or compiling failed) or after a
+        failed step; paged_decode: the in-place decode attention kernel;
         int4_mm: int4 weights on aten's kernel where ours could not be built (CPU, bf16)."""
         from engine.attention.paged_decode import kernel_unavailable
         from engine.quant.packed import INT4_KERNEL

@@ -166,6 +166,16 @@ class CausalLM(nn.Module):
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits.float()
 
+    def compile_blocker(self) -> str | None:
+        """Why the decode step cannot be compiled, or None where it can: the first reason a
+        layer declares (a class attribute ``not_compilable``, e.g. the MoE experts), named
+        by module so the runner skips compilation instead of failing at it."""
+        for path, mod in self.named_modules():
+            reason = getattr(type(mod), "not_compilable", None)
+            if reason:
+                return f"{self.architecture}: {path}: {reason}"
+        return None
+
     def attention_params(self) -> Iterator[LayerAttention]:
         """Every layer's attention parameters (the runner has the backend check each)."""
         for layer in self.model.layers:
