@@ -24,7 +24,7 @@ class FusedExperts(nn.Module):
                       "expert gets is known only at run time), which a full-graph compile "
                       "cannot trace")
     """Why a model holding this layer cannot have its decode step compiled
-    (CausalLM.compile_blocker reads it)."""
+    (engine/models/base.py compile_blocker reads it)."""
 
     def __init__(self, num_experts: int, hidden: int, inter: int,
                  act: Callable[[torch.Tensor], torch.Tensor],

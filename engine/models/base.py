@@ -67,6 +67,17 @@ def last_segment(prev: DecoderLayer, norm: nn.Module, x: torch.Tensor, o: torch.
     return norm(prev.attn_out(x, o))
 
 
+def compile_blocker(model: nn.Module) -> str | None:
+    """Why a model's decode step cannot be compiled, or None where it can: the first
+    reason a layer declares (a class attribute ``not_compilable``: the MoE experts), named
+    by module, so the runner skips compilation instead of failing at it."""
+    for path, mod in model.named_modules():
+        reason = getattr(type(mod), "not_compilable", None)
+        if reason:
+            return f"{getattr(model, 'architecture', type(model).__name__)}: {path}: {reason}"
+    return None
+
+
 @dataclass(frozen=True)
 class Segments:
     """The three pieces of a forward pass between attention calls. Eager by default;
@@ -165,16 +176,6 @@ class CausalLM(nn.Module):
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits.float()
-
-    def compile_blocker(self) -> str | None:
-        """Why the decode step cannot be compiled, or None where it can: the first reason a
-        layer declares (a class attribute ``not_compilable``, e.g. the MoE experts), named
-        by module so the runner skips compilation instead of failing at it."""
-        for path, mod in self.named_modules():
-            reason = getattr(type(mod), "not_compilable", None)
-            if reason:
-                return f"{self.architecture}: {path}: {reason}"
-        return None
 
     def attention_params(self) -> Iterator[LayerAttention]:
         """Every layer's attention parameters (the runner has the backend check each)."""

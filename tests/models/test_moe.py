@@ -10,6 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from engine.config import EngineConfig
 from engine.layers.activation import gated
 from engine.llm_engine import LLMEngine
+from engine.models.base import compile_blocker
 
 MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
            torch.ops.aten.matmul.default, torch.ops.aten.linear.default}
@@ -73,7 +74,7 @@ def test_moe_decode_step_is_declared_uncompilable(checkpoint, family: str, caplo
     with caplog.at_level("INFO"):
         eng = LLMEngine(EngineConfig.from_flat(compile=True, **flags))
     assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
-    reason = eng.runner.model.compile_blocker()
+    reason = compile_blocker(eng.runner.model)
     assert reason is not None and "data-dependent" in reason and family in reason
     said = [r for r in caplog.records if r.levelname == "INFO" and reason in r.getMessage()]
     assert len(said) == 1, caplog.text
@@ -93,4 +94,4 @@ def test_dense_family_declares_no_blocker(checkpoint) -> None:
     ckpt = load_checkpoint(str(checkpoint("llama")))
     with torch.device("meta"):
         model = MODELS.load("llama")(ckpt.config, 64)
-    assert model.compile_blocker() is None
+    assert compile_blocker(model) is None
