@@ -53,7 +53,7 @@ class ModelConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
-    """HF-style rope_scaling dict (``rope_type`` linear | llama3), or None."""
+    """HF-style rope_scaling dict (``rope_type`` linear | llama3 | yarn | longrope), or None."""
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None

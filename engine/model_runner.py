@@ -138,7 +138,8 @@ class ModelRunner:
         per kind, e.g. tandem:engine_fallbacks{kind="compile"} = len(reasons)).
 
         quantization: linears left dense; compile: the compiled decode step, disabled at
-        start-up or after a failed step; paged_decode: the in-place decode attention kernel;
+        start-up (the model declares it uncompilable, or compiling failed) or after a
+        failed step; paged_decode: the in-place decode attention kernel;
         block_mm, int4_mm: the weight kernels (engine/quant/apply.py kernel_fallbacks)."""
         from engine.attention.paged_decode import kernel_unavailable
 

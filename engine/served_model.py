@@ -23,11 +23,14 @@ def open_checkpoint(load: LoadConfig) -> LoadedCheckpoint:
 
 
 def served_fingerprint(ckpt: LoadedCheckpoint, quant: QuantConfig) -> str:
-    """The checkpoint's fingerprint and how it is quantized: the same checkpoint quantized
-    another way gives other KV, so workers running it so must not exchange blocks."""
+    """``architecture/digest``: the checkpoint's fingerprint and how it is quantized (the
+    same checkpoint quantized another way gives other KV, so workers running it so must
+    not exchange blocks). The readable architecture makes a refused handoff between two
+    families say which ones (``model_fingerprint: local 'llama/..' != remote 'qwen2/..'``)."""
     method = resolve_method(quant.quantization, ckpt.reader is not None)
     suffix = "" if method == "none" else f":{method}:{quant.quant_group_size}"
-    return hashlib.sha256(f"{ckpt.fingerprint}{suffix}".encode()).hexdigest()[:32]
+    digest = hashlib.sha256(f"{ckpt.fingerprint}{suffix}".encode()).hexdigest()[:32]
+    return f"{ckpt.config.architecture}/{digest}"
 
 
 def context_window(load: LoadConfig, model: ModelConfig) -> int:

@@ -83,9 +83,14 @@ def make_tiny_llama(root: Path, *, layers: int = 2, hidden: int = 64, heads: int
         t[p + "mlp.down_proj.weight"] = rnd(hidden, inter)
     save_file({k: v.contiguous() for k, v in t.items()}, str(root / "model.safetensors"))
     (root / "tokenizer.json").write_text(json.dumps(_byte_level_tokenizer_json(vocab)))
+    write_chat_template(root)
+    return root
+
+
+def write_chat_template(root: Path) -> None:
+    """A ChatML-style tokenizer_config.json beside a byte-level tokenizer.json."""
     (root / "tokenizer_config.json").write_text(json.dumps(
         {"eos_token": "<|endoftext|>", "bos_token": "<|endoftext|>",
          "chat_template": "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
                           "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>"
                           "assistant\n{% endif %}"}))
-    return root

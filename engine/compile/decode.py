@@ -11,7 +11,9 @@ graph inputs), so a bucket costs three compiles, not one per layer.
 A decode-only step of n rows runs in the smallest bucket >= n, its input padded
 with token 0 at position 0; the padding rows are computed by the segments and
 dropped before attention (they never touch the KV cache). Steps with a prefill,
-or more rows than the largest bucket, run eagerly.
+or more rows than the largest bucket, run eagerly. A model that declares a layer
+uncompilable (models/base.py compile_blocker: the MoE experts' data-dependent split) is
+not compiled at all: one progress line says why, and the runner lists it as a fallback.
 
 On CPU, inductor generates fused C++ for the norms, RoPE, SiLU-mul and residuals
 and calls the same GEMM / weight-only kernels. On CUDA the segments are compiled
@@ -28,8 +30,8 @@ from typing import Callable
 import torch
 
 from core.progress import progress
-from engine.models.base import (EAGER, CausalLM, Segments, first_segment, last_segment,
-                                middle_segment)
+from engine.models.base import (EAGER, CausalLM, Segments, compile_blocker, first_segment,
+                                last_segment, middle_segment)
 from engine.timing import best_pair
 
 log = logging.getLogger(__name__)
@@ -84,6 +86,12 @@ class CompiledDecode:
         start-up (they run eagerly)."""
         self.timings: dict[int, tuple[float, float]] = {}
         """bucket -> (compiled ms, eager ms) of a dummy step, measured at start-up."""
+        blocker = compile_blocker(model)
+        if blocker is not None:  # a declared property of the model, not a failure
+            self.segments, self.disabled = Segments(), blocker
+            progress.info("not compiling the decode step (%s); decode steps run eagerly",
+                          blocker)
+            return
         try:
             self.segments = Segments(*(torch.compile(f, **kw)
                                        for f in (first_segment, middle_segment, last_segment)))

@@ -20,6 +20,12 @@ from engine.layers.linear import single
 
 
 class FusedExperts(nn.Module):
+    not_compilable = ("the experts' token split is data-dependent (how many tokens each "
+                      "expert gets is known only at run time), which a full-graph compile "
+                      "cannot trace")
+    """Why a model holding this layer cannot have its decode step compiled
+    (engine/models/base.py compile_blocker reads it)."""
+
     def __init__(self, num_experts: int, hidden: int, inter: int,
                  act: Callable[[torch.Tensor], torch.Tensor],
                  names: Sequence[str] = ("gate_proj", "up_proj", "down_proj")) -> None:

@@ -34,6 +34,15 @@ def _rope(d: dict, source: str) -> tuple[float, dict | None]:
     scaling = d.get("rope_scaling")
     if scaling is None and rope.get("rope_type", "default") != "default":
         scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    if scaling is not None and (scaling.get("rope_type") or scaling.get("type")) == "longrope":
+        # Phi-3 keeps the original length at the top level, and leaves the factor implied
+        old_len = scaling.get("original_max_position_embeddings",
+                              d.get("original_max_position_embeddings"))
+        if old_len is None:
+            raise ValueError(f"{source}: rope_scaling longrope needs the field "
+                             f"'original_max_position_embeddings', which is missing")
+        factor = scaling.get("factor") or d.get("max_position_embeddings", 2048) / old_len
+        scaling = {**scaling, "original_max_position_embeddings": old_len, "factor": factor}
     check_scaling(scaling, source)
     return float(theta), scaling
 

@@ -67,6 +67,17 @@ def last_segment(prev: DecoderLayer, norm: nn.Module, x: torch.Tensor, o: torch.
     return norm(prev.attn_out(x, o))
 
 
+def compile_blocker(model: nn.Module) -> str | None:
+    """Why a model's decode step cannot be compiled, or None where it can: the first
+    reason a layer declares (a class attribute ``not_compilable``: the MoE experts), named
+    by module, so the runner skips compilation instead of failing at it."""
+    for path, mod in model.named_modules():
+        reason = getattr(type(mod), "not_compilable", None)
+        if reason:
+            return f"{getattr(model, 'architecture', type(model).__name__)}: {path}: {reason}"
+    return None
+
+
 @dataclass(frozen=True)
 class Segments:
     """The three pieces of a forward pass between attention calls. Eager by default;

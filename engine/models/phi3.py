@@ -1,6 +1,7 @@
-"""Phi-3 (mini/medium, short context): the Llama layer over the checkpoint's fused
-``qkv_proj`` and ``gate_up_proj`` tensors. The long-context variants' rotary
-(``longrope``) and a partial rotary factor are refused at start-up, naming the field."""
+"""Phi-3: the Llama layer over the checkpoint's fused ``qkv_proj`` and ``gate_up_proj``
+tensors. The long-context variants' rotary (``longrope``) runs within the original
+context (engine/layers/rotary.py says why not beyond); a partial rotary factor is
+refused at start-up, naming the field."""
 from __future__ import annotations
 
 from engine.config import ModelConfig

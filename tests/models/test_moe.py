@@ -10,6 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from engine.config import EngineConfig
 from engine.layers.activation import gated
 from engine.llm_engine import LLMEngine
+from engine.models.base import compile_blocker
 
 MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
            torch.ops.aten.matmul.default, torch.ops.aten.linear.default}
@@ -58,3 +59,39 @@ def test_one_grouped_matmul_per_active_expert(moe, rows: int) -> None:
     assert rows == 1 and active == moe.top_k or rows == 32 and active == moe.experts.num_experts
     with torch.inference_mode():
         torch.testing.assert_close(y, _per_token(moe, x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_moe_decode_step_is_declared_uncompilable(checkpoint, family: str, caplog) -> None:
+    """The experts' token split is data-dependent, so a full-graph compile cannot trace
+    it: the model says so, and the runner skips compilation with one INFO line naming the
+    reason (no ERROR), lists it as the compile fallback (tandem:engine_fallbacks), and
+    decodes eagerly with the tokens an engine built with --no-compile gets."""
+    from core.sampling import SamplingParams
+
+    flags = dict(model=str(checkpoint(family)), dtype="float32", quantization="none",
+                 max_model_len=128, num_kv_blocks=64, compile_max_batch=2)
+    with caplog.at_level("INFO"):
+        eng = LLMEngine(EngineConfig.from_flat(compile=True, **flags))
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+    reason = compile_blocker(eng.runner.model)
+    assert reason is not None and "data-dependent" in reason and family in reason
+    said = [r for r in caplog.records if r.levelname == "INFO" and reason in r.getMessage()]
+    assert len(said) == 1, caplog.text
+    assert eng.runner.fallbacks()["compile"] == [reason]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    batch = [[5, 6, 7, 8, 9], [11, 12, 13]]
+    eager = LLMEngine(EngineConfig.from_flat(compile=False, **flags))
+    assert ([c.token_ids for c in eng.generate(batch, params)]
+            == [c.token_ids for c in eager.generate(batch, params)])
+    eng.leak_check()
+
+
+def test_dense_family_declares_no_blocker(checkpoint) -> None:
+    from engine.models import MODELS
+    from engine.loader import load_checkpoint
+
+    ckpt = load_checkpoint(str(checkpoint("llama")))
+    with torch.device("meta"):
+        model = MODELS.load("llama")(ckpt.config, 64)
+    assert compile_blocker(model) is None
