@@ -138,7 +138,7 @@ class SamplingParams:
         """Check min_tokens, logit_bias, allowed_token_ids and bad words; store tuples."""
         _check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
         bias = self.logit_bias
-        pairs = tuple(sorted(bias.items() if isinstance(bias, dict) else bias))
+        pairs = tuple(sorted(dict(bias).items()))  # a mapping or pairs; one entry per id
         if len(pairs) > MAX_LOGIT_BIAS:
             raise FieldError("logit_bias", f"logit_bias: at most {MAX_LOGIT_BIAS} entries, "
                                            f"got {len(pairs)}")
