@@ -4,8 +4,8 @@ layers, width 64, fp32), ours against transformers in the same run, at batch 1 a
 Both sides get the same batch of equal-length random prompts and decode greedily. The
 decode rate is the tokens generated after the first over the time a run of NEW tokens
 takes beyond a run of 1 token (so prefill is excluded the same way on both sides). The
-engine runs each family on its test attention backend (naive where layers slide or
-soft-cap), without the compiled step (MoE cannot compile; one setting for all). These
+engine runs each family on its test attention backend (sdpa for all, which computes
+windows and soft-caps), without the compiled step (MoE cannot compile; one setting for all). These
 checkpoints are tiny, so the numbers measure per-step overhead, not FLOPs.
 
     python bench/families.py [--new 32] [--prompt 16] [--threads N]

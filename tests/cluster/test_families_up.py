@@ -1,5 +1,5 @@
 """`tandem up --model DIR` serves a family's HF checkpoint (here Mistral, whose layers
-slide: the naive attention backend is the one that computes windows today) through
+slide, on the default attention backend and KV memory that follows the window) through
 real router, prefill and decode processes: a chat completion answers with the tokens
 the in-process engine produces for the same rendered prompt."""
 from __future__ import annotations
@@ -15,8 +15,7 @@ from tests.utils import write_chat_template
 
 pytestmark = pytest.mark.slow
 FAMILY = "mistral"
-FLAGS = {"dtype": "float32", "quantization": "none", "attention_backend": "naive",
-         "max_model_len": 256}
+FLAGS = {"dtype": "float32", "quantization": "none", "max_model_len": 256}
 
 
 def test_tandem_up_serves_a_family_checkpoint(tmp_path) -> None:
@@ -34,7 +33,7 @@ def test_tandem_up_serves_a_family_checkpoint(tmp_path) -> None:
 
     args = ["--kv-transfer", "tcp", "--kv-blocks", "64", "--dtype", "float32",
             "--max-model-len", "256", "--local-prefill-threshold", "4",
-            "--worker-arg=--attention-backend=naive", "--worker-arg=--quantization=none"]
+            "--worker-arg=--quantization=none"]
     with tandem_up(path, args) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         model = client.models.list().data[0].id

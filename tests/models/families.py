@@ -31,8 +31,8 @@ class Family:
     config_class: str
     config: dict[str, Any] = field(default_factory=dict)
     backend: str = "sdpa"
-    """The attention backend its tests run on (naive where a layer slides or soft-caps:
-    the only one that computes them today)."""
+    """The attention backend its tests run on: sdpa, the default, which computes sliding
+    windows and soft-caps (engine/attention/sdpa.py) as the paged decode kernel does."""
 
 
 BASE = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128,
@@ -43,13 +43,12 @@ BASE = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128,
 FAMILIES: dict[str, Family] = {
     "llama": Family("LlamaForCausalLM", "LlamaConfig"),
     "mistral": Family("MistralForCausalLM", "MistralConfig",
-                      {"sliding_window": WINDOW}, backend="naive"),
+                      {"sliding_window": WINDOW}),
     "qwen2": Family("Qwen2ForCausalLM", "Qwen2Config"),
     "qwen3": Family("Qwen3ForCausalLM", "Qwen3Config", {"head_dim": 16}),
     "gemma2": Family("Gemma2ForCausalLM", "Gemma2Config",
                      {"head_dim": 16, "sliding_window": WINDOW, "query_pre_attn_scalar": 24,
-                      "attn_logit_softcapping": 1.5, "final_logit_softcapping": 4.0},
-                     backend="naive"),
+                      "attn_logit_softcapping": 1.5, "final_logit_softcapping": 4.0}),
     "gemma3": Family("Gemma3ForCausalLM", "Gemma3TextConfig",
                      {"head_dim": 16, "sliding_window": WINDOW, "query_pre_attn_scalar": 24,
                       "num_hidden_layers": 3, "layer_types": ["sliding_attention",
@@ -58,8 +57,7 @@ FAMILIES: dict[str, Family] = {
                       "rope_parameters": {
                           "full_attention": {"rope_type": "linear", "factor": 2.0,
                                              "rope_theta": 100000.0},
-                          "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}},
-                     backend="naive"),
+                          "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}}),
     "phi3": Family("Phi3ForCausalLM", "Phi3Config"),
     "mixtral": Family("MixtralForCausalLM", "MixtralConfig",
                       {"num_local_experts": 8, "num_experts_per_tok": 2}),

@@ -96,9 +96,4 @@ def test_a_sliding_window_on_a_backend_without_one_is_refused(checkpoint, monkey
         _engine(checkpoint("mistral"), attention_backend="sdpa")
 
 
-def test_packed_weights_are_refused_where_a_linear_has_a_bias(checkpoint) -> None:
-    """engine/quant's packed layers add no bias: refusing beats dropping Qwen2's."""
-    with pytest.raises(ValueError, match=r"--quantization int8: model\.layers\.0\.self_attn"
-                                         r"\.qkv_proj carries a bias"):
-        _engine(checkpoint("qwen2"), quantization="int8")
 
