@@ -274,13 +274,19 @@ class LLMEngine:
         best = min(req.priority for req, _ in batch.entries)
         step = self.runner.execute(
             batch.entries, tables, lambda: self._urgent is not None and self._urgent < best)
+        for req, lps in step.prompt_logprobs:
+            req.prompt_logprobs.extend(lps)
         for req, n in batch.entries:
             self.num_computed_tokens_total += n
             if not req.draft:
                 req.num_computed_tokens += n
                 self.kv.cache_computed(req)
-        for req, tokens, logprobs in zip(step.requests, step.tokens, step.logprobs):
-            if req.draft:
+        ended = [(req, None, None) for req, _ in batch.entries
+                 if req.num_computed_tokens == len(req.token_ids) and not req.may_generate]
+        for req, tokens, logprobs in [*zip(step.requests, step.tokens, step.logprobs), *ended]:
+            if tokens is None:  # max_tokens 0: its prompt is all it ran
+                result = self.outputs.prompt_done(req)
+            elif req.draft:
                 result = self._commit_verified(req, tokens, logprobs)
             else:
                 result = self.outputs.append(req, tokens[0], logprobs[0])

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -24,7 +24,7 @@ from engine.quant.apply import QuantReport, kernel_fallbacks, quantize_model, se
 from engine.quant.base import resolve_method
 from engine.models import MODELS
 from engine.request import Request
-from engine.sampling import Sampler, TokenLogprobs
+from engine.sampling import Sampler, TokenLogprobs, token_logprobs
 from engine.spec.verify import verify
 
 log = logging.getLogger(__name__)
@@ -38,6 +38,59 @@ class StepTokens:
     requests: list[Request]
     tokens: list[list[int]]
     logprobs: list[list[TokenLogprobs | None]]
+    prompt_logprobs: list[tuple[Request, list[TokenLogprobs]]] = field(default_factory=list)
+    """Per request that asked: the logprobs of the prompt tokens this step's positions
+    predict, in order, continuing Request.prompt_logprobs."""
+
+
+_PROMPT_LOGITS_ROWS = 256
+"""Prompt positions whose logits are computed at once (bounds that tensor's memory)."""
+
+
+@dataclass
+class _Layout:
+    """One step's entries as the forward takes them: token ids and positions, each
+    query's length, context length and block table; the rows sampled (the last
+    position, or 1 + k for a speculating row) and the prompt rows owed logprobs."""
+
+    ids: list[int] = field(default_factory=list)
+    pos: list[int] = field(default_factory=list)
+    qlens: list[int] = field(default_factory=list)
+    slens: list[int] = field(default_factory=list)
+    qtables: list[list[int]] = field(default_factory=list)
+    rows: list[range] = field(default_factory=list)
+    sampled: list[Request] = field(default_factory=list)
+    owed: list[tuple[Request, int, range]] = field(default_factory=list)
+    """(request, first position, its rows): prompt positions whose logprobs are owed."""
+
+    @classmethod
+    def of(cls, entries: list[tuple[Request, int]], tables: list[list[int]]) -> _Layout:
+        lay = cls()
+        for (req, n), table in zip(entries, tables):
+            start = req.num_computed_tokens
+            lay.ids.extend(req.token_ids[start:start + n])
+            lay.ids.extend(req.draft)
+            lay.pos.extend(range(start, start + n))
+            if req.draft:
+                lay.qlens.extend([1] * n)
+                lay.slens.extend(range(start + 1, start + n + 1))
+                lay.qtables.extend([table] * n)
+                lay.rows.append(range(len(lay.ids) - n, len(lay.ids)))
+                lay.sampled.append(req)
+                continue
+            lay.qlens.append(n)
+            lay.slens.append(start + n)
+            lay.qtables.append(table)
+            owed = req.prompt_logprobs_owed
+            if owed is not None:  # positions [lo, hi) predict prompt tokens still owed
+                lo, hi = max(start, owed), min(start + n, req.num_prompt_tokens - 1)
+                if lo < hi:
+                    row0 = len(lay.ids) - n - start
+                    lay.owed.append((req, lo, range(row0 + lo, row0 + hi)))
+            if start + n == len(req.token_ids) and req.may_generate:  # next token is due
+                lay.rows.append(range(len(lay.ids) - 1, len(lay.ids)))
+                lay.sampled.append(req)
+        return lay
 
 
 class ModelRunner:
@@ -195,7 +248,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, entries: list[tuple[Request, int]], tables: list[list[int]],
                 should_stop: Callable[[], bool] | None = None) -> StepTokens:
-        """Run one forward pass; return the requests that were sampled and their tokens.
+        """Run one forward pass; return the requests that were sampled and their tokens,
+        and the prompt logprobs computed (rows that asked, ``_Layout.owed``).
         should_stop is asked between layers (StepInterrupted when it says True).
 
         entries: (request, new tokens) with prefill-path entries (more than one token,
@@ -205,45 +259,47 @@ class ModelRunner:
         reach attention as n one-token decode queries over its block table, query j
         seeing start + j + 1 tokens (all n K/V rows are written before any is read):
         causal attention through the decode kernel, which rounds as plain decoding does."""
-        ids: list[int] = []
-        pos: list[int] = []
-        qlens, slens, qtables, rows, sampled = [], [], [], [], []
-        for (req, n), table in zip(entries, tables):
-            start = req.num_computed_tokens
-            ids.extend(req.token_ids[start:start + n])
-            if req.draft:
-                ids.extend(req.draft)
-            pos.extend(range(start, start + n))
-            if req.draft:
-                qlens.extend([1] * n)
-                slens.extend(range(start + 1, start + n + 1))
-                qtables.extend([table] * n)
-                rows.append(range(len(ids) - n, len(ids)))
-                sampled.append(req)
-                continue
-            qlens.append(n)
-            slens.append(start + n)
-            qtables.append(table)
-            if start + n == len(req.token_ids):  # reached the end: next token is due
-                rows.append(range(len(ids) - 1, len(ids)))
-                sampled.append(req)
-        num_prefills = sum(1 for n in qlens if n > 1)
-        if any(n > 1 for n in qlens[num_prefills:]):
+        lay = _Layout.of(entries, tables)
+        num_prefills = sum(1 for n in lay.qlens if n > 1)
+        if any(n > 1 for n in lay.qlens[num_prefills:]):
             raise ValueError("execute: a prefill entry after a decode or speculating row")
-        meta = build_metadata(qlens, slens, num_prefills, qtables, self.config.cache.block_size,
-                              self.device, self.kv_quant)
+        meta = build_metadata(lay.qlens, lay.slens, num_prefills, lay.qtables,
+                              self.config.cache.block_size, self.device, self.kv_quant)
         ctx = ForwardContext(self.kv, meta, self.backend, should_stop)
         no_prompt = all(n == 1 or req.draft for req, n in entries)
+        sampled, rows = lay.sampled, lay.rows
         plain = [i for i, r in enumerate(sampled) if not r.draft]
         masks = self._submit_masks([r.sampling for r in sampled], [r.draft for r in sampled])
         try:
-            hidden = self._forward(ids, pos, ctx, decode_only=no_prompt)
+            hidden = self._forward(lay.ids, lay.pos, ctx, decode_only=no_prompt)
+            prompt = self._prompt_logprobs(hidden, lay.owed)
             if not sampled:
-                return StepTokens([], [], [])
+                return StepTokens([], [], [], prompt)
             logits = self.model.compute_logits(hidden[[i for r in rows for i in r]])  # [N, V] fp32
         finally:  # the masks are done before anything else touches their matchers
             banned = self.masks.result(masks) if masks is not None else None
-        return self._sample(sampled, rows, logits, plain, banned)
+        step = self._sample(sampled, rows, logits, plain, banned)
+        if prompt:
+            step.prompt_logprobs = prompt
+        return step
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, owed: list[tuple[Request, int, range]]
+                         ) -> list[tuple[Request, list[TokenLogprobs]]]:
+        """The prompt logprobs owed this step: the logits of only those positions, a slice
+        of rows at a time (a [rows, vocab] fp32 tensor each), so a request that does not
+        ask keeps the last-position-only LM head."""
+        out = []
+        for req, first, rows in owed:
+            pos0 = first - rows.start  # a row's position is row + pos0
+            found: list[TokenLogprobs] = []
+            for lo in range(rows.start, rows.stop, _PROMPT_LOGITS_ROWS):
+                part = range(lo, min(lo + _PROMPT_LOGITS_ROWS, rows.stop))
+                logits = self.model.compute_logits(hidden[part.start:part.stop])  # [r, V]
+                targets = [req.token_ids[r + pos0 + 1] for r in part]
+                found += token_logprobs(logits, targets,
+                                        [req.params.prompt_logprobs] * len(part))
+            out.append((req, found))
+        return out
 
     @property
     def masks(self):

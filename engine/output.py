@@ -48,10 +48,10 @@ class OutputProcessor:
                     logprobs: list[TokenLogprobs | None]) -> RequestOutput:
         """Commit tokens one by one, stopping at the first that finishes the request (the
         rest of a speculative run is dropped); one output for all of them."""
+        out = RequestOutput(req.request_id, [], "", False, None, [], _prompt_logprobs(req),
+                            req.num_prompt_tokens, 0, req.num_cached_tokens)
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
-        out = RequestOutput(req.request_id, [], "", False, None, [], req.num_prompt_tokens,
-                            0, req.num_cached_tokens)
         for token, lp in zip(tokens, logprobs):
             delta, reason = self._commit(req, token)
             out.new_token_ids.append(token)
@@ -89,6 +89,13 @@ class OutputProcessor:
             return FinishReason.LENGTH
         return None
 
+    def prompt_done(self, req: Request) -> RequestOutput:
+        """A max_tokens 0 request whose prompt is computed: it ends (length) with no token;
+        its prompt logprobs, when asked, are its whole output."""
+        out = self.finish(req, FinishReason.LENGTH)
+        out.prompt_logprobs = _prompt_logprobs(req)
+        return out
+
     def finish(self, req: Request, reason: FinishReason, error: str | None = None) -> RequestOutput:
         """Finish outside the token path (abort, error)."""
         return RequestOutput(req.request_id, [], self._close(req, reason), True, reason,
@@ -106,3 +113,11 @@ class OutputProcessor:
             return ""
         tail, _ = text.close(aborted=reason is FinishReason.ABORT)
         return tail
+
+
+def _prompt_logprobs(req: Request) -> list[TokenLogprobs] | None:
+    """What a request's first output carries of its prompt logprobs: all of them, when
+    it asked (its prompt is computed by then), else None."""
+    if req.params.prompt_logprobs is None or req.first_token_time is not None:
+        return None
+    return list(req.prompt_logprobs)

@@ -74,6 +74,9 @@ class Request:
     after the last token and commits only the accepted ones. Empty outside a step."""
     spec: SpecState | None = None
     """Adaptive speculation state (engine/spec/base.py), when the engine speculates."""
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    """When params.prompt_logprobs is set: the logprobs of prompt tokens 1, 2, ...
+    computed so far (entry p comes from position p's logits), in prompt order."""
     abort_pending: bool = False
     """An abort arrived while its leading KV is written into its blocks
     (WAITING_FOR_KV): it finishes (and its blocks are freed) when the write ends
@@ -98,6 +101,22 @@ class Request:
         return self.token_ids[len(self.prompt_token_ids):]
 
     @property
+    def prompt_logprobs_owed(self) -> int | None:
+        """The first prompt position whose logprobs are still owed, None when none are:
+        its hidden state must be computed here, so the prefix cache may serve only the
+        tokens before it (a cached block keeps K/V, not the logits they came with)."""
+        if self.params.prompt_logprobs is None:
+            return None
+        done = len(self.prompt_logprobs)
+        return done if done < self.num_prompt_tokens - 1 else None
+
+    @property
+    def may_generate(self) -> bool:
+        """False once max_tokens are out: a max_tokens 0 request never samples, and ends
+        when its prompt is computed (LLMEngine)."""
+        return self.num_output_tokens < self.params.max_tokens
+
+    @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
@@ -117,6 +136,9 @@ class RequestOutput:
     finished: bool
     finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    """On a request's first output, when it asked (SamplingParams.prompt_logprobs): one
+    per prompt token after the first."""
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0

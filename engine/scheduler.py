@@ -261,7 +261,8 @@ class Scheduler:
     def _admit(self, req: Request, batch: ScheduledBatch, budget: int) -> int | None:
         if not self._seat(req, batch):
             return None
-        cached = self.kv.find_cached_prefix(req)
+        # prompt logprobs still owed need their positions computed: no hit covers them
+        cached = self.kv.find_cached_prefix(req, max_tokens=req.prompt_logprobs_owed)
         ncached = len(cached) * self.kv.block_size
         n = len(req.token_ids) - ncached
         if n > budget and not self.chunked:

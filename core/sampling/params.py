@@ -44,7 +44,8 @@ class SamplingParams:
     """How one request picks its tokens and when it stops."""
 
     max_tokens: int = 16
-    """Most tokens to generate (>= 1)."""
+    """Most tokens to generate (>= 0; 0: the request ends after its prompt with no
+    token, its prompt logprobs, when asked, being all it returns)."""
     temperature: float = 1.0
     """Softmax temperature in [0, 2]; 0 (and anything below 1e-5) means greedy (argmax)."""
     top_k: int = 0
@@ -93,9 +94,13 @@ class SamplingParams:
     wherever the output ends with the tokens before it (a one-token word: everywhere)."""
     skip_special_tokens: bool = True
     """vLLM: leave special tokens out of the output text (and the stop-string search)."""
+    prompt_logprobs: int | None = None
+    """vLLM: None: none; N in [0, 20]: each prompt token's logprob after the first (the
+    model's distribution at the position before it) plus the top N there, computed
+    during prefill (OpenAI's echo with logprobs asks for them too)."""
 
     def __post_init__(self) -> None:
-        _check_int("max_tokens", self.max_tokens, 1)
+        _check_int("max_tokens", self.max_tokens, 0)
         _check_float("temperature", self.temperature, 0.0, 2.0)
         _check_int("top_k", self.top_k, 0, MAX_TOP_K)
         _check_float("top_p", self.top_p, 0.0, 1.0, lo_open=True)
@@ -107,6 +112,8 @@ class SamplingParams:
             _check_int("seed", self.seed, 0, MAX_SEED)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
         self._normalise_stops()
         self._normalise_token_rules()
         if self.guided is not None and not isinstance(self.guided, GuidedSpec):

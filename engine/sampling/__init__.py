@@ -3,6 +3,7 @@ The per-request parameters and stop strings are core's (core/sampling)."""
 from __future__ import annotations
 
 from engine.sampling.sampler import (Sampler, SamplerOutput, SamplingState, TokenLogprobs,
-                                     apply_penalties)
+                                     apply_penalties, token_logprobs)
 
-__all__ = ["Sampler", "SamplerOutput", "SamplingState", "TokenLogprobs", "apply_penalties"]
+__all__ = ["Sampler", "SamplerOutput", "SamplingState", "TokenLogprobs", "apply_penalties",
+           "token_logprobs"]

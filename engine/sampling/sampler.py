@@ -248,19 +248,26 @@ def _logprobs(logits: torch.Tensor, token_ids: list[int],
     rows = [i for i, s in enumerate(states) if s.params.logprobs is not None]
     if not rows:
         return out
+    idx = torch.tensor(rows, device=logits.device)
+    found = token_logprobs(logits.index_select(0, idx), [token_ids[i] for i in rows],
+                           [states[i].params.logprobs or 0 for i in rows])
+    for i, lp in zip(rows, found):
+        out[i] = lp
+    return out
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: list[int],
+                   tops: list[int]) -> list[TokenLogprobs]:
+    """Per row of logits [N, V]: the raw-model logprob of token_ids[row] and the row's
+    tops[row] most likely (token, logprob) pairs (sampled tokens, and prompt tokens)."""
     dev = logits.device
-    idx = torch.tensor(rows, device=dev)
-    lp = torch.log_softmax(logits.index_select(0, idx).to(torch.float32), dim=1)
-    chosen_ids = torch.tensor([token_ids[i] for i in rows], device=dev).unsqueeze(1)
-    chosen = lp.gather(1, chosen_ids).squeeze(1).tolist()
-    n_max = min(max(states[i].params.logprobs or 0 for i in rows), lp.shape[1])
-    top_v: list[list[float]] = [[] for _ in rows]
-    top_i: list[list[int]] = [[] for _ in rows]
+    lp = torch.log_softmax(logits.to(torch.float32), dim=1)
+    chosen = lp.gather(1, torch.tensor(token_ids, device=dev).unsqueeze(1)).squeeze(1).tolist()
+    n_max = min(max(tops, default=0), lp.shape[1])
+    top_v: list[list[float]] = [[] for _ in token_ids]
+    top_i: list[list[int]] = [[] for _ in token_ids]
     if n_max > 0:
         vals, ids = lp.topk(n_max, dim=1)
         top_v, top_i = vals.tolist(), ids.tolist()
-    for j, i in enumerate(rows):
-        n = states[i].params.logprobs or 0
-        top = list(zip(top_i[j][:n], top_v[j][:n]))
-        out[i] = TokenLogprobs(token_ids[i], chosen[j], top)
-    return out
+    return [TokenLogprobs(t, chosen[j], list(zip(top_i[j][:n], top_v[j][:n])))
+            for j, (t, n) in enumerate(zip(token_ids, tops))]

@@ -23,7 +23,7 @@ def _logits(b: int, v: int = V, seed: int = 0) -> torch.Tensor:
 # ---------------------------------------------------------------- params
 
 @pytest.mark.parametrize("field,value", [
-    ("max_tokens", 0), ("temperature", -0.1), ("temperature", 2.5), ("top_k", -1),
+    ("max_tokens", -1), ("temperature", -0.1), ("temperature", 2.5), ("top_k", -1),
     ("top_p", 0.0), ("top_p", 1.5), ("min_p", -0.1), ("min_p", 1.1),
     ("repetition_penalty", 0.0), ("repetition_penalty", 2.1), ("presence_penalty", 2.1),
     ("frequency_penalty", -2.1), ("seed", -1), ("seed", 2**63), ("logprobs", 21),
@@ -35,8 +35,8 @@ def test_validation_names_field(field: str, value: object) -> None:
 
 
 def test_validation_message_gives_range() -> None:
-    with pytest.raises(ValueError, match=r"max_tokens must be >= 1, got 0"):
-        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match=r"max_tokens must be >= 0, got -1"):
+        SamplingParams(max_tokens=-1)
     with pytest.raises(ValueError, match=r"temperature must be in \[0, 2\], got 3"):
         SamplingParams(temperature=3)
     with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
