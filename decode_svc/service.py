@@ -36,7 +36,7 @@ from kvtransfer.link import blocks_from_proto, ends_lease
 from proto import common_pb2 as common
 from proto import decode_pb2 as pb
 from proto import decode_pb2_grpc as pb_grpc
-from proto.convert import FALLBACK, top_to_proto
+from proto.convert import FALLBACK, prompt_logprobs_to_proto, top_to_proto
 from worker.base import WorkerBase
 from worker.config import WorkerConfig
 from worker import spans as worker_spans
@@ -226,6 +226,8 @@ class DecodeService(WorkerBase, pb_grpc.DecodeServicer):
                                      logprobs=[lp.logprob for lp in out.logprobs])
             if any(lp.top for lp in out.logprobs):
                 chunk.top_logprobs.extend(top_to_proto(lp.top) for lp in out.logprobs)
+            if out.prompt_logprobs is not None:
+                chunk.prompt_logprobs.CopyFrom(prompt_logprobs_to_proto(out.prompt_logprobs))
             if out.finished:
                 chunk.finish_reason = out.finish_reason.value if out.finish_reason else "error"
                 self.count_finish(out)

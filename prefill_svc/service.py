@@ -20,7 +20,7 @@ import time
 import grpc
 
 from engine.request import FinishReason
-from proto.convert import top_to_proto
+from proto.convert import prompt_logprobs_to_proto, top_to_proto
 from engine.engine_thread import EngineWorker
 from kvtransfer.base import SourceBlocks, get_backend
 from kvtransfer.lease import Lease, LeaseTable
@@ -117,9 +117,10 @@ class PrefillService(WorkerBase, pb_grpc.PrefillServicer):
         self.count_finish(out)
         self.metrics.count_prompt(out.num_prompt_tokens, out.num_prompt_tokens,
                                   out.num_cached_tokens)
-        self.metrics.labelled(self.metrics.generation_tokens).inc(1)
+        self.metrics.labelled(self.metrics.generation_tokens).inc(len(out.new_token_ids))
         reply = pb.PrefillResponse(
-            request_id=request.request_id, first_token=out.new_token_ids[0],
+            request_id=request.request_id,
+            first_token=out.new_token_ids[0] if out.new_token_ids else 0,  # none: max_tokens 0
             finished=out.finish_reason is not None,
             finish_reason=out.finish_reason.value if out.finish_reason else "",
             num_cached_tokens=out.num_cached_tokens, prefill_seconds=seconds)
@@ -127,6 +128,8 @@ class PrefillService(WorkerBase, pb_grpc.PrefillServicer):
             reply.first_logprob = out.logprobs[0].logprob
             if out.logprobs[0].top:
                 reply.first_top_logprobs.CopyFrom(top_to_proto(out.logprobs[0].top))
+        if out.prompt_logprobs is not None:
+            reply.prompt_logprobs.CopyFrom(prompt_logprobs_to_proto(out.prompt_logprobs))
         if handle is not None:
             reply.kv_handle.CopyFrom(handle)
         worker_spans.prefill_done(out, seconds, handle)

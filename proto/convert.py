@@ -64,7 +64,8 @@ def sampling_from_proto(m: common.SamplingParams) -> SamplingParams:
         bad_words_token_ids=tuple(tuple(w.ids) for w in m.bad_words),
         include_stop_str_in_output=m.include_stop_str_in_output,
         skip_special_tokens=(m.skip_special_tokens if m.HasField("skip_special_tokens")
-                             else True))
+                             else True),
+        prompt_logprobs=m.prompt_logprobs if m.HasField("prompt_logprobs") else None)
 
 
 def sampling_to_proto(p: SamplingParams) -> common.SamplingParams:
@@ -82,6 +83,8 @@ def sampling_to_proto(p: SamplingParams) -> common.SamplingParams:
         m.seed = p.seed
     if p.logprobs is not None:
         m.logprobs = p.logprobs
+    if p.prompt_logprobs is not None:
+        m.prompt_logprobs = p.prompt_logprobs
     if p.guided is not None:
         m.guided.kind, m.guided.text = p.guided.kind, p.guided.text
     if not p.speculate:
@@ -98,6 +101,22 @@ def top_to_proto(top: list[tuple[int, float]]) -> common.TopLogprobs:
 
 def top_from_proto(m: common.TopLogprobs) -> list[tuple[int, float]]:
     return list(zip(m.token_ids, m.logprobs))
+
+
+def prompt_logprobs_to_proto(lps: Iterable) -> common.PromptLogprobs:
+    """A prompt's logprobs (each with .logprob and .top: engine TokenLogprobs)."""
+    lps = list(lps)
+    m = common.PromptLogprobs(logprobs=[lp.logprob for lp in lps])
+    if any(lp.top for lp in lps):
+        m.top.extend(top_to_proto(lp.top) for lp in lps)
+    return m
+
+
+def prompt_logprobs_from_proto(m: common.PromptLogprobs
+                               ) -> list[tuple[float, list[tuple[int, float]]]]:
+    """[(logprob, top-N pairs)] per prompt token after the first."""
+    tops = [top_from_proto(t) for t in m.top]
+    return [(lp, tops[i] if i < len(tops) else []) for i, lp in enumerate(m.logprobs)]
 
 
 STATUS_DETAILS_KEY = "grpc-status-details-bin"

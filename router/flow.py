@@ -40,7 +40,7 @@ from router.workers import Worker, WorkerPool
 from router import spans as router_spans
 from tracing.spans import calling
 from proto.convert import FALLBACK, field_of
-from proto.convert import sampling_to_proto, top_from_proto
+from proto.convert import prompt_logprobs_from_proto, sampling_to_proto, top_from_proto
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +68,9 @@ class Delta:
     finish_reason: str | None = None
     logprobs: list[Logprob] = field(default_factory=list)
     """One per token id, when logprobs were requested."""
+    prompt_logprobs: list[Logprob] | None = None
+    """On the first delta, when SamplingParams.prompt_logprobs asked: one per prompt
+    token after the first (computed by the worker that ran the prompt)."""
 
 
 class RequestFlow:
@@ -98,9 +101,12 @@ class RequestFlow:
         text = _TextStream(self.tokenizer, prompt_ids, params, accept)
         try:
             async for token_ids, reason, logprobs in self._tokens(req, trace):
-                if not trace.ttft_seconds:
+                first = not trace.ttft_seconds
+                if first:
                     trace.ttft_seconds = time.monotonic() - t0
                 delta = text.feed(token_ids, reason, logprobs)
+                if first:  # the prompt's logprobs came with (before) its first token
+                    delta.prompt_logprobs = req.prompt_logprobs
                 trace.output_tokens += len(delta.token_ids)
                 yield delta
                 if delta.finished:
@@ -155,7 +161,7 @@ class RequestFlow:
         prefillers = [w for w in self.pool.healthy("prefill") if w not in failed]
         gen = decode_pb2.GenerateRequest(request_id=wid, prompt_token_ids=req.prompt_ids,
                                          output_token_ids=req.generated,
-                                         sampling=sampling_to_proto(req.params),
+                                         sampling=req.sampling(),
                                          priority=req.priority,
                                          preempt_lower_priority=self.config.priority_preemption,
                                          cache_salt=req.cache_salt)
@@ -169,7 +175,11 @@ class RequestFlow:
                 first = await self._prefill(prefill, wid, req)
                 router_spans.prefill_reply(span, first)
             trace.realized_cached_tokens = first.num_cached_tokens
-            yield [first.first_token], first.finish_reason or None, (
+            gen.sampling.ClearField("prompt_logprobs")  # the prefill worker returned them
+            if first.HasField("prompt_logprobs"):
+                req.prompt_logprobs = prompt_logprobs_from_proto(first.prompt_logprobs)
+            # a max_tokens 0 request ends after its prompt: no first token
+            yield [first.first_token] if req.params.max_tokens else [], first.finish_reason or None, (
                 [(first.first_logprob, top_from_proto(first.first_top_logprobs))]
                 if first.HasField("first_logprob") else [])
             if first.finished:
@@ -202,6 +212,8 @@ class RequestFlow:
                     trace.spec_proposed_tokens += chunk.spec.proposed_tokens
                     trace.spec_accepted_tokens += chunk.spec.accepted_tokens
                     trace.spec_verifications += chunk.spec.verifications
+                if chunk.HasField("prompt_logprobs") and req.prompt_logprobs is None:
+                    req.prompt_logprobs = prompt_logprobs_from_proto(chunk.prompt_logprobs)
                 tops = [top_from_proto(t) for t in chunk.top_logprobs]
                 if chunk.finished:  # nothing may resume this generator after the yield
                     router_spans.decode_done(span, chunk)
@@ -222,7 +234,7 @@ class RequestFlow:
         try:
             first = await w.stub.Prefill(prefill_pb2.PrefillRequest(
                 request_id=wid, token_ids=req.prompt_ids, output_token_ids=req.generated,
-                sampling=sampling_to_proto(req.params), priority=req.priority,
+                sampling=req.sampling(), priority=req.priority,
                 cache_salt=req.cache_salt), timeout=req.remaining())
         except grpc.aio.AioRpcError as e:
             raise _failure(w, e, req) from e
@@ -246,6 +258,16 @@ class _Request:
     """router/cache_salt.py; kept out of repr (it names a tenant's cache)."""
     generated: list[int] = field(default_factory=list)
     held: _Held = field(default_factory=lambda: _Held())
+    prompt_logprobs: list[Logprob] | None = None
+    """The prompt's logprobs once a worker returned them (params.prompt_logprobs)."""
+
+    def sampling(self) -> common.SamplingParams:
+        """The params as the workers get them: a retry does not ask for the prompt's
+        logprobs again once an earlier attempt returned them."""
+        m = sampling_to_proto(self.params)
+        if self.prompt_logprobs is not None:
+            m.ClearField("prompt_logprobs")
+        return m
 
     def remaining(self) -> float:
         """Seconds left before the deadline (DeadlineExceeded when none)."""

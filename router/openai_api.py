@@ -143,7 +143,9 @@ class _Common(_Strict):
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: Any = None
     structural_tag: Any = None
-    prompt_logprobs: Any = None
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
+    """vLLM's: each prompt token's logprob (the first's is null) and the top N, in
+    the choice's prompt_logprobs."""
     logits_processors: Any = None
     vllm_xargs: Any = None
     kv_transfer_params: Any = None
@@ -154,7 +156,8 @@ class _Common(_Strict):
         """bad_words: the body's bad_words as token sequences (the caller tokenizes)."""
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         return SamplingParams(
-            max_tokens=self.max_tokens or default_max_tokens, temperature=self.temperature,
+            max_tokens=default_max_tokens if self.max_tokens is None else self.max_tokens,
+            temperature=self.temperature,
             top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, seed=self.seed, stop=tuple(stop),
@@ -164,20 +167,36 @@ class _Common(_Strict):
             logit_bias=self.logit_bias or {},
             allowed_token_ids=self.allowed_token_ids, bad_words_token_ids=bad_words,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens)
+            skip_special_tokens=self.skip_special_tokens,
+            prompt_logprobs=self.prompt_top())
+
+    def prompt_top(self) -> int | None:
+        """How many alternatives the workers compute at each prompt position; None: no
+        prompt logprobs."""
+        return self.prompt_logprobs
 
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
     """One prompt (a string or token ids) or a batch of them: a choice per prompt."""
+    max_tokens: int | None = Field(default=None, ge=0)
+    """0: nothing is generated (with echo: the prompt and its logprobs, as evaluation
+    harnesses score them)."""
     logprobs: int | None = Field(default=None, ge=0, le=20)
-    echo: Literal[False] = False
+    echo: bool = False
+    """The prompt comes back before the completion: in the text, and with logprobs in
+    tokens, token_logprobs (null for the first), top_logprobs and text_offset."""
     best_of: Literal[1] | None = None
     """Only 1 (= n) for now."""
     suffix: str | None = None
     add_special_tokens: bool = True
     """vLLM: the tokenizer's special tokens (BOS) around a text prompt."""
     prompt_embeds: Any = None
+
+    def prompt_top(self) -> int | None:
+        tops = [n for n in (self.prompt_logprobs, self.logprobs if self.echo else None)
+                if n is not None]
+        return max(tops) if tops else None
 
     def prompts(self) -> list[str | list[int]]:
         """The body's prompts, in order (a bare string or id list is one)."""
@@ -246,7 +265,8 @@ class ChatCompletionRequest(_Common):
     moderation: Any = None
     functions: Any = None
     function_call: Any = None
-    echo: bool = False
+    echo: Literal[False] = False
+    """vLLM's chat echo (the last message before the reply) is not supported."""
     continue_final_message: bool = False
     chat_template: Any = None
     documents: Any = None

@@ -139,7 +139,8 @@ def _full(batch: _Batch) -> dict:
         ds = c.deltas
         full = c.shape.full("".join(d.text for d in ds), ds[-1].finish_reason,
                             [t for d in ds for t in d.token_ids],
-                            [lp for d in ds for lp in d.logprobs], c.outcome.trace)
+                            [lp for d in ds for lp in d.logprobs], c.outcome.trace,
+                            ds[0].prompt_logprobs)
         choices.append(full["choices"][0])
     shape = batch.choices[0].shape
     return {"id": shape.id, "object": "text_completion", "created": shape.created,
@@ -154,7 +155,8 @@ async def _sse(batch: _Batch) -> AsyncIterator[str]:
 
     def events(i: int, d: Delta) -> list[str]:
         c, out = batch.choices[i], []
-        if d.text or (d.token_ids and (c.shape.logprobs or c.shape.prompt_ids is not None)):
+        if d.text or (d.token_ids and (c.shape.logprobs or c.shape.prompt_ids is not None)) \
+                or (c.shape.prompt is not None and not opened[i]):
             out.append(c.shape.chunk(d.text, None, d=d, first=not opened[i]))
             opened[i] = True
         if d.finished:

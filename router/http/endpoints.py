@@ -26,6 +26,7 @@ from router.http.responses import serve_responses
 from router.http.tokens import TokenReader
 from router.http.intake import Intake, Reader
 from router.http.owned import FLOW_ERRORS, Outcome, OwnedStream, echo_headers
+from router.http.echo import PromptPart
 from router.http.render import LogprobFormat, ResponseShape
 from router.state import RouterState
 from router.tools import ToolCallText
@@ -117,7 +118,7 @@ class Endpoints:
                 stack = None  # the response owns it now
                 return resp
             text, reason, ids, lps = await _collect(first, deltas)
-            full = shape.full(text, reason, ids, lps, outcome.trace)
+            full = shape.full(text, reason, ids, lps, outcome.trace, first.prompt_logprobs)
             outcome.reason = full["choices"][0]["finish_reason"] or "error"
             return JSONResponse(full, headers=headers)
         except FLOW_ERRORS as e:
@@ -151,7 +152,8 @@ class Endpoints:
                              LogprobFormat(st.tokenizer, intake.chat, intake.tokens_as_ids)
                              if intake.logprobs is not None else None,
                              intake.include_usage, intake.tools,
-                             intake.prompt_ids if intake.return_token_ids else None, index)
+                             intake.prompt_ids if intake.return_token_ids else None, index,
+                             PromptPart.of(st.tokenizer, intake))
 
     async def _sse(self, first: Delta, deltas: AsyncIterator[Delta], shape: ResponseShape,
                    outcome: Outcome) -> AsyncIterator[str]:
@@ -166,7 +168,7 @@ class Endpoints:
         try:
             while True:
                 text = d.text if calls is None else calls.feed(d.text)
-                if text or (ids_wanted and d.token_ids):
+                if text or (ids_wanted and d.token_ids) or (opening and shape.prompt):
                     yield shape.chunk(text, None, d=d, first=opening)
                     opening = False
                 if d.finished:

@@ -50,6 +50,10 @@ class Intake:
     """vLLM's: the response carries prompt_token_ids and each choice's token_ids."""
     tokens_as_ids: bool = False
     """vLLM's return_tokens_as_token_ids: logprobs name tokens token_id:<id>."""
+    echo: str | None = None
+    """completions' echo: the prompt's text, sent back before the completion."""
+    prompt_logprobs: int | None = None
+    """vLLM's prompt_logprobs: the response carries them (top N each)."""
 
 
 class Reader:
@@ -74,7 +78,7 @@ class Reader:
                 else:
                     ids = list(prompt)
                 intakes.append(await self._intake(request, body, ids, False, body.logprobs,
-                                                  constraint))
+                                                  constraint, prompt))
             except APIError as e:
                 raise e.of_prompt(i) if len(prompts) > 1 else e
         return intakes
@@ -118,14 +122,22 @@ class Reader:
         return body
 
     async def _intake(self, request: Request, body, ids: list[int], chat: bool,
-                      logprobs: int | None, constraint: Constraint) -> Intake:
+                      logprobs: int | None, constraint: Constraint,
+                      prompt: str | list[int] | None = None) -> Intake:
+        """prompt: the completions prompt as the body gave it (echo sends it back)."""
+        given = ids
         ids, params = await self.state.parsing.run(self._params, body, ids, logprobs,
                                                    constraint)
+        echo = None
+        if getattr(body, "echo", False):  # the text given, unless truncation cut it
+            echo = prompt if isinstance(prompt, str) and ids is given else \
+                await self.state.parsing.run(self.state.tokenizer.decode, ids, False)
         salt = request_salt(getattr(request.state, "api_key", None), body.cache_salt)
         return Intake(ids, params, chat, logprobs, body.stream,
                       bool(body.stream_options and body.stream_options.include_usage),
                       constraint.tools, request.state.priority, request.state.deadline, salt,
-                      body.return_token_ids, body.return_tokens_as_token_ids)
+                      body.return_token_ids, body.return_tokens_as_token_ids, echo,
+                      body.prompt_logprobs)
 
     # -- on the pools ------------------------------------------------------------------
     async def _constraint(self, body) -> Constraint:

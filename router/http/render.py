@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from core.tokenizer import Tokenizer
 from router.flow import Delta, Logprob
 from router.trace import Trace
+from router.http.echo import PromptPart
 from router.tools import ToolPlan, parse_calls
 
 
@@ -23,7 +24,8 @@ class LogprobFormat:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def render(self, ids: list[int], lps: list[Logprob]) -> dict:
+    def render(self, ids: list[int], lps: list[Logprob | None]) -> dict:
+        """None: a token with no logprob (an echoed prompt's first; completions only)."""
         pairs = list(zip(ids, lps))
         tokens = [self._tok(t) for t, _ in pairs]
         if self.chat:
@@ -36,9 +38,10 @@ class LogprobFormat:
         for tok in tokens:
             offsets.append(pos)
             pos += len(tok)
-        return {"tokens": tokens, "token_logprobs": [lp for _, (lp, _) in pairs],
-                "top_logprobs": [{self._tok(t): alp for t, alp in top} if top else None
-                                 for _, (_, top) in pairs],
+        return {"tokens": tokens,
+                "token_logprobs": [lp[0] if lp is not None else None for _, lp in pairs],
+                "top_logprobs": [{self._tok(t): alp for t, alp in lp[1]}
+                                 if lp is not None and lp[1] else None for _, lp in pairs],
                 "text_offset": offsets}
 
 
@@ -70,10 +73,28 @@ class ResponseShape:
     with the response; None: they do not."""
     index: int = 0
     """The choice's index (a batch of prompts: the prompt's)."""
+    prompt: PromptPart | None = None
+    """What of the prompt goes back (echo, prompt_logprobs); None: nothing."""
+
+    def _logprobs(self, ids: list[int], lps: list[Logprob], d_prompt: list[Logprob] | None,
+                  opening: bool) -> dict | None:
+        if self.logprobs is None:
+            return None
+        if self.prompt is not None:
+            ids, lps = self.prompt.logprobs(ids, lps, d_prompt, opening)
+        return self.logprobs.render(ids, lps)
+
+    def _prompt_fields(self, choice: dict, top: dict, d_prompt: list[Logprob] | None,
+                       opening: bool) -> None:
+        """vLLM's prompt_logprobs: in the choice (completions) or the response (chat)."""
+        if self.prompt is not None and self.prompt.top is not None and opening:
+            (top if self.chat else choice)["prompt_logprobs"] = self.prompt.vllm(d_prompt)
 
     def full(self, text: str, reason: str | None, ids: list[int], lps: list[Logprob],
-             trace: Trace) -> dict:
-        lp = self.logprobs.render(ids, lps) if self.logprobs is not None else None
+             trace: Trace, prompt_lps: list[Logprob] | None = None) -> dict:
+        """prompt_lps: the first delta's prompt_logprobs."""
+        lp = self._logprobs(ids, lps, prompt_lps, True)
+        text = self.prompt.text(text, True) if self.prompt is not None else text
         if self.chat:
             message: dict = {"role": "assistant", "content": text}
             calls = parse_calls(text) if self.tools is not None and reason == "stop" else None
@@ -88,6 +109,7 @@ class ResponseShape:
         if self.prompt_ids is not None:
             choice["token_ids"] = ids
             (top if self.chat else choice)["prompt_token_ids"] = self.prompt_ids
+        self._prompt_fields(choice, top, prompt_lps, True)
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": [choice],
                 "usage": usage(trace), **top}
@@ -101,8 +123,10 @@ class ResponseShape:
     def chunk(self, text: str | None, reason: str | None, role: bool = False,
               d: Delta | None = None, first: bool = False) -> str:
         """first: the stream's first chunk (it carries prompt_token_ids when asked)."""
-        lps = (self.logprobs.render(d.token_ids, d.logprobs)
-               if self.logprobs is not None and d is not None else None)
+        lps = self._logprobs(d.token_ids, d.logprobs, d.prompt_logprobs, first) \
+            if d is not None else None
+        if self.prompt is not None and text is not None:
+            text = self.prompt.text(text, first)
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else (
                 {} if text is None else {"content": text})
@@ -116,6 +140,7 @@ class ResponseShape:
             choice["token_ids"] = list(d.token_ids) if d is not None else []
             if first:
                 (top if self.chat else choice)["prompt_token_ids"] = self.prompt_ids
+        self._prompt_fields(choice, top, d.prompt_logprobs if d is not None else None, first)
         return self._event(choices=[choice], **top)
 
     def tool_call_chunks(self, calls: list[dict]) -> list[str]:

@@ -81,7 +81,8 @@ def test_stop_string_cuts_text(c) -> None:
 
 
 @pytest.mark.parametrize("body,status,param", [
-    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 400, "max_tokens"),
     ({"prompt": "x", "temperature": 9}, 400, "temperature"),
     ({"prompt": "x", "bogus": 1}, 400, "bogus"),
     ({"prompt": "x", "model": "gpt-4"}, 404, "model"),

@@ -143,7 +143,7 @@ def test_fields_without_effect_change_nothing(api) -> None:
     ("audio", {"voice": "alloy", "format": "mp3"}), ("modalities", ["text", "audio"]),
     ("web_search_options", {}), ("functions", [{"name": "f"}]), ("function_call", "auto"),
     ("logit_bias", {"999999": 1}), ("logit_bias", {"5": 101}), ("allowed_token_ids", [10**6]),
-    ("min_tokens", 100), ("prompt_logprobs", 1), ("echo", True), ("chat_template", "x"),
+    ("min_tokens", 100), ("prompt_logprobs", 21), ("echo", True), ("chat_template", "x"),
     ("truncate_prompt_tokens", 10**6), ("no_such_field", 1),
 ])
 def test_refused_and_unknown_fields_are_400s_naming_them(api, field, value) -> None:
