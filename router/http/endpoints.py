@@ -73,6 +73,17 @@ class Endpoints:
                                  tok.decode([t], skip_special_tokens=False) for t in ids]
                              if strs else None})
 
+    async def tokenizer_info(self) -> dict:
+        """vLLM's /tokenizer_info: the special tokens, the chat template and the context
+        window (lm-evaluation-harness's remote tokenizer reads it, then tokenizes
+        through /tokenize, so it counts tokens exactly as the workers do)."""
+        tok = self.state.tokenizer
+        return {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": tok.bos_token,
+                "eos_token": tok.eos_token, "pad_token": tok.pad_token,
+                "unk_token": tok.unk_token, "add_bos_token": tok.add_bos,
+                "chat_template": tok.chat_template,
+                "model_max_length": self.state.config.max_model_len}
+
     async def detokenize(self, request: Request) -> JSONResponse:
         """vLLM's /detokenize: {prompt} (special tokens kept, as vLLM decodes)."""
         try:

@@ -73,6 +73,11 @@ async def tokenize(request: Request):
     return await _ep(request).tokenize(request)
 
 
+@routes.get("/tokenizer_info")
+async def tokenizer_info(request: Request):
+    return await _ep(request).tokenizer_info()
+
+
 @routes.post("/detokenize", openapi_extra=_body_doc(DetokenizeRequest))
 async def detokenize(request: Request):
     return await _ep(request).detokenize(request)
