@@ -167,10 +167,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def copy_blocks(self, swap_out: list[tuple[list[int], list[int]]],
-                    swap_in: list[tuple[list[int], list[int]]]) -> int:
-        """Swap-outs (device -> host) first, then swap-ins (host -> device): a block
-        freed by a swap-out may be the target of a swap-in in the same step.
-        Returns the bytes copied.
+                    swap_in: list[tuple[list[int], list[int]]],
+                    copies: list[tuple[int, int]] = (), draft_kv: torch.Tensor | None = None
+                    ) -> int:
+        """Swap-outs (device -> host) first, then the copy-on-write copies (device ->
+        device, in ``draft_kv`` too when a draft model has its own cache), then
+        swap-ins (host -> device): a block freed by a swap-out may be the target of a
+        copy or a swap-in in the same step, and a copy's source freed meanwhile may be
+        a swap-in's target. Returns the bytes copied (swaps only).
 
         On CUDA each block is copied straight into its slot of the pinned swap tensor
         (an async copy), and the stream is synchronised before anything on the host may
@@ -183,6 +187,11 @@ class ModelRunner:
             nbytes += len(dev) * self.block_bytes
         if swap_out and self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # host copies have landed
+        if copies:
+            src = torch.tensor([s for s, _ in copies], device=self.device)
+            dst = torch.tensor([d for _, d in copies], device=self.device)
+            for kv in (self.kv, draft_kv) if draft_kv is not None else (self.kv,):
+                kv.index_copy_(0, dst, kv.index_select(0, src))
         for host, dev in swap_in:
             for h, d in zip(host, dev):
                 self.kv[d].copy_(self.swap_kv[h], non_blocking=True)
@@ -225,8 +234,9 @@ class ModelRunner:
             slens.append(start + n)
             qtables.append(table)
             if start + n == len(req.token_ids):  # reached the end: next token is due
-                rows.append(range(len(ids) - 1, len(ids)))
-                sampled.append(req)
+                for r in (req, *req.forks):  # forked choices: the same row (engine/fork.py)
+                    rows.append(range(len(ids) - 1, len(ids)))
+                    sampled.append(r)
         num_prefills = sum(1 for n in qlens if n > 1)
         if any(n > 1 for n in qlens[num_prefills:]):
             raise ValueError("execute: a prefill entry after a decode or speculating row")

@@ -50,8 +50,8 @@ class OutputProcessor:
         rest of a speculative run is dropped); one output for all of them."""
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
-        out = RequestOutput(req.request_id, [], "", False, None, [], req.num_prompt_tokens,
-                            0, req.num_cached_tokens)
+        out = RequestOutput(req.stream_id, [], "", False, None, [], req.num_prompt_tokens,
+                            0, req.num_cached_tokens, index=req.index)
         for token, lp in zip(tokens, logprobs):
             delta, reason = self._commit(req, token)
             out.new_token_ids.append(token)
@@ -91,10 +91,11 @@ class OutputProcessor:
 
     def finish(self, req: Request, reason: FinishReason, error: str | None = None) -> RequestOutput:
         """Finish outside the token path (abort, error)."""
-        return RequestOutput(req.request_id, [], self._close(req, reason), True, reason,
+        return RequestOutput(req.stream_id, [], self._close(req, reason), True, reason,
                              num_prompt_tokens=req.num_prompt_tokens,
                              num_output_tokens=req.num_output_tokens,
-                             num_cached_tokens=req.num_cached_tokens, error=error)
+                             num_cached_tokens=req.num_cached_tokens, error=error,
+                             index=req.index)
 
     def _close(self, req: Request, reason: FinishReason) -> str:
         """Finish req; returns the text still owed (none after an abort or once a stop

@@ -6,13 +6,14 @@ range.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 from typing import Any
 
 from core.errors import FieldError
 from core.guided.spec import GuidedSpec
-from core.limits import (GREEDY_TEMPERATURE, MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGIT_BIAS,
+from core.limits import (GREEDY_TEMPERATURE, MAX_BAD_WORD_TOKENS, MAX_CHOICES, MAX_BAD_WORDS, MAX_LOGIT_BIAS,
                          MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOP_K)
 
 MAX_LOGPROBS = 20
@@ -93,9 +94,14 @@ class SamplingParams:
     wherever the output ends with the tokens before it (a one-token word: everywhere)."""
     skip_special_tokens: bool = True
     """vLLM: leave special tokens out of the output text (and the stop-string search)."""
+    n: int = 1
+    """Sequences to generate from the prompt, in [1, MAX_CHOICES]: one prefill, then the
+    engine forks the prompt's blocks copy-on-write (engine/fork.py); choice j draws from
+    its own stream (``choice_seed``)."""
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, 1)
+        _check_int("n", self.n, 1, MAX_CHOICES)
         _check_float("temperature", self.temperature, 0.0, 2.0)
         _check_int("top_k", self.top_k, 0, MAX_TOP_K)
         _check_float("top_p", self.top_p, 0.0, 1.0, lo_open=True)
@@ -192,3 +198,12 @@ class SamplingParams:
         """True when any penalty changes the logits, so the sampler must count tokens."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """Choice ``index``'s seed under a request's seed: choice 0 keeps the seed itself (so
+    it equals the same request with n = 1), each other choice gets its own stream."""
+    if index == 0:
+        return seed
+    digest = hashlib.sha256(f"tandem-choice:{seed}:{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") & MAX_SEED
