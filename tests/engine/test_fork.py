@@ -134,3 +134,27 @@ def test_choice_zero_ended_abort_still_finds_the_others(flat_model_dir) -> None:
     outs = eng.abort_request("y")
     assert [o.index for o in outs] == [1]
     eng.leak_check()
+
+
+def test_speculated_choices_equal_plain_ones(flat_model_dir) -> None:
+    """n-gram speculation per choice (a repetitive prompt, greedy and seeded choices):
+    the same tokens as without it (verification keeps sampling exact)."""
+    prompt = [5, 6, 7, 8] * 6
+    reqs = [("s", prompt, SamplingParams(max_tokens=20, n=3, seed=9, ignore_eos=True)),
+            ("t", prompt, SamplingParams(max_tokens=20, n=2, temperature=0.0,
+                                         ignore_eos=True))]
+    plain = _run(_engine(flat_model_dir), reqs)
+    eng = _engine(flat_model_dir, speculative_method="ngram")
+    assert _run(eng, reqs) == plain
+    eng.leak_check()
+
+
+def test_each_choice_keeps_its_constraint(flat_model_dir) -> None:
+    from core.guided.spec import GuidedSpec
+
+    eng = _engine(flat_model_dir)
+    out = _run(eng, [("c", PROMPT, SamplingParams(max_tokens=12, n=4, seed=2,
+                                                  guided=GuidedSpec("regex", "[a-e]{3}-[0-9]{2}")))])
+    texts = {eng.tokenizer.decode(t) for t in out.values()}
+    assert len(out) == 4 and all(len(t) == 6 and t[3] == "-" for t in texts)
+    eng.leak_check()
