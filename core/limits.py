@@ -35,6 +35,10 @@ length; the bound keeps a body's fields sane)."""
 MAX_BATCH_PROMPTS = 256
 """Most prompts one /v1/completions request may carry (each is a request of its own
 through admission and the workers)."""
+MAX_CHOICES = 16
+"""Most sequences one request may fork (n, and best_of): each holds its own blocks for
+its new tokens and a seat in the batch, so the limit bounds what one request takes."""
+
 MAX_TOOLS = 128
 """Most tools one chat request may offer (their schemas become one grammar)."""
 GREEDY_TEMPERATURE = 1e-5

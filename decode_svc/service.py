@@ -28,7 +28,7 @@ from decode_svc.peers import KVPeerList, Peer, PeerCache
 from engine.engine_thread import EngineWorker
 from core.kv import blocks_for
 from core.states import FallbackReason
-from engine.request import Request
+from engine.request import FinishReason, Request
 from kvtransfer.decode_connector import DecodeConnector, RemoteReservation
 from kvtransfer.base import (KVAuthError, KVCompatError, ReadPlan, SourceBlocks, TransferState,
                              get_backend)
@@ -42,6 +42,8 @@ from worker.config import WorkerConfig
 from worker import spans as worker_spans
 
 log = logging.getLogger(__name__)
+_ENDS_ALL = (FinishReason.ERROR, FinishReason.ABORT)
+"""A choice ending so ends the whole request (n > 1: it may come before the fork)."""
 _FALLBACK = {TransferState.EXPIRED: FallbackReason.LEASE_EXPIRED,
              TransferState.FAILED: FallbackReason.TRANSFER_FAILED}
 
@@ -95,7 +97,7 @@ class DecodeService(WorkerBase, pb_grpc.DecodeServicer):
         except (ValueError, RuntimeError) as e:
             return await self.admission_error(context, e)
         try:
-            await self._stream(q, trace, context, local)
+            await self._stream(q, trace, context, local, req.params.n)
         finally:
             self.engine.close_stream(rid)
             self.engine.abort_soon(rid)  # a no-op once it finished
@@ -214,16 +216,19 @@ class DecodeService(WorkerBase, pb_grpc.DecodeServicer):
         self.metrics.labelled(self.metrics.kv_fallbacks, reason=reason.value).inc()
         return False
 
-    async def _stream(self, q: asyncio.Queue, trace: pb.KVTrace, context, local: bool) -> None:
-        """Write one request's chunks; the first carries the trace. local: this worker
-        prefilled the prompt itself, so its prefix-cache hit is known only now."""
-        first = True
+    async def _stream(self, q: asyncio.Queue, trace: pb.KVTrace, context, local: bool,
+                      n: int = 1) -> None:
+        """Write one request's chunks, each choice's under its index, until all n choices
+        have finished; the first carries the trace. local: this worker prefilled the
+        prompt itself, so its prefix-cache hit is known only now."""
+        first, left = True, n
         while True:
             out = await q.get()
             chunk = pb.GenerateChunk(token_ids=out.new_token_ids, finished=out.finished,
                                      num_prompt_tokens=out.num_prompt_tokens,
                                      num_output_tokens=out.num_output_tokens,
-                                     logprobs=[lp.logprob for lp in out.logprobs])
+                                     logprobs=[lp.logprob for lp in out.logprobs],
+                                     index=out.index)
             if any(lp.top for lp in out.logprobs):
                 chunk.top_logprobs.extend(top_to_proto(lp.top) for lp in out.logprobs)
             if out.prompt_logprobs is not None:
@@ -245,8 +250,9 @@ class DecodeService(WorkerBase, pb_grpc.DecodeServicer):
                 first = False
             self.metrics.labelled(self.metrics.generation_tokens).inc(len(out.new_token_ids))
             await context.write(chunk)
-            if out.finished:
-                return
+            left -= out.finished
+            if left == 0 or out.finish_reason in _ENDS_ALL:
+                return  # Generate's cleanup aborts the choices still running
 
     async def SetKVPeers(self, request: pb.KVPeers, context) -> pb.KVPeersReply:
         num_peers = self.kv_peers.update(request.router_id, list(request.prefill_endpoints))

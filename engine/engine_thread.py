@@ -149,15 +149,14 @@ class EngineWorker:
         """Cancel a request (blocks the connector keeps too); its stream gets the abort
         output. owner=True: the caller owns the request's load and no write is in
         flight. True when the id was live here."""
-        known, out = await self._call(lambda e: (e.has_request(request_id),
-                                                 e.abort(request_id, owner)))
-        if out is not None:
-            self._deliver([out])
+        known, outs = await self._call(lambda e: (e.has_request(request_id),
+                                                  e.abort_request(request_id, owner)))
+        self._deliver(outs)
         return known
 
     def abort_soon(self, request_id: str) -> None:
         """abort(owner=True) without waiting: for cleanup paths that must not await."""
-        self._fire(lambda e: e.abort(request_id, owner=True))
+        self._fire(lambda e: e.abort_request(request_id, owner=True))
 
     def close_stream(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
@@ -211,9 +210,9 @@ class EngineWorker:
             self._commands.put((fn, fut))
 
     def _deliver_result(self, fut: asyncio.Future) -> None:
-        if not fut.cancelled() and fut.exception() is None and \
-                isinstance(fut.result(), RequestOutput):
-            self._deliver([fut.result()])
+        """A fired call's outputs (an abort's: one per choice) reach their streams."""
+        if not fut.cancelled() and fut.exception() is None and isinstance(fut.result(), list):
+            self._deliver([o for o in fut.result() if isinstance(o, RequestOutput)])
 
     # -- engine thread ------------------------------------------------------------------------
     def _run(self, ready: asyncio.Future) -> None:

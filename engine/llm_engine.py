@@ -20,9 +20,11 @@ from typing import Sequence
 import torch
 
 from engine.aborts import AbortMemory
+from engine.fork import Choices, choice_of
 from engine.config import CacheConfig, EngineConfig, dtype_name
 from core.states import PreemptionMode
 from core.guided.compiler import GrammarCompiler
+from core.errors import FieldError
 from core.limits import check_priority, check_prompt
 from core.kv import BlockHash, blocks_for, check_salt
 from engine.kv_cache import KVCacheManager, KVEvent
@@ -107,6 +109,8 @@ class LLMEngine:
         """Constraints compiled once each, checked before a request is queued."""
         self.outputs = OutputProcessor(self.tokenizer, eos, self.max_model_len, self.guided)
         self.requests: dict[str, Request] = {}
+        self.choices = Choices()
+        """Forked requests' choices (n > 1), by the request's id."""
         self.aborts = AbortMemory()
         """Aborts of ids not (yet) here: their requests are refused when they arrive."""
         self.num_computed_tokens_total = 0
@@ -162,6 +166,9 @@ class LLMEngine:
         check_prompt(ids, self.model_config.vocab_size, self.max_model_len, output_token_ids)
         check_priority(priority)
         params.check_vocab(self.model_config.vocab_size)
+        if params.n > self.config.scheduler.max_num_seqs:
+            raise FieldError("n", f"n: {params.n} choices cannot run together on a worker of "
+                                  f"--max-num-seqs {self.config.scheduler.max_num_seqs}")
         req = Request(request_id, ids, params, priority, cache_salt=check_salt(cache_salt))
         req.sampling.eos_token_ids = self.eos_token_ids
         if params.guided is not None:  # the grammar compiles and can finish, or no work
@@ -198,33 +205,40 @@ class LLMEngine:
         req.admitted = True
         return rid
 
-    def abort_if_admitted(self, req: Request) -> RequestOutput | None:
-        """abort(owner=True) of this very request, if it was admitted: a caller that
-        went away before learning whether its admission ran (a refused duplicate must
-        not abort the live request that owns the id)."""
-        return self.abort(req.request_id, owner=True) if req.admitted else None
+    def abort_if_admitted(self, req: Request) -> list[RequestOutput]:
+        """abort_request(owner=True) of this very request, if it was admitted: a caller
+        that went away before learning whether its admission ran (a refused duplicate
+        must not abort the live request that owns the id)."""
+        return self.abort_request(req.request_id, owner=True) if req.admitted else []
 
     def has_request(self, request_id: str) -> bool:
         """The id is live here: queued, running, loading, or its blocks kept by the
         connector."""
-        return request_id in self.requests or (
+        return request_id in self.requests or request_id in self.choices or (
             self.connector is not None and self.connector.owns(request_id))
 
     def abort(self, request_id: str, owner: bool = False) -> RequestOutput | None:
-        """Cancel a request and free its blocks, those the connector keeps included;
-        unknown ids are a no-op (None). A request whose leading KV is being written
-        (WAITING_FOR_KV) only finishes when the write ends (``finish_loading``), unless
-        the caller owns the load and says no write is in flight (owner=True)."""
+        """abort_request, returning the first choice's output (the only one with n = 1)."""
+        outs = self.abort_request(request_id, owner)
+        return outs[0] if outs else None
+
+    def abort_request(self, request_id: str, owner: bool = False) -> list[RequestOutput]:
+        """Cancel a request, every choice of it (n > 1), and free their blocks, those the
+        connector keeps included; one output per choice ended. Unknown ids are a no-op
+        (none). A request whose leading KV is being written (WAITING_FOR_KV) only
+        finishes when the write ends (``finish_loading``), unless the caller owns the
+        load and says no write is in flight (owner=True)."""
         freed = self.connector is not None and self.connector.free(request_id)
         req = self.requests.get(request_id)
-        if req is None:
+        members = self.choices.live(request_id) or ([req] if req is not None else [])
+        if not members:
             if not freed:  # it may still be on its way here: refused when it comes
                 self.aborts.aborted_unknown(request_id)
-            return None
-        if req.status is RequestStatus.WAITING_FOR_KV and not owner:
+            return []
+        if req is not None and req.status is RequestStatus.WAITING_FOR_KV and not owner:
             req.abort_pending = True
-            return None
-        return self._finish(req, FinishReason.ABORT)
+            return []
+        return [self._finish(r, FinishReason.ABORT) for r in members]
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -251,6 +265,7 @@ class LLMEngine:
             self.apply_preemptions(batch)
         except Exception as e:  # noqa: BLE001 - the barrier: fail requests, not the engine
             log.exception("engine scheduling failed")
+            self.kv.take_copies()  # for blocks now freed
             self._settle_host_copies()
             return self.fail_all(f"engine scheduling failed: {e}")
         if not batch:
@@ -272,8 +287,14 @@ class LLMEngine:
             batch.entries = self.speculator.fill(batch.entries)
         tables = [self.kv.table(req.request_id) for req, _ in batch.entries]
         best = min(req.priority for req, _ in batch.entries)
-        step = self.runner.execute(
-            batch.entries, tables, lambda: self._urgent is not None and self._urgent < best)
+        forking = self._choices_due(batch.entries)
+        try:
+            step = self.runner.execute(
+                batch.entries, tables, lambda: self._urgent is not None and self._urgent < best)
+        finally:  # sampled with their parent this step, or not at all (interrupted)
+            forks = {id(p): p.forks for p in forking}
+            for parent in forking:
+                parent.forks = []
         for req, lps in step.prompt_logprobs:
             req.prompt_logprobs.extend(lps)
         for req, n in batch.entries:
@@ -281,6 +302,12 @@ class LLMEngine:
             if not req.draft:
                 req.num_computed_tokens += n
                 self.kv.cache_computed(req)
+            if req.wants_fork and req.num_output_tokens and \
+                    req.num_computed_tokens >= req.num_prompt_tokens:
+                self._fork(req, [choice_of(req, j, self.guided.start)
+                                 for j in range(1, req.params.n)], req.num_prompt_tokens - 1)
+        for parent in forking:
+            self._fork(parent, forks[id(parent)], parent.num_prompt_tokens)
         ended = [(req, None, None) for req, _ in batch.entries
                  if req.num_computed_tokens == len(req.token_ids) and not req.may_generate]
         for req, tokens, logprobs in [*zip(step.requests, step.tokens, step.logprobs), *ended]:
@@ -298,6 +325,31 @@ class LLMEngine:
                 result.kept_blocks = self._release(req)
                 _summarize(result, req)
             results.append(result)
+
+    def _choices_due(self, entries: list[tuple[Request, int]]) -> list[Request]:
+        """The requests (n > 1) whose prompt ends in this step: their other choices,
+        built now into Request.forks, are sampled from the same logits row."""
+        due = []
+        for req, n in entries:
+            if req.wants_fork and not req.num_output_tokens and not req.draft \
+                    and req.num_computed_tokens + n == len(req.token_ids) \
+                    and not self._ends_after_prompt(req):
+                req.forks = [choice_of(req, j, self.guided.start) for j in range(1, req.params.n)]
+                due.append(req)
+        return due
+
+    def _fork(self, parent: Request, children: list[Request], num_computed: int) -> None:
+        """Queue parent's other choices, running, on its blocks (engine/fork.py), each
+        with its first ``num_computed`` tokens computed."""
+        parent.forked = True
+        for child in children:
+            child.num_computed_tokens = num_computed
+            self.kv.fork(parent, child, parent.num_prompt_tokens)
+            self.outputs.register(child)
+            self.requests[child.request_id] = child
+            child.admitted = True
+            self.scheduler.join(child)
+        self.choices.add(parent, children)
 
     def _ends_after_prompt(self, req: Request) -> bool:
         return self.connector is not None and self.connector.ends_after_prompt(req)
@@ -332,14 +384,21 @@ class LLMEngine:
         """Count a batch's preemptions and do its swap copies (before any forward)."""
         for _, mode in batch.preempted:
             self.stats.preemptions[mode] = self.stats.preemptions.get(mode, 0) + 1
-        if batch.swap_out or batch.swap_in:
+        copies = self.kv.take_copies()  # copy-on-write of blocks that forks share
+        if batch.swap_out or batch.swap_in or copies:
             t0 = time.perf_counter()
-            self.runner.copy_blocks(batch.swap_out, batch.swap_in)
+            self.runner.copy_blocks(batch.swap_out, batch.swap_in, copies, self._draft_kv())
             bb = self.runner.block_bytes
             self.stats.swap_out_bytes += sum(len(d) for d, _ in batch.swap_out) * bb
             self.stats.swap_in_bytes += sum(len(d) for _, d in batch.swap_in) * bb
             self.stats.swap_seconds += time.perf_counter() - t0
         self._settle_host_copies()
+
+    def _draft_kv(self):
+        """A separate draft model's cache (the same block ids), which copy-on-write
+        copies too; None without one."""
+        kv = getattr(self.speculator.proposer, "kv", None) if self.speculator else None
+        return kv if kv is not None and kv is not self.runner.kv else None
 
     def _settle_host_copies(self) -> None:
         """After the step's swap copies: the tiers' promotions copy (a swap-out has read
@@ -354,6 +413,7 @@ class LLMEngine:
         self.aborts.ended(req.request_id)
         self.scheduler.remove(req)
         out = self.outputs.finish(req, reason, error)
+        self.choices.ended(req)
         return _summarize(out, req)
 
     def _release(self, req: Request) -> list[int] | None:
@@ -369,6 +429,7 @@ class LLMEngine:
                 and self.connector.request_finished(req, table):
             ids = list(self.kv.detach(rid))  # refs kept: now the connector's
         self.scheduler.remove(req)
+        self.choices.ended(req)
         return ids
 
     # -- loads (a connector's worker side, through the engine thread) ---------------------
@@ -383,6 +444,9 @@ class LLMEngine:
         if req.abort_pending:
             return self._finish(req, FinishReason.ABORT)
         self.scheduler.activate(req, loaded)
+        if loaded and req.wants_fork:  # its KV arrived: its other choices fork now
+            self._fork(req, [choice_of(req, j, self.guided.start) for j in range(1, req.params.n)],
+                       req.num_prompt_tokens - 1)
         return None
 
     # -- what the engine thread's driver reads -----------------------------------------
@@ -428,7 +492,8 @@ class LLMEngine:
         texts = {i: [] for i in ids}
         while self.has_unfinished():
             for o in self.step():
-                texts[o.request_id].append(o.text)
+                if o.index == 0:  # the first choice (n > 1: read the step outputs)
+                    texts[o.request_id].append(o.text)
         return [Completion(i, reqs[i].prompt_token_ids, reqs[i].output_token_ids,
                            "".join(texts[i]), reqs[i].finish_reason, reqs[i].num_cached_tokens)
                 for i in ids]
@@ -441,8 +506,9 @@ class LLMEngine:
 
     def leak_check(self) -> None:
         """AssertionError unless no request is left and every block is free."""
-        if self.requests:
-            raise AssertionError(f"requests still live: {sorted(self.requests)[:8]}")
+        if self.requests or self.choices:
+            raise AssertionError(f"requests still live: {sorted(self.requests)[:8]}, "
+                                 f"{len(self.choices)} forked")
         if self.scheduler.loading:
             raise AssertionError(f"requests still loading: {sorted(self.scheduler.loading)[:8]}")
         if self.connector is not None:

@@ -88,8 +88,9 @@ class _Layout:
                     row0 = len(lay.ids) - n - start
                     lay.owed.append((req, lo, range(row0 + lo, row0 + hi)))
             if start + n == len(req.token_ids) and req.may_generate:  # next token is due
-                lay.rows.append(range(len(lay.ids) - 1, len(lay.ids)))
-                lay.sampled.append(req)
+                for r in (req, *req.forks):  # forked choices: the same row (engine/fork.py)
+                    lay.rows.append(range(len(lay.ids) - 1, len(lay.ids)))
+                    lay.sampled.append(r)
         return lay
 
 
@@ -220,10 +221,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def copy_blocks(self, swap_out: list[tuple[list[int], list[int]]],
-                    swap_in: list[tuple[list[int], list[int]]]) -> int:
-        """Swap-outs (device -> host) first, then swap-ins (host -> device): a block
-        freed by a swap-out may be the target of a swap-in in the same step.
-        Returns the bytes copied.
+                    swap_in: list[tuple[list[int], list[int]]],
+                    copies: list[tuple[int, int]] = (), draft_kv: torch.Tensor | None = None
+                    ) -> int:
+        """Swap-outs (device -> host) first, then the copy-on-write copies (device ->
+        device, in ``draft_kv`` too when a draft model has its own cache), then
+        swap-ins (host -> device): a block freed by a swap-out may be the target of a
+        copy or a swap-in in the same step, and a copy's source freed meanwhile may be
+        a swap-in's target. Returns the bytes copied (swaps only).
 
         On CUDA each block is copied straight into its slot of the pinned swap tensor
         (an async copy), and the stream is synchronised before anything on the host may
@@ -236,6 +241,11 @@ class ModelRunner:
             nbytes += len(dev) * self.block_bytes
         if swap_out and self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # host copies have landed
+        if copies:
+            src = torch.tensor([s for s, _ in copies], device=self.device)
+            dst = torch.tensor([d for _, d in copies], device=self.device)
+            for kv in (self.kv, draft_kv) if draft_kv is not None else (self.kv,):
+                kv.index_copy_(0, dst, kv.index_select(0, src))
         for host, dev in swap_in:
             for h, d in zip(host, dev):
                 self.kv[d].copy_(self.swap_kv[h], non_blocking=True)

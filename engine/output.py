@@ -48,8 +48,8 @@ class OutputProcessor:
                     logprobs: list[TokenLogprobs | None]) -> RequestOutput:
         """Commit tokens one by one, stopping at the first that finishes the request (the
         rest of a speculative run is dropped); one output for all of them."""
-        out = RequestOutput(req.request_id, [], "", False, None, [], _prompt_logprobs(req),
-                            req.num_prompt_tokens, 0, req.num_cached_tokens)
+        out = RequestOutput(req.stream_id, [], "", False, None, [], _prompt_logprobs(req),
+                            req.num_prompt_tokens, 0, req.num_cached_tokens, index=req.index)
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
         for token, lp in zip(tokens, logprobs):
@@ -98,10 +98,11 @@ class OutputProcessor:
 
     def finish(self, req: Request, reason: FinishReason, error: str | None = None) -> RequestOutput:
         """Finish outside the token path (abort, error)."""
-        return RequestOutput(req.request_id, [], self._close(req, reason), True, reason,
+        return RequestOutput(req.stream_id, [], self._close(req, reason), True, reason,
                              num_prompt_tokens=req.num_prompt_tokens,
                              num_output_tokens=req.num_output_tokens,
-                             num_cached_tokens=req.num_cached_tokens, error=error)
+                             num_cached_tokens=req.num_cached_tokens, error=error,
+                             index=req.index)
 
     def _close(self, req: Request, reason: FinishReason) -> str:
         """Finish req; returns the text still owed (none after an abort or once a stop

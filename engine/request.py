@@ -81,12 +81,31 @@ class Request:
     """An abort arrived while its leading KV is written into its blocks
     (WAITING_FOR_KV): it finishes (and its blocks are freed) when the write ends
     (LLMEngine.finish_loading), not before."""
+    index: int = 0
+    """Which of its request's n choices this sequence is (engine/fork.py)."""
+    group: str | None = None
+    """A forked choice's request id, under which its outputs go out; None: its own."""
+    forks: list[Request] = field(default_factory=list, repr=False)
+    """Choices forked in this step, sampled from this request's logits row (the runner
+    draws each from its own stream). Empty outside a step."""
+    forked: bool = False
+    """Its n - 1 other choices were forked (or it is one of them)."""
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
         if self.sampling is None:
             self.sampling = SamplingState(self.params, self.prompt_token_ids)
+
+    @property
+    def stream_id(self) -> str:
+        """The id its outputs go out under: its request's, for every choice."""
+        return self.group or self.request_id
+
+    @property
+    def wants_fork(self) -> bool:
+        """n > 1 and its other choices are not forked yet."""
+        return self.params.n > 1 and not self.forked
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -152,3 +171,6 @@ class RequestOutput:
     """On the last output: times the request was preempted (swapped out or recomputed)."""
     preempted_seconds: float = 0.0
     """On the last output: time it spent preempted."""
+    index: int = 0
+    """Which of the request's n choices these tokens belong to (request_id is the
+    request's for every choice)."""

@@ -124,6 +124,11 @@ class Scheduler:
         self.running.append(req)
         self.running.sort(key=Request.sort_key)
 
+    def join(self, req: Request) -> None:
+        """A request that already holds its blocks (a forked choice, engine/fork.py)
+        joins the running batch."""
+        self._resume(req)
+
     @property
     def seats_taken(self) -> int:
         return len(self.running) + len(self.loading)
@@ -231,7 +236,8 @@ class Scheduler:
         """A seat for req: a full batch gives up its least important seat to a more
         important request (else that request waits for a whole low-priority generation
         to end)."""
-        if self.seats_taken < self.max_num_seqs:
+        seats = req.params.n if req.wants_fork else 1  # its choices run together
+        if self.seats_taken + seats <= self.max_num_seqs:
             return True
         if not may_preempt or not self.running or self.running[-1].sort_key() <= req.sort_key():
             return False

@@ -65,7 +65,8 @@ def sampling_from_proto(m: common.SamplingParams) -> SamplingParams:
         include_stop_str_in_output=m.include_stop_str_in_output,
         skip_special_tokens=(m.skip_special_tokens if m.HasField("skip_special_tokens")
                              else True),
-        prompt_logprobs=m.prompt_logprobs if m.HasField("prompt_logprobs") else None)
+        prompt_logprobs=m.prompt_logprobs if m.HasField("prompt_logprobs") else None,
+        n=m.n or 1)
 
 
 def sampling_to_proto(p: SamplingParams) -> common.SamplingParams:
@@ -79,6 +80,8 @@ def sampling_to_proto(p: SamplingParams) -> common.SamplingParams:
         allowed_token_ids=list(p.allowed_token_ids or ()),
         bad_words=[common.TokenIds(ids=list(w)) for w in p.bad_words_token_ids],
         include_stop_str_in_output=p.include_stop_str_in_output)
+    if p.n != 1:
+        m.n = p.n
     if p.seed is not None:
         m.seed = p.seed
     if p.logprobs is not None:

@@ -71,6 +71,8 @@ class Delta:
     prompt_logprobs: list[Logprob] | None = None
     """On the first delta, when SamplingParams.prompt_logprobs asked: one per prompt
     token after the first (computed by the worker that ran the prompt)."""
+    index: int = 0
+    """Which of the request's n choices (SamplingParams.n) it belongs to."""
 
 
 class RequestFlow:
@@ -95,26 +97,36 @@ class RequestFlow:
         t0 = time.monotonic()
         req = _Request(rid, prompt_ids, params, priority,
                        deadline or t0 + self.config.request_timeout_s, cache_salt)
-        accept = None
-        if params.guided is not None and params.stop:  # a grammar to start: off the loop
-            accept = await asyncio.to_thread(self.guided.acceptor, params.guided, params.stop)
-        text = _TextStream(self.tokenizer, prompt_ids, params, accept)
+        texts = [_TextStream(self.tokenizer, prompt_ids, params, accept)
+                 for accept in await self._acceptors(params)]
+        left = params.n
         try:
-            async for token_ids, reason, logprobs in self._tokens(req, trace):
-                first = not trace.ttft_seconds
-                if first:
+            seen: set[int] = set()
+            async for token_ids, reason, logprobs, index in self._tokens(req, trace):
+                if not trace.ttft_seconds:
                     trace.ttft_seconds = time.monotonic() - t0
-                delta = text.feed(token_ids, reason, logprobs)
-                if first:  # the prompt's logprobs came with (before) its first token
+                delta = texts[index].feed(token_ids, reason, logprobs)
+                delta.index = index
+                if index not in seen:  # the prompt's logprobs came with (before) its first token
+                    seen.add(index)
                     delta.prompt_logprobs = req.prompt_logprobs
                 trace.output_tokens += len(delta.token_ids)
+                left -= delta.finished
                 yield delta
-                if delta.finished:
+                if left == 0:
                     return
         finally:
             trace.e2e_seconds = time.monotonic() - t0
             # client gone, a stop string, or an error: free what any worker still holds
             await asyncio.shield(req.held.abort_all())
+
+    async def _acceptors(self, params: SamplingParams) -> list:
+        """Each choice's stop-string acceptor (a grammar's state, started off the loop),
+        or None each when the request has no constraint and stop strings."""
+        if params.guided is None or not params.stop:
+            return [None] * params.n
+        return [await asyncio.to_thread(self.guided.acceptor, params.guided, params.stop)
+                for _ in range(params.n)]
 
     async def _tokens(self, req: _Request, trace: Trace):
         """Tokens as the workers produce them, surviving worker deaths: a prefill worker
@@ -124,12 +136,16 @@ class RequestFlow:
         failed: set[Worker] = set()
         for attempt in range(MAX_ATTEMPTS):
             try:
-                async for toks, reason, lps in self._attempt(req, f"{req.rid}-{attempt}",
-                                                             trace, failed):
+                async for toks, reason, lps, index in self._attempt(
+                        req, f"{req.rid}-{attempt}", trace, failed):
                     req.generated.extend(toks)
-                    yield toks, reason, lps
+                    yield toks, reason, lps, index
                 return
             except _Retry as r:
+                if req.params.n > 1 and req.generated:  # the choices are not resumed
+                    raise NoWorkerError(f"request {req.rid}: {r.worker.role} worker "
+                                        f"{r.worker.name} failed ({r.reason}) after its first "
+                                        "tokens; n > 1 choices are not resumed elsewhere") from r
                 failed.add(r.worker)
                 req.held.forget(r.worker)
                 # what the failed attempt left elsewhere (a prefill lease) goes now
@@ -178,14 +194,20 @@ class RequestFlow:
             gen.sampling.ClearField("prompt_logprobs")  # the prefill worker returned them
             if first.HasField("prompt_logprobs"):
                 req.prompt_logprobs = prompt_logprobs_from_proto(first.prompt_logprobs)
-            # a max_tokens 0 request ends after its prompt: no first token
-            yield [first.first_token] if req.params.max_tokens else [], first.finish_reason or None, (
-                [(first.first_logprob, top_from_proto(first.first_top_logprobs))]
-                if first.HasField("first_logprob") else [])
-            if first.finished:
-                return
-            gen.output_token_ids.append(first.first_token)
-            gen.kv_handle.CopyFrom(first.kv_handle)
+            if first.finished and req.params.n > 1:
+                # choice 0 ended at its first token, so nothing was leased: the decode
+                # worker runs the whole request (with a seed, choice 0 comes out the same)
+                trace.path = RequestPath.LOCAL_PREFILL
+            else:
+                # a max_tokens 0 request ends after its prompt: no first token
+                yield [first.first_token] if req.params.max_tokens else [], \
+                    first.finish_reason or None, (
+                        [(first.first_logprob, top_from_proto(first.first_top_logprobs))]
+                        if first.HasField("first_logprob") else []), 0
+                if first.finished:
+                    return
+                gen.output_token_ids.append(first.first_token)
+                gen.kv_handle.CopyFrom(first.kv_handle)
         else:
             trace.path = RequestPath.LOCAL_PREFILL
             trace.predicted_cached_tokens = cached
@@ -197,6 +219,7 @@ class RequestFlow:
                       span: Span):
         req.held.add(decode, wid)
         decode.inflight += 1
+        left = req.params.n  # the stream ends after every choice's last chunk
         try:
             with calling(span):  # the call carries the span's traceparent
                 stream = decode.stub.Generate(gen, timeout=req.remaining())
@@ -215,12 +238,15 @@ class RequestFlow:
                 if chunk.HasField("prompt_logprobs") and req.prompt_logprobs is None:
                     req.prompt_logprobs = prompt_logprobs_from_proto(chunk.prompt_logprobs)
                 tops = [top_from_proto(t) for t in chunk.top_logprobs]
-                if chunk.finished:  # nothing may resume this generator after the yield
+                # an error or an abort ends the whole request (the worker stops there too)
+                left = 0 if chunk.finish_reason in ("error", "abort") else left - chunk.finished
+                if left == 0:  # nothing may resume this generator after the yield
                     router_spans.decode_done(span, chunk)
                     req.held.forget(decode)  # it ended there: nothing left to abort
                 yield list(chunk.token_ids), chunk.finish_reason or None, [
-                    (lp, tops[i] if i < len(tops) else []) for i, lp in enumerate(chunk.logprobs)]
-                if chunk.finished:
+                    (lp, tops[i] if i < len(tops) else []) for i, lp in enumerate(chunk.logprobs)
+                ], chunk.index
+                if left == 0:
                     return
             raise _Retry(decode, "stream ended without a finished chunk")
         except grpc.aio.AioRpcError as e:

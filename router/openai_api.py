@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from core.guided.spec import GuidedSpec
-from core.limits import (MAX_BAD_WORDS, MAX_CACHE_SALT_CHARS, MAX_STOP_STRING_CHARS,
+from core.limits import (MAX_BAD_WORDS, MAX_CACHE_SALT_CHARS, MAX_CHOICES, MAX_STOP_STRING_CHARS,
                          MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOOLS, MAX_TOP_K, PRIORITY_MAX,
                          PRIORITY_MIN)
 from core.sampling import SamplingParams
@@ -91,8 +91,8 @@ class _Common(_Strict):
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     repetition_penalty: float = Field(default=1.0, gt=0, le=2)
-    n: Literal[1] = 1
-    """Only 1 for now (n > 1 on shared blocks is another issue's)."""
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
+    """Choices to return: one prefill, the sequences fork its blocks (engine/fork.py)."""
     stop: StopString | list[StopString] | None = Field(default=None,
                                                         max_length=MAX_STOP_STRINGS)
     seed: int | None = Field(default=None, ge=0)
@@ -150,6 +150,11 @@ class _Common(_Strict):
     vllm_xargs: Any = None
     kv_transfer_params: Any = None
 
+    @property
+    def sequences(self) -> int:
+        """Sequences to generate: best_of (completions) when set, else n."""
+        return getattr(self, "best_of", None) or self.n
+
     def sampling(self, default_max_tokens: int, logprobs: int | None,
                  guided: GuidedSpec | None = None,
                  bad_words: tuple[tuple[int, ...], ...] = ()) -> SamplingParams:
@@ -162,7 +167,9 @@ class _Common(_Strict):
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, seed=self.seed, stop=tuple(stop),
             stop_token_ids=tuple(self.stop_token_ids or ()),
-            ignore_eos=self.ignore_eos, logprobs=logprobs, guided=guided,
+            ignore_eos=self.ignore_eos, guided=guided, n=self.sequences,
+            # best_of ranks its sequences by cumulative logprob: the engine computes them
+            logprobs=0 if logprobs is None and self.sequences > self.n else logprobs,
             speculate=self.speculate, min_tokens=self.min_tokens,
             logit_bias=self.logit_bias or {},
             allowed_token_ids=self.allowed_token_ids, bad_words_token_ids=bad_words,
@@ -186,8 +193,9 @@ class CompletionRequest(_Common):
     echo: bool = False
     """The prompt comes back before the completion: in the text, and with logprobs in
     tokens, token_logprobs (null for the first), top_logprobs and text_offset."""
-    best_of: Literal[1] | None = None
-    """Only 1 (= n) for now."""
+    best_of: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
+    """Generate this many sequences and return the n with the highest cumulative logprob
+    (>= n; not with stream)."""
     suffix: str | None = None
     add_special_tokens: bool = True
     """vLLM: the tokenizer's special tokens (BOS) around a text prompt."""

@@ -6,13 +6,14 @@ range.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 from typing import Any
 
 from core.errors import FieldError
 from core.guided.spec import GuidedSpec
-from core.limits import (GREEDY_TEMPERATURE, MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGIT_BIAS,
+from core.limits import (GREEDY_TEMPERATURE, MAX_BAD_WORD_TOKENS, MAX_CHOICES, MAX_BAD_WORDS, MAX_LOGIT_BIAS,
                          MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOP_K)
 
 MAX_LOGPROBS = 20
@@ -98,9 +99,16 @@ class SamplingParams:
     """vLLM: None: none; N in [0, 20]: each prompt token's logprob after the first (the
     model's distribution at the position before it) plus the top N there, computed
     during prefill (OpenAI's echo with logprobs asks for them too)."""
+    n: int = 1
+    """Sequences to generate from the prompt, in [1, MAX_CHOICES]: one prefill, then the
+    engine forks the prompt's blocks copy-on-write (engine/fork.py); choice j draws from
+    its own stream (``choice_seed``)."""
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, 0)
+        _check_int("n", self.n, 1, MAX_CHOICES)
+        if self.n > 1 and self.max_tokens == 0:  # nothing to fork: the choices would be one
+            raise FieldError("n", "n must be 1 when max_tokens is 0 (a prompt-only request)")
         _check_float("temperature", self.temperature, 0.0, 2.0)
         _check_int("top_k", self.top_k, 0, MAX_TOP_K)
         _check_float("top_p", self.top_p, 0.0, 1.0, lo_open=True)
@@ -199,3 +207,12 @@ class SamplingParams:
         """True when any penalty changes the logits, so the sampler must count tokens."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """Choice ``index``'s seed under a request's seed: choice 0 keeps the seed itself (so
+    it equals the same request with n = 1), each other choice gets its own stream."""
+    if index == 0:
+        return seed
+    digest = hashlib.sha256(f"tandem-choice:{seed}:{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") & MAX_SEED

@@ -15,6 +15,13 @@ only the blocks a request really holds and will get. A freed block was registere
 in the prefix cache when it was computed (it is freed only once the window has passed
 it), so it stays a valid cache entry until evicted; a prefix hit is still the whole
 chain of cached blocks from the first one (every block present), so a hit is exact.
+
+Forks (n > 1, engine/fork.py): a forked choice's table starts as its parent's blocks,
+one more reference each. A block is written only at a sequence's next position, so
+the one block that may be shared and written is the one holding position
+``num_computed_tokens``: ``allocate`` copies it first (copy-on-write) when its ref count
+says another sequence holds it, and queues the (source, copy) pair; the engine copies
+the bytes before the step's forward (``take_copies``). The last holder writes in place.
 """
 from __future__ import annotations
 
@@ -52,6 +59,8 @@ class KVCacheManager:
         self._num_cached: dict[str, int] = {}  # leading blocks already registered per request
         self.lower_tiers: TieredCache | None = None
         """Where evicted blocks went (engine/kv_cache/tiers): a device miss looks there."""
+        self.copies: list[tuple[int, int]] = []
+        """(source, copy) blocks that copy-on-write queued; copied before the next forward."""
 
     def blocks_needed(self, num_tokens: int) -> int:
         return blocks_for(num_tokens, self.block_size)
@@ -100,6 +109,8 @@ class KVCacheManager:
         have = max(len(table), len(cached), first)
         need = self.blocks_needed(req.num_computed_tokens + num_new_tokens) - have
         evictable_hits = sum(1 for b in cached[first:] if self.pool.blocks[b].ref_cnt == 0)
+        if num_new_tokens and self._shared_write(req) is not None:
+            need += 1  # its copy
         return need <= self.pool.num_free - evictable_hits
 
     def allocate(self, req: Request, num_new_tokens: int, cached: list[int] = (),
@@ -127,7 +138,50 @@ class KVCacheManager:
         need = self.blocks_needed(req.num_computed_tokens + num_new_tokens) - len(table)
         if need > 0:
             table.extend(self.pool.allocate(need))
+        if num_new_tokens:
+            self._copy_on_write(req)
         return True
+
+    def _shared_write(self, req: Request) -> int | None:
+        """The index in req's table of the block its next token is written into, when
+        another sequence (a fork) holds it too; None when req may write in place."""
+        table = self.tables.get(req.request_id)
+        i = req.num_computed_tokens // self.block_size
+        if table is None or i >= len(table) or table[i] == NULL_BLOCK:
+            return None
+        return i if self.pool.blocks[table[i]].ref_cnt > 1 else None
+
+    def _copy_on_write(self, req: Request) -> None:
+        i = self._shared_write(req)
+        if i is None:
+            return
+        table = self.tables[req.request_id]
+        src, (dst,) = table[i], self.pool.allocate(1)
+        self.pool.free([src])
+        table[i] = dst
+        self.copies.append((src, dst))
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The copy-on-write pairs queued since the last call (the engine copies them
+        before the forward: the source keeps its bytes until then, as another sequence
+        still holds it)."""
+        copies, self.copies = self.copies, []
+        return copies
+
+    def fork(self, parent: Request, child: Request, num_tokens: int) -> None:
+        """child (a new choice of parent) shares parent's blocks covering its first
+        num_tokens tokens, a reference each; what parent registered in the prefix cache
+        counts as registered for child too (their leading tokens are the same)."""
+        pid, cid = parent.request_id, child.request_id
+        table = self.tables[pid][: self.blocks_needed(num_tokens)]
+        self.pool.touch([b for b in table if b != NULL_BLOCK])
+        self.tables[cid] = list(table)
+        if self._dropped.get(pid):
+            self._dropped[cid] = min(self._dropped[pid], len(table))
+        done = self._num_cached.get(pid, 0)
+        self._num_cached[cid] = done if done == _CHAIN_BROKEN else min(
+            done, num_tokens // self.block_size)
+        child.block_hashes = list(parent.block_hashes[: num_tokens // self.block_size])
 
     def _drop_before(self, request_id: str, first: int) -> None:
         """Free the table's blocks before index ``first`` (no query will see them again),

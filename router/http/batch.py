@@ -1,11 +1,16 @@
-"""A batch of prompts on /v1/completions: one response, a choice per prompt.
+"""Several choices in one response: a batch of prompts on /v1/completions, n > 1 (chat
+and completions), or both; best_of.
 
 Each prompt is a request of its own (its own admission slot, flow, accounting and
-internal id ``{rid}-p{i}``), run side by side in a task that holds everything the
-sub-request holds on its own AsyncExitStack and puts its deltas on one queue. The
-response is sent once every prompt has its first token (so a refusal, 429 or 503
-is the whole response's status, as for one prompt); choice i is prompt i's
-(OpenAI's numbering with n = 1). Whoever ends the batch, its last delta, an error,
+internal id ``{rid}-p{i}``; ``rid`` for a single prompt), run side by side in a task
+that holds everything the sub-request holds on its own AsyncExitStack and puts its
+deltas on one queue. A prompt's n choices come from its one flow (the engine forks
+them, engine/fork.py), each delta tagged with its choice. The response is sent once
+every choice has its first token (so a refusal, 429 or 503 is the whole response's
+status, as for one prompt); choice j of prompt i is index i*n + j, as OpenAI numbers
+them. With best_of, each prompt generates best_of sequences and the response keeps
+the n with the highest cumulative logprob, best first (not streamed: the best are
+known only at the end). Whoever ends the batch, its last delta, an error,
 or a client that goes away (the handler or the stream is cancelled), cancels every
 task still running, and each task's stack then frees what its sub-request holds:
 the slot, and the flow, which aborts it on every worker.
@@ -15,7 +20,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from fastapi import Request
@@ -43,49 +48,60 @@ class Endpoints(Protocol):
 
 @dataclass
 class _Choice:
-    """One prompt's part of the response, as its deltas arrive."""
+    """One sequence's part of the response, as its deltas arrive."""
 
     shape: ResponseShape
-    outcome: Outcome
+    prompt: int
     deltas: list[Delta] = field(default_factory=list)
     """What arrived before the response started (all of it, when not streaming)."""
-    started: bool = False
     finished: bool = False
+    reason: str = "error"
+
+    @property
+    def cumulative_logprob(self) -> float:
+        return sum(lp for d in self.deltas for lp, _ in d.logprobs)
 
 
 class _Batch:
     def __init__(self, ep: Endpoints, request: Request, intakes: list[Intake],
                  rid: str) -> None:
         self.ep, self.intakes = ep, intakes
+        self.n, self.seqs = intakes[0].n, intakes[0].params.n
+        """Choices returned and sequences generated per prompt (more with best_of)."""
         xrid = request.headers.get("x-request-id") or ""
-        self.choices = [_Choice(ep.shape(it, rid, i), Outcome(Trace(f"{rid}-p{i}", xrid)))
-                        for i, it in enumerate(intakes)]
+        self.outcomes = [Outcome(Trace(rid if len(intakes) == 1 else f"{rid}-p{i}", xrid))
+                         for i in range(len(intakes))]
+        self.choices = [_Choice(ep.shape(it, rid, i * self.seqs + j), i)
+                        for i, it in enumerate(intakes) for j in range(self.seqs)]
         self.queue: asyncio.Queue[tuple[int, Delta | Exception]] = asyncio.Queue()
         self.tasks = [asyncio.create_task(self._run(i)) for i in range(len(intakes))]
 
     async def _run(self, i: int) -> None:
-        """Sub-request i, start to end, its deltas on the queue (an error as its last)."""
-        choice = self.choices[i]
+        """Sub-request i, start to end, each delta on the queue under its choice's
+        slot (an error as its last)."""
+        outcome, mine = self.outcomes[i], self.choices[i * self.seqs:(i + 1) * self.seqs]
         try:
             async with AsyncExitStack() as stack:
                 deltas = await self.ep.start(stack, self.intakes[i],
-                                             choice.outcome.trace.request_id, choice.outcome)
+                                             outcome.trace.request_id, outcome)
+                first, left = True, len(mine)
                 async for d in deltas:
-                    if not choice.started:
-                        self.ep.state.metrics.ttft.observe(choice.outcome.trace.ttft_seconds)
-                    choice.started = True
+                    if first:
+                        self.ep.state.metrics.ttft.observe(outcome.trace.ttft_seconds)
+                        first = False
                     if d.finished:
-                        choice.outcome.reason = d.finish_reason or "error"
-                    self.queue.put_nowait((i, d))
-                    if d.finished:
+                        mine[d.index].reason = outcome.reason = d.finish_reason or "error"
+                        left -= 1
+                    self.queue.put_nowait((i * self.seqs + d.index, d))
+                    if left == 0:
                         return
                 raise StopAsyncIteration
         except (StopAsyncIteration, *FLOW_ERRORS) as e:
-            choice.outcome.reason = "error"
-            self.queue.put_nowait((i, e))
+            outcome.reason = "error"
+            self.queue.put_nowait((i * self.seqs, e))
 
     async def next(self) -> tuple[int, Delta]:
-        """The next delta of any prompt; a sub-request's error raises here."""
+        """The next delta of any choice; a sub-request's error raises here."""
         i, item = await self.queue.get()
         if isinstance(item, Exception):
             raise item
@@ -93,7 +109,7 @@ class _Batch:
         return i, item
 
     async def until_started(self) -> None:
-        """Buffer deltas until every prompt has its first one."""
+        """Buffer deltas until every choice has its first one."""
         while not all(c.deltas or c.finished for c in self.choices):
             i, d = await self.next()
             self.choices[i].deltas.append(d)
@@ -133,34 +149,42 @@ async def serve_batch(ep: Endpoints, request: Request, intakes: list[Intake],
 
 
 def _full(batch: _Batch) -> dict:
-    """The whole response: choice i from prompt i's deltas, usage summed."""
-    choices = []
-    for c in batch.choices:
-        ds = c.deltas
-        full = c.shape.full("".join(d.text for d in ds), ds[-1].finish_reason,
-                            [t for d in ds for t in d.token_ids],
-                            [lp for d in ds for lp in d.logprobs], c.outcome.trace,
-                            ds[0].prompt_logprobs)
-        choices.append(full["choices"][0])
-    shape = batch.choices[0].shape
-    return {"id": shape.id, "object": "text_completion", "created": shape.created,
-            "model": shape.model, "choices": choices,
-            "usage": usage(*(c.outcome.trace for c in batch.choices))}
+    """The whole response: choice j of prompt i at index i*n + j (with best_of, the n
+    best of its sequences, best first), usage summed over every sequence."""
+    choices, top = [], {}
+    for i in range(len(batch.intakes)):
+        mine = batch.choices[i * batch.seqs:(i + 1) * batch.seqs]
+        if batch.seqs > batch.n:
+            mine = sorted(mine, key=lambda c: -c.cumulative_logprob)[:batch.n]
+        for j, c in enumerate(mine):
+            ds = c.deltas
+            full = replace(c.shape, index=i * batch.n + j).full(
+                "".join(d.text for d in ds), ds[-1].finish_reason,
+                [t for d in ds for t in d.token_ids], [lp for d in ds for lp in d.logprobs],
+                batch.outcomes[i].trace, ds[0].prompt_logprobs)
+            choices.append(full.pop("choices")[0])
+            top = full
+    top.update(choices=choices, usage=usage(*(o.trace for o in batch.outcomes)))
+    return top
 
 
 async def _sse(batch: _Batch) -> AsyncIterator[str]:
-    """Each prompt's chunks under its index, interleaved as they come; a choice's last
-    chunk carries its finish_reason; usage (summed) once all have finished."""
+    """Each choice's chunks under its index, interleaved as they come (a chat choice
+    opens with its role); a choice's last chunk carries its finish_reason; usage
+    (summed) once all have finished."""
     opened = [False] * len(batch.choices)
 
     def events(i: int, d: Delta) -> list[str]:
         c, out = batch.choices[i], []
+        if c.shape.chat and not opened[i]:
+            out.append(c.shape.chunk(None, None, role=True, first=True))
+            opened[i] = True
         if d.text or (d.token_ids and (c.shape.logprobs or c.shape.prompt_ids is not None)) \
                 or (c.shape.prompt is not None and not opened[i]):
             out.append(c.shape.chunk(d.text, None, d=d, first=not opened[i]))
             opened[i] = True
         if d.finished:
-            out.append(c.shape.chunk("", c.outcome.reason))
+            out.append(c.shape.chunk(None if c.shape.chat else "", c.reason))
         return out
 
     shape = batch.choices[0].shape
@@ -173,7 +197,7 @@ async def _sse(batch: _Batch) -> AsyncIterator[str]:
             for e in events(*await batch.next()):
                 yield e
         if shape.include_usage:
-            yield shape.usage_chunk(*(c.outcome.trace for c in batch.choices))
+            yield shape.usage_chunk(*(o.trace for o in batch.outcomes))
         yield "data: [DONE]\n\n"
     except (StopAsyncIteration, *FLOW_ERRORS) as e:
         yield shape.error_event(str(e) or "stream ended early")

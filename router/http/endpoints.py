@@ -103,7 +103,7 @@ class Endpoints:
             intakes = await Reader(self.state).completions(request)
         except APIError as e:
             return e.response(echo_headers(request, rid))
-        if len(intakes) == 1:
+        if len(intakes) == 1 and intakes[0].params.n == 1:
             return await self._serve(request, intakes[0], rid)
         return await serve_batch(self, request, intakes, rid)
 
@@ -113,6 +113,8 @@ class Endpoints:
             intake = await Reader(self.state).chat(request)
         except APIError as e:
             return e.response(echo_headers(request, rid))
+        if intake.params.n > 1:  # n choices of one flow (batch.py)
+            return await serve_batch(self, request, [intake], rid)
         return await self._serve(request, intake, rid)
 
     async def _serve(self, request: Request, intake: Intake, rid: str) -> Response:

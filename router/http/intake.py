@@ -54,6 +54,8 @@ class Intake:
     """completions' echo: the prompt's text, sent back before the completion."""
     prompt_logprobs: int | None = None
     """vLLM's prompt_logprobs: the response carries them (top N each)."""
+    n: int = 1
+    """Choices returned (params.n sequences are generated: more with best_of)."""
 
 
 class Reader:
@@ -64,6 +66,7 @@ class Reader:
         """One Intake per prompt of the body (a string or token ids, or a list of either),
         in order; a prompt's error is a 400 naming prompt[i] when there are several."""
         body = await self._parse(request, CompletionRequest)
+        _check_choices(body)
         prompts = body.prompts()
         if not prompts or len(prompts) > MAX_BATCH_PROMPTS:
             raise APIError(400, f"prompt: 1 to {MAX_BATCH_PROMPTS} prompts, got {len(prompts)}",
@@ -89,6 +92,7 @@ class Reader:
     async def _chat(self, request: Request, body: ChatCompletionRequest) -> Intake:
         if body.max_completion_tokens and not body.max_tokens:
             body.max_tokens = body.max_completion_tokens
+        _check_choices(body)
         constraint = await self._constraint(body)
         ids = await self.state.parsing.run(self._chat_ids, body, constraint.tools)
         lp = (body.top_logprobs or 0) if body.logprobs else None
@@ -137,7 +141,7 @@ class Reader:
                       bool(body.stream_options and body.stream_options.include_usage),
                       constraint.tools, request.state.priority, request.state.deadline, salt,
                       body.return_token_ids, body.return_tokens_as_token_ids, echo,
-                      body.prompt_logprobs)
+                      body.prompt_logprobs, body.n)
 
     # -- on the pools ------------------------------------------------------------------
     async def _constraint(self, body) -> Constraint:
@@ -235,6 +239,21 @@ class Reader:
                                param="x-request-timeout") from None
             timeout = min(timeout, value)
         return time.monotonic() + timeout
+
+
+def _check_choices(body) -> None:
+    """n and best_of together, as OpenAI and vLLM take them (each alone is checked by
+    the model: 1 to MAX_CHOICES)."""
+    best_of = getattr(body, "best_of", None)
+    if best_of is not None and best_of < body.n:
+        raise APIError(400, f"best_of: must be at least n ({body.n}), got {best_of}",
+                       param="best_of")
+    if best_of is not None and best_of > body.n and body.stream:
+        raise APIError(400, "best_of: cannot be used with stream (the best sequences are "
+                            "known only once all have finished)", param="best_of")
+    if body.n > 1 and body.stream and getattr(body, "tools", None):
+        raise APIError(400, "n: more than one choice with streamed tool calls is not "
+                            "supported", param="n")
 
 
 _CONSTRAINT_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice",

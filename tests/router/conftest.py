@@ -4,6 +4,8 @@ threshold sends prompts of more than 4 uncached tokens through the prefill worke
 (disaggregated) and shorter ones to the decode worker alone (local prefill)."""
 from __future__ import annotations
 
+import contextlib
+
 import httpx
 import openai
 import pytest
@@ -17,7 +19,14 @@ WORKER_ARGS = ["--dtype", "float32", "--kv-blocks", "256", "--max-model-len", "1
 
 @pytest.fixture(scope="session")
 def api(tiny_model_dir):
-    with cluster(tiny_model_dir, "tcp", worker_args=WORKER_ARGS,
+    with api_cluster(tiny_model_dir) as c:
+        yield c
+
+
+@contextlib.contextmanager
+def api_cluster(model_dir):
+    """The `api` cluster on model_dir, with the official client and requests_total."""
+    with cluster(model_dir, "tcp", worker_args=WORKER_ARGS,
                  router_args=["--local-prefill-threshold", "4", "--max-model-len", "1024"]) as c:
         c.client = openai.OpenAI(base_url=c.url + "/v1", api_key="unused", max_retries=0,
                                  timeout=120)
