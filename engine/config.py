@@ -38,6 +38,24 @@ def one_of(flag: str, value: Any, choices: typing.Iterable[Any]) -> None:
         raise ValueError(f"{flag} must be one of {', '.join(map(str, choices))}; got {value!r}")
 
 
+def config_number(value: Any, key: str, source: str, kind: type = int) -> Any:
+    """A checkpoint config's numeric field as ``kind`` (int: a whole number; float: any
+    number); ValueError naming the file and the field for anything else ("four", true,
+    a list, 2.5 for an int), never a bare conversion error."""
+    whole = isinstance(value, float) and value.is_integer()
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+            kind is int and isinstance(value, float) and not whole):
+        wanted = "a whole number" if kind is int else "a number"
+        raise ValueError(f"{source or 'model config'}: the field {key!r} is {value!r}; "
+                         f"expected {wanted}")
+    return kind(value)
+
+
+_HF_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+             "num_kv_heads": "num_key_value_heads"}
+"""ModelConfig fields that config.json names otherwise (errors use config.json's name)."""
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """A model's hyperparameters, as stored in a GGUF header or config.json: the fields
@@ -76,13 +94,18 @@ class ModelConfig:
     """The file this config came from (errors name it); not part of the fingerprint."""
 
     def __post_init__(self) -> None:
+        where = self.source or "model config"
         for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                   "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
             if getattr(self, f) < 1:
-                raise ValueError(f"model config: {f} must be >= 1, got {getattr(self, f)}")
+                raise ValueError(f"{where}: {_HF_NAMES.get(f, f)} must be >= 1, "
+                                 f"got {getattr(self, f)}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"model config: num_heads ({self.num_heads}) must be a multiple "
-                             f"of num_kv_heads ({self.num_kv_heads})")
+            raise ValueError(f"{where}: num_attention_heads ({self.num_heads}) must be a "
+                             f"multiple of num_key_value_heads ({self.num_kv_heads})")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"{where}: sliding_window must be >= 1 or null, "
+                             f"got {self.sliding_window}")
         if self.layer_types is not None and len(self.layer_types) != self.num_layers:
             raise ValueError(f"{self.source}: layer_types lists {len(self.layer_types)} layers, "
                              f"num_hidden_layers is {self.num_layers}")
@@ -96,13 +119,14 @@ class ModelConfig:
         value = self.extra.get(key)
         return default if value is None else value
 
-    def need(self, key: str) -> Any:
-        """An extra config field this family cannot run without; ValueError naming the
-        file and the field when the checkpoint lacks it."""
+    def need(self, key: str, kind: type = int) -> Any:
+        """An extra numeric config field this family cannot run without, as ``kind``;
+        ValueError naming the file and the field when the checkpoint lacks it or it is
+        not a number (config_number)."""
         if self.extra.get(key) is None:
             raise ValueError(f"{self.source or 'model config'}: the {self.architecture} "
                              f"architecture needs the field {key!r}, which is missing")
-        return self.extra[key]
+        return config_number(self.extra[key], key, self.source, kind)
 
     def layer_window(self, layer: int, sliding_by_default: bool) -> int | None:
         """This layer's sliding window, or None where it attends to everything:

@@ -25,6 +25,10 @@ class FusedExperts(nn.Module):
                       "cannot trace")
     """Why a model holding this layer cannot have its decode step compiled
     (engine/models/base.py compile_blocker reads it)."""
+    not_quantizable = ("the experts' stacked weights have no int8/int4 kernel, and packing "
+                       "only the attention and router linears would serve a model that is "
+                       "mostly dense as quantized")
+    """Why --quantization int8/int4 refuses a model holding this layer (quantize_model)."""
 
     def __init__(self, num_experts: int, hidden: int, inter: int,
                  act: Callable[[torch.Tensor], torch.Tensor],

@@ -9,7 +9,7 @@ from typing import Any, Iterator
 import torch
 from safetensors import safe_open
 
-from engine.config import ModelConfig
+from engine.config import ModelConfig, config_number
 from engine.layers.rotary import check_scaling
 from engine.loader.base import LoadedCheckpoint
 from engine.loader.fingerprint import weights_fingerprint
@@ -53,34 +53,48 @@ def _required(d: dict, key: str, source: str) -> Any:
     return d[key]
 
 
+def _int(d: dict, key: str, source: str, default: int | None = None,
+         required: bool = False) -> int | None:
+    """An integer field; ValueError naming the file and the field when it is missing
+    (required) or holds anything but a whole number ("four", 2.5, true, a list)."""
+    value = _required(d, key, source) if required else d.get(key)
+    if value is None:
+        return default
+    return config_number(value, key, source)
+
+
+def _eos(d: dict, source: str) -> tuple[int, ...]:
+    eos = d.get("eos_token_id")
+    items = eos if isinstance(eos, list) else ([] if eos is None else [eos])
+    return tuple(config_number(e, "eos_token_id", source) for e in items)
+
+
 def hf_config(d: dict, path: Path) -> ModelConfig:
     source = str(path / "config.json")
     # neither field: a bare Llama config, as this loader always read one
     arch = resolve_architecture(d.get("architectures"), d.get("model_type", "llama"), source)
-    heads = int(_required(d, "num_attention_heads", source))
-    hidden = int(_required(d, "hidden_size", source))
+    heads = _int(d, "num_attention_heads", source, required=True)
+    hidden = _int(d, "hidden_size", source, required=True)
     theta, scaling = _rope(d, source)
-    eos = d.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-    window = d.get("sliding_window")
+    window = _int(d, "sliding_window", source)
     if d.get("use_sliding_window") is False:  # Qwen2 keeps a window it does not use
         window = None
     types = d.get("layer_types")
     return ModelConfig(
-        vocab_size=int(_required(d, "vocab_size", source)), hidden_size=hidden,
-        intermediate_size=int(_required(d, "intermediate_size", source)),
-        num_layers=int(_required(d, "num_hidden_layers", source)), num_heads=heads,
-        num_kv_heads=int(d.get("num_key_value_heads") or heads),
-        head_dim=int(d.get("head_dim") or hidden // heads),
-        rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
+        vocab_size=_int(d, "vocab_size", source, required=True), hidden_size=hidden,
+        intermediate_size=_int(d, "intermediate_size", source, required=True),
+        num_layers=_int(d, "num_hidden_layers", source, required=True), num_heads=heads,
+        num_kv_heads=_int(d, "num_key_value_heads", source) or heads,
+        head_dim=_int(d, "head_dim", source) or hidden // max(heads, 1),
+        rms_norm_eps=config_number(d.get("rms_norm_eps", 1e-5), "rms_norm_eps", source, float),
         rope_theta=theta, rope_scaling=scaling,
-        max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+        max_position_embeddings=_int(d, "max_position_embeddings", source, 2048),
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-        bos_token_id=d.get("bos_token_id"), eos_token_ids=eos_ids,
+        bos_token_id=_int(d, "bos_token_id", source), eos_token_ids=_eos(d, source),
         name=path.name, architecture=arch,
         hidden_act=str(d.get("hidden_act") or d.get("hidden_activation") or "silu"),
         attention_bias=bool(d.get("attention_bias", False)),
-        sliding_window=None if window is None else int(window),
+        sliding_window=window,
         layer_types=None if types is None else tuple(types),
         extra={k: v for k, v in d.items() if k not in _PARSED and k not in _NOISE},
         source=source,

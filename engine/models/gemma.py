@@ -27,7 +27,7 @@ def _norm(cfg: ModelConfig):
 def gemma_layer(cfg: ModelConfig, i: int, window: int | None, gemma3: bool) -> SandwichDecoderLayer:
     """One layer; Gemma 3's also norm q and k per head and read the local rotary table
     where they slide."""
-    params = LayerAttention(scale=float(cfg.need("query_pre_attn_scalar")) ** -0.5,
+    params = LayerAttention(scale=cfg.need("query_pre_attn_scalar", float) ** -0.5,
                             window=window, softcap=cfg.get("attn_logit_softcapping"))
     attn = Attention(i, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, params,
                      bias=cfg.attention_bias, out_bias=cfg.attention_bias,

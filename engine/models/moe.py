@@ -20,8 +20,8 @@ class MixtralForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         slides = cfg.sliding_window is not None
         layers = [llama_layer(cfg, i, window=cfg.layer_window(i, slides), mlp=SparseMoE(
-                      cfg.hidden_size, cfg.intermediate_size, int(cfg.need("num_local_experts")),
-                      int(cfg.need("num_experts_per_tok")), True,
+                      cfg.hidden_size, cfg.intermediate_size, cfg.need("num_local_experts"),
+                      cfg.need("num_experts_per_tok"), True,
                       gate_fn(cfg.hidden_act, cfg.source), ("w1", "w3", "w2")))
                   for i in range(cfg.num_layers)]
         super().__init__(cfg, llama_stack(cfg, max_positions, layers))
@@ -29,14 +29,14 @@ class MixtralForCausalLM(CausalLM):
 
 def _qwen3_moe_block(cfg: ModelConfig, i: int) -> SparseMoE | None:
     """Layer i's MoE block, or None where the layer is dense."""
-    # transformers >= 5 writes num_local_experts, older configs num_experts
-    found = cfg.get("num_experts", cfg.get("num_local_experts"))
-    experts = int(cfg.need("num_experts") if found is None else found)
+    # transformers >= 5 writes num_local_experts, older configs num_experts (read first)
+    older = cfg.get("num_experts") is not None or cfg.get("num_local_experts") is None
+    experts = cfg.need("num_experts" if older else "num_local_experts")
     step = int(cfg.get("decoder_sparse_step", 1))
     if i in cfg.get("mlp_only_layers", []) or experts == 0 or (i + 1) % step:
         return None
-    return SparseMoE(cfg.hidden_size, int(cfg.need("moe_intermediate_size")), experts,
-                     int(cfg.need("num_experts_per_tok")), bool(cfg.get("norm_topk_prob", False)),
+    return SparseMoE(cfg.hidden_size, cfg.need("moe_intermediate_size"), experts,
+                     cfg.need("num_experts_per_tok"), bool(cfg.get("norm_topk_prob", False)),
                      gate_fn(cfg.hidden_act, cfg.source))
 
 

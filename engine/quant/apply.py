@@ -42,8 +42,16 @@ def quantize_model(model: nn.Module, method_name: str, dtype: torch.dtype,
     holds the dequantized packed values (a tied embedding shares them).
 
     strict: an UnpackableWeight is an error naming the tensor and the flag (explicit
-    int8/int4); otherwise the layer stays dense, logged and listed in ``fallbacks``."""
+    int8/int4); otherwise the layer stays dense, logged and listed in ``fallbacks``. A
+    model holding a layer that declares ``not_quantizable`` (the MoE experts) is refused,
+    naming the layer and why."""
     method: QuantMethod = get_method(method_name, group_size)
+    for path, mod in model.named_modules():  # before any work: refuse, never half-pack
+        reason = getattr(type(mod), "not_quantizable", None)
+        if reason:
+            arch = getattr(model, "architecture", type(model).__name__)
+            raise ValueError(f"--quantization {method_name}: {arch}: {path}: {reason}; "
+                             "serve it with --quantization none")
     report = QuantReport(method_name)
     if next(model.parameters()).device.type == "cpu":  # the CPU's path, once per load
         line, reason = kernel_path()

@@ -44,11 +44,33 @@ def test_an_unknown_architecture_is_refused_naming_it(checkpoint, tmp_path) -> N
 
 
 @pytest.mark.parametrize("family, field", [("llama", "intermediate_size"),
-                                           ("gemma2", "query_pre_attn_scalar")])
+                                           ("gemma2", "query_pre_attn_scalar"),
+                                           ("mixtral", "num_local_experts"),
+                                           ("qwen3_moe", "moe_intermediate_size")])
 def test_a_missing_config_field_is_named(checkpoint, tmp_path, family: str, field: str) -> None:
-    """A field every family reads, and one only Gemma reads."""
+    """A field every family reads, and ones only Gemma or a MoE family reads."""
     path = _copy(checkpoint, family, tmp_path, **{field: None})
     with pytest.raises(ValueError, match=rf"{path}/config\.json: .*'{field}'.* missing"):
+        _engine(path, attention_backend="naive")
+
+
+@pytest.mark.parametrize("family, field, value, says", [
+    ("llama", "num_attention_heads", "four", "the field 'num_attention_heads' is 'four'; "
+                                             "expected a whole number"),
+    ("llama", "eos_token_id", [2, "x"], "the field 'eos_token_id' is 'x'; expected a whole number"),
+    ("gemma2", "query_pre_attn_scalar", True, "the field 'query_pre_attn_scalar' is True; "
+                                              "expected a number"),
+    ("mixtral", "num_experts_per_tok", 1.5, "the field 'num_experts_per_tok' is 1.5; "
+                                            "expected a whole number"),
+    ("mistral", "sliding_window", 0, "sliding_window must be >= 1 or null, got 0"),
+    ("llama", "num_key_value_heads", 3, r"num_attention_heads \(4\) must be a multiple of "
+                                        r"num_key_value_heads \(3\)")])
+def test_a_config_field_of_the_wrong_kind_is_named(checkpoint, tmp_path, family: str, field: str,
+                                                   value, says: str) -> None:
+    """A value no family can run names the file and the field as config.json spells it,
+    never a bare conversion error."""
+    path = _copy(checkpoint, family, tmp_path, **{field: value})
+    with pytest.raises(ValueError, match=rf"^{path}/config\.json: {says}"):
         _engine(path, attention_backend="naive")
 
 
@@ -67,6 +89,20 @@ def test_a_tensor_of_the_wrong_shape_is_named(checkpoint, tmp_path) -> None:
     save_file(tensors, str(path / "model.safetensors"))
     with pytest.raises(ValueError, match=rf"{path}: checkpoint tensor {name} has shape \[33\]; "
                                          r"the qwen2 model config\.json describes needs \[32\]"):
+        _engine(path)
+
+
+@pytest.mark.parametrize("layers, name", [(2, "model.layers.0.mlp.extra.weight"),
+                                          (1, "model.layers.1.input_layernorm.weight")])
+def test_a_tensor_with_no_place_is_named(checkpoint, tmp_path, layers: int, name: str) -> None:
+    """A tensor the model has no parameter for (a stray one; a layer config.json does
+    not count) is refused naming it, never dropped."""
+    path = _copy(checkpoint, "llama", tmp_path, num_hidden_layers=layers)
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors.setdefault(name, torch.zeros(3))
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(ValueError, match=rf"^{path}: checkpoint tensor {re.escape(name)} has no "
+                                         r"place in the llama model"):
         _engine(path)
 
 
