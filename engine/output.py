@@ -51,7 +51,9 @@ class OutputProcessor:
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
         out = RequestOutput(req.request_id, [], "", False, None, [], req.num_prompt_tokens,
-                            0, req.num_cached_tokens)
+                            0, req.num_cached_tokens,
+                            num_host_cached_tokens=req.num_host_cached_tokens,
+                            num_disk_cached_tokens=req.num_disk_cached_tokens)
         for token, lp in zip(tokens, logprobs):
             delta, reason = self._commit(req, token)
             out.new_token_ids.append(token)
@@ -94,7 +96,9 @@ class OutputProcessor:
         return RequestOutput(req.request_id, [], self._close(req, reason), True, reason,
                              num_prompt_tokens=req.num_prompt_tokens,
                              num_output_tokens=req.num_output_tokens,
-                             num_cached_tokens=req.num_cached_tokens, error=error)
+                             num_cached_tokens=req.num_cached_tokens, error=error,
+                             num_host_cached_tokens=req.num_host_cached_tokens,
+                             num_disk_cached_tokens=req.num_disk_cached_tokens)
 
     def _close(self, req: Request, reason: FinishReason) -> str:
         """Finish req; returns the text still owed (none after an abort or once a stop

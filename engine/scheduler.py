@@ -270,8 +270,10 @@ class Scheduler:
         req.num_computed_tokens = ncached
         if not self._allocate_or_preempt(req, n, cached, batch):
             return None
+        promoted = self.kv.claim_promoted(cached)
         if req.num_preemptions == 0:
             req.num_cached_tokens = min(ncached, req.num_prompt_tokens)
+            req.num_host_cached_tokens, req.num_disk_cached_tokens = promoted
         self.waiting.remove(req)
         self._resume(req)
         batch.entries.append((req, n))
@@ -294,6 +296,7 @@ class Scheduler:
         if not self._allocate_or_preempt(req, need, hit, batch, ext.may_preempt):
             return False
         req.num_computed_tokens = req.num_cached_tokens = len(hit) * self.kv.block_size
+        req.num_host_cached_tokens, req.num_disk_cached_tokens = self.kv.claim_promoted(hit)
         self.waiting.remove(req)
         req.status = RequestStatus.WAITING_FOR_KV
         self.loading[req.request_id] = req

@@ -169,6 +169,8 @@ class RequestFlow:
                 first = await self._prefill(prefill, wid, req)
                 router_spans.prefill_reply(span, first)
             trace.realized_cached_tokens = first.num_cached_tokens
+            trace.realized_host_cached_tokens = first.num_host_cached_tokens
+            trace.realized_disk_cached_tokens = first.num_disk_cached_tokens
             yield [first.first_token], first.finish_reason or None, (
                 [(first.first_logprob, top_from_proto(first.first_top_logprobs))]
                 if first.HasField("first_logprob") else [])
@@ -324,6 +326,8 @@ def _absorb(trace: Trace, t: decode_pb2.KVTrace) -> None:
     trace.decode_cached_tokens = t.local_cached_tokens
     if trace.path is RequestPath.LOCAL_PREFILL:
         trace.realized_cached_tokens = t.local_cached_tokens
+        trace.realized_host_cached_tokens = t.local_host_cached_tokens
+        trace.realized_disk_cached_tokens = t.local_disk_cached_tokens
     trace.blocks_pulled += t.blocks_pulled
     trace.bytes_pulled += t.bytes_pulled
     trace.transfer_seconds += t.transfer_seconds

@@ -84,6 +84,14 @@ class KVCacheManager:
             hit += self.lower_tiers.promote(hit, hashes, req.token_ids)
         return hit
 
+    def claim_promoted(self, cached: list[int]) -> tuple[int, int]:
+        """A request adopted these prefix blocks: (tokens of them promoted for it from
+        the host tier, from the disk tier); later hits on them are device hits."""
+        if self.lower_tiers is None or not cached:
+            return 0, 0
+        host, disk = self.lower_tiers.claim(cached)
+        return host * self.block_size, disk * self.block_size
+
     def first_live_block(self, num_computed: int) -> int:
         """The first block the query at position ``num_computed`` (the next one computed)
         or any later one can see: 0 without a sliding window."""

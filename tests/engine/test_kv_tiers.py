@@ -36,9 +36,15 @@ def _host_gib(model_dir: Path, kv_dtype: str, blocks: int) -> float:
 
 def _run(eng: LLMEngine, prompt: list[int]) -> tuple[list[int], int, int]:
     """(tokens, prompt tokens served from a cache, tokens the model computed)."""
+    return _run_tiers(eng, prompt)[:3]
+
+
+def _run_tiers(eng: LLMEngine, prompt: list[int]) -> tuple[list[int], int, int, tuple[int, int]]:
+    """_run's, and the cached tokens promoted from the (host, disk) tiers."""
     before = eng.num_computed_tokens_total
     done = eng.generate([prompt], GREEDY)[0]
-    return done.token_ids, done.num_cached_tokens, eng.num_computed_tokens_total - before
+    return (done.token_ids, done.num_cached_tokens, eng.num_computed_tokens_total - before,
+            done.cached_by_tier)
 
 
 def _prompt_blocks(eng: LLMEngine) -> torch.Tensor:
@@ -70,11 +76,12 @@ def test_a_prefix_evicted_from_the_device_comes_back_from_host_memory(flat_model
                   kv_offload_cpu_gib=_host_gib(flat_model_dir, kv_dtype, 32))
     assert _run(eng, PROMPT) == (cold, 0, len(PROMPT) + GREEDY.max_tokens - 1)
     _evict_prompt(eng)
-    tokens, cached, computed = _run(eng, PROMPT)
-    assert (tokens, cached) == (cold, 4 * BS)
+    tokens, cached, computed, by_tier = _run_tiers(eng, PROMPT)
+    assert (tokens, cached, by_tier) == (cold, 4 * BS, (4 * BS, 0))
     assert torch.equal(_prompt_blocks(eng), cold_blocks)  # int8 codes and scales included
     assert computed == len(PROMPT) - 4 * BS + GREEDY.max_tokens - 1  # the tail and decodes
     assert eng.tiers.stats.host_hits == 4 and eng.tiers.stats.disk_hits == 0
+    assert _run_tiers(eng, PROMPT)[1:4:2] == (4 * BS, (0, 0))  # on the device now
     eng.leak_check()  # device pool, tables, every host slot accounted for, no pin left
 
 
@@ -99,8 +106,8 @@ def test_a_restarted_engine_serves_the_prefix_from_disk(flat_model_dir, tmp_path
     cold, cold_blocks = _cold(flat_model_dir, kv_dtype)
     _write_prompt_to_disk(flat_model_dir, tmp_path, kv_dtype)
     eng = _spilled_engine(flat_model_dir, tmp_path, kv_dtype)  # a restart: a new engine
-    tokens, cached, computed = _run(eng, PROMPT)
-    assert (tokens, cached) == (cold, 4 * BS)
+    tokens, cached, computed, by_tier = _run_tiers(eng, PROMPT)
+    assert (tokens, cached, by_tier) == (cold, 4 * BS, (0, 4 * BS))
     assert torch.equal(_prompt_blocks(eng), cold_blocks)
     assert computed == len(PROMPT) - 4 * BS + GREEDY.max_tokens - 1
     assert eng.tiers.stats.disk_hits == 4

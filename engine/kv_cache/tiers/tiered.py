@@ -28,7 +28,7 @@ from core.kv.block_hash import BlockHash
 from engine.kv_cache.block_pool import BlockPool, KVEventKind
 from engine.kv_cache.swap import HostSlots
 from engine.kv_cache.tiers.disk import DiskTier
-from engine.kv_cache.tiers.events import MEDIUM_HOST, TierEvent
+from engine.kv_cache.tiers.events import MEDIUM_DISK, MEDIUM_HOST, TierEvent
 from engine.kv_cache.tiers.host import HostEntry, HostTier
 
 
@@ -59,9 +59,12 @@ class TieredCache:
         self._copies: list[tuple[int, HostEntry | torch.Tensor]] = []
         """Promotions to copy at flush: (device block, its source)."""
         self._held: list[int] = []
-        self.events: list[TierEvent] | None = None
-        """The host tier's stores and removals since drain_events; None: nobody reads
-        them (record_events turns them on), so none pile up."""
+        self.events: list[TierEvent] = []
+        """The host tier's stores and removals since drain_events (the engine thread
+        drains them every step, as the device pool's)."""
+        self.origin: dict[int, tuple[str, BlockHash]] = {}
+        """Device blocks promoted and not yet adopted by a request: the tier they came
+        from (claim), with the hash they were promoted under."""
 
     def attach(self, pool: BlockPool) -> None:
         """Hook into the device pool: its evictions come down here (the KV manager's
@@ -72,6 +75,7 @@ class TieredCache:
     # -- down ---------------------------------------------------------------------------
     def demote(self, block_id: int, block_hash: BlockHash, tokens: Sequence[int]) -> None:
         """The pool is evicting a cached block: keep a copy in the host tier."""
+        self.origin.pop(block_id, None)
         if self.host.get(block_hash, tokens) is not None:
             return  # promoted from here earlier: the host copy is the same bytes
         slot = self.host.reserve(block_hash, tokens)
@@ -80,13 +84,11 @@ class TieredCache:
             return
         self.host_kv[slot].copy_(self.device_kv[block_id])
         self.stats.demoted += 1
-        if self.events is not None:
-            self.events.append(TierEvent(KVEventKind.STORED, block_hash, MEDIUM_HOST, tuple(tokens)))
+        self.events.append(TierEvent(KVEventKind.STORED, block_hash, MEDIUM_HOST, tuple(tokens)))
 
     def _spill(self, block_hash: BlockHash, entry: HostEntry) -> None:
         """A host block loses its slot: the disk tier gets a copy (if there is one)."""
-        if self.events is not None:
-            self.events.append(TierEvent(KVEventKind.REMOVED, block_hash, MEDIUM_HOST))
+        self.events.append(TierEvent(KVEventKind.REMOVED, block_hash, MEDIUM_HOST))
         if self.disk is not None:
             payload = self.host_kv[entry.slot].contiguous().view(torch.uint8).numpy().tobytes()
             self.disk.put(block_hash, entry.tokens, payload)
@@ -116,6 +118,8 @@ class TieredCache:
         for bid, (block_hash, tokens, source) in zip(ids, found):
             pool.cache(bid, block_hash, tokens)
             self._copies.append((bid, source))
+            self.origin[bid] = (MEDIUM_HOST if isinstance(source, HostEntry) else MEDIUM_DISK,
+                                block_hash)
         self._held += ids
         return ids
 
@@ -155,19 +159,26 @@ class TieredCache:
         if self.disk is not None:
             self.disk.close()
 
-    def record_events(self) -> list[TierEvent]:
-        """Start recording the tiers' events; returns what they hold now, as stores
-        (the disk's blocks found at start-up, and the host's)."""
-        self.events = []
+    def claim(self, block_ids: Sequence[int]) -> tuple[int, int]:
+        """A request adopts these prefix blocks: (how many of them were promoted for it
+        from the host tier, from the disk tier); from now on they are device hits."""
+        counts = {MEDIUM_HOST: 0, MEDIUM_DISK: 0}
+        for bid in block_ids:
+            medium, block_hash = self.origin.pop(bid, (None, None))
+            if medium is not None and self.pool.blocks[bid].block_hash == block_hash:
+                counts[medium] += 1
+        return counts[MEDIUM_HOST], counts[MEDIUM_DISK]
+
+    def stored(self) -> list[TierEvent]:
+        """What the tiers hold now, as stores (the disk's blocks found at start-up, and
+        the host's): a subscriber's snapshot, with drain_events after it."""
         now = [TierEvent(KVEventKind.STORED, h, MEDIUM_HOST, e.tokens)
                for h, e in self.host.entries.items()]
-        return now + (self.disk.record_events() if self.disk is not None else [])
+        return now + (self.disk.stored() if self.disk is not None else [])
 
     def drain_events(self) -> list[TierEvent]:
         """The host and disk tiers' events since the last call (engine thread)."""
-        events = self.events or []
-        if self.events is not None:
-            self.events = []
+        events, self.events = self.events, []
         return events + (self.disk.drain_events() if self.disk is not None else [])
 
     # -- checks -------------------------------------------------------------------------
