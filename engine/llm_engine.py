@@ -257,6 +257,8 @@ class LLMEngine:
             self._settle_host_copies()
             return self.fail_all(f"engine scheduling failed: {e}")
         if not batch:
+            if self.tiers is not None:  # nothing runs until a prefix's disk read lands
+                self.tiers.wait_for_loads(0.01)
             return []
         results: list[RequestOutput] = []
         try:

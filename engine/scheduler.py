@@ -219,6 +219,8 @@ class Scheduler:
                 budget -= n
             elif req.status is not RequestStatus.WAITING:
                 continue  # preempted earlier in this loop to seat a more important one
+            elif self.kv.prefix_loading(req):
+                continue  # its prefix is being read up from disk: it waits, the step goes on
             elif (ext := self._external(req)) is not None:
                 if not self._admit_external(req, ext, batch):
                     return  # keep arrival order within the queue

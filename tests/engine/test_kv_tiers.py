@@ -179,3 +179,44 @@ def test_a_stopped_engine_thread_writes_its_queued_blocks_first(flat_model_dir, 
     assert disk.stats.written >= 4 and (disk.stats.dropped, disk.stats.write_errors) == (0, 0)
     assert sorted(p.name for p in tmp_path.glob("*.kvb")) == sorted(
         disk.path(h).name for h in disk.index)  # every block written, and only whole files
+
+
+def test_a_disk_read_does_not_hold_up_the_step_loop(flat_model_dir, tmp_path, monkeypatch) -> None:
+    """A prompt whose prefix is on disk waits in the scheduler while its blocks are read
+    (here a read that waits until the test lets it go): another request keeps decoding
+    meanwhile, step after step; then the prompt runs with the prefix from disk, its
+    tokens equal a cold run's."""
+    import threading
+
+    from engine.kv_cache.tiers.disk import DiskTier
+
+    cold, _ = _cold(flat_model_dir, "auto")
+    _write_prompt_to_disk(flat_model_dir, tmp_path)
+    eng = _spilled_engine(flat_model_dir, tmp_path)
+    other = eng.add_request(FILLERS[0][:20], SamplingParams(max_tokens=20, temperature=0,
+                                                            ignore_eos=True))  # 3 blocks
+    eng.step()  # the other request is decoding
+    real, gate, decoded_during_read = DiskTier.read, threading.Event(), []
+
+    def gated_read(self, *args):
+        gate.wait(timeout=3.0)  # released by the test, or (read on the step loop) given up
+        decoded_during_read.append(len(eng.requests[other].output_token_ids))
+        return real(self, *args)
+
+    monkeypatch.setattr(DiskTier, "read", gated_read)
+    rid = eng.add_request(PROMPT, GREEDY)
+    before = len(eng.requests[other].output_token_ids)
+    for _ in range(3):
+        eng.step()
+    assert len(eng.requests[other].output_token_ids) == before + 3  # it decoded each step
+    assert eng.requests[rid].num_computed_tokens == 0  # the prompt waits for its blocks
+    gate.set()
+    outs = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert decoded_during_read and decoded_during_read[0] >= before + 2
+    assert outs[rid] == cold
+    assert (eng.tiers.stats.disk_hits, eng.tiers.stats.host_hits) == (4, 0)
+    eng.tiers.disk.close()
+    eng.leak_check()
