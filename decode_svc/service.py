@@ -244,6 +244,8 @@ class DecodeService(WorkerBase, pb_grpc.DecodeServicer):
             if first:
                 if local:
                     trace.local_cached_tokens = out.num_cached_tokens
+                    trace.local_host_cached_tokens = out.num_host_cached_tokens
+                    trace.local_disk_cached_tokens = out.num_disk_cached_tokens
                     self.metrics.count_prompt(out.num_prompt_tokens, out.num_prompt_tokens,
                                               out.num_cached_tokens)
                 chunk.trace.CopyFrom(trace)

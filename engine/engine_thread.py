@@ -38,7 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
 from core.kv import BlockHash
-from engine.kv_cache import KVEvent
+from engine.kv_cache.tiers.events import TierEvent
 from engine.llm_engine import LLMEngine
 from engine.request import (AbortedBeforeArrival, DuplicateRequestError, FinishReason, Request,
                             RequestOutput)
@@ -62,7 +62,7 @@ class EngineDead(RuntimeError):
 
 class EngineWorker:
     def __init__(self, build: Callable[[], LLMEngine],
-                 on_events: Callable[[list[KVEvent]], None] | None = None,
+                 on_events: Callable[[list[TierEvent]], None] | None = None,
                  on_step: Callable[[LLMEngine], None] | None = None,
                  on_load: Callable[[EngineLoad], None] | None = None,
                  on_death: Callable[[BaseException], None] | None = None) -> None:
@@ -164,6 +164,10 @@ class EngineWorker:
     # -- queries ------------------------------------------------------------------------
     async def cached_hashes(self) -> list[BlockHash]:
         return await self._call(lambda e: e.cached_hashes())
+
+    async def stored_blocks(self) -> list[TierEvent]:
+        """Every block held now, in every tier (LLMEngine.stored_blocks)."""
+        return await self._call(lambda e: e.stored_blocks())
 
     async def leak_check(self) -> None:
         """AssertionError unless nothing is held (LLMEngine.leak_check)."""

@@ -27,7 +27,7 @@ from core.guided.compiler import GrammarCompiler
 from core.errors import FieldError
 from core.limits import check_priority, check_prompt
 from core.kv import BlockHash, blocks_for, check_salt
-from engine.kv_cache import KVCacheManager, KVEvent
+from engine.kv_cache import KVCacheManager
 from engine.kv_connector import KVConnector
 from engine.model_runner import ModelRunner
 from engine.models.base import StepInterrupted
@@ -37,6 +37,7 @@ from engine.request import (DuplicateRequestError, FinishReason, Request, Reques
 from core.sampling import SamplingParams
 from engine.kv_cache.swap import HostSlots, SwapPool
 from engine.kv_cache.tiers import build_tiers
+from engine.kv_cache.tiers.events import TierEvent, device_blocks, device_events
 from engine.scheduler import Scheduler
 from engine.served_model import (checkpoint_tokenizer, context_window, open_checkpoint,
                                  served_fingerprint)
@@ -72,6 +73,8 @@ class Completion:
     text: str
     finish_reason: FinishReason | None
     num_cached_tokens: int = 0
+    cached_by_tier: tuple[int, int] = (0, 0)
+    """Of num_cached_tokens, those promoted from the host tier and from the disk tier."""
 
 
 class LLMEngine:
@@ -269,6 +272,8 @@ class LLMEngine:
             self._settle_host_copies()
             return self.fail_all(f"engine scheduling failed: {e}")
         if not batch:
+            if self.tiers is not None:  # nothing runs until a prefix's disk read lands
+                self.tiers.wait_for_loads(0.01)
             return []
         results: list[RequestOutput] = []
         try:
@@ -478,9 +483,17 @@ class LLMEngine:
         """Every block hash in the prefix cache now."""
         return list(self.kv.pool.cached)
 
-    def drain_kv_events(self) -> list[KVEvent]:
-        """The prefix cache's changes since the last call."""
-        return self.kv.pool.drain_events()
+    def drain_kv_events(self) -> list[TierEvent]:
+        """The prefix cache's changes since the last call, in every tier (the device
+        pool's first, with their tokens; then the host and disk tiers')."""
+        events = device_events(self.kv.pool, self.kv.pool.drain_events())
+        return events + (self.tiers.drain_events() if self.tiers is not None else [])
+
+    def stored_blocks(self) -> list[TierEvent]:
+        """Every block stored now, in every tier, as stores (a subscriber's snapshot;
+        the events drained after it are the changes)."""
+        blocks = device_blocks(self.kv.pool)
+        return blocks + (self.tiers.stored() if self.tiers is not None else [])
 
     # -- offline helper --------------------------------------------------------
     def generate(self, prompts: Sequence[str | Sequence[int]],
@@ -495,7 +508,8 @@ class LLMEngine:
                 if o.index == 0:  # the first choice (n > 1: read the step outputs)
                     texts[o.request_id].append(o.text)
         return [Completion(i, reqs[i].prompt_token_ids, reqs[i].output_token_ids,
-                           "".join(texts[i]), reqs[i].finish_reason, reqs[i].num_cached_tokens)
+                           "".join(texts[i]), reqs[i].finish_reason, reqs[i].num_cached_tokens,
+                           (reqs[i].num_host_cached_tokens, reqs[i].num_disk_cached_tokens))
                 for i in ids]
 
     def close(self) -> None:

@@ -49,7 +49,9 @@ class OutputProcessor:
         """Commit tokens one by one, stopping at the first that finishes the request (the
         rest of a speculative run is dropped); one output for all of them."""
         out = RequestOutput(req.stream_id, [], "", False, None, [], _prompt_logprobs(req),
-                            req.num_prompt_tokens, 0, req.num_cached_tokens, index=req.index)
+                            req.num_prompt_tokens, 0, req.num_cached_tokens, index=req.index,
+                            num_host_cached_tokens=req.num_host_cached_tokens,
+                            num_disk_cached_tokens=req.num_disk_cached_tokens)
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
         for token, lp in zip(tokens, logprobs):
@@ -102,7 +104,9 @@ class OutputProcessor:
                              num_prompt_tokens=req.num_prompt_tokens,
                              num_output_tokens=req.num_output_tokens,
                              num_cached_tokens=req.num_cached_tokens, error=error,
-                             index=req.index)
+                             index=req.index,
+                             num_host_cached_tokens=req.num_host_cached_tokens,
+                             num_disk_cached_tokens=req.num_disk_cached_tokens)
 
     def _close(self, req: Request, reason: FinishReason) -> str:
         """Finish req; returns the text still owed (none after an abort or once a stop

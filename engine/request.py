@@ -51,6 +51,10 @@ class Request:
     """Leading token_ids whose K/V are in this engine's cache."""
     num_cached_tokens: int = 0
     """Prompt tokens served by the prefix cache at admission (metrics)."""
+    num_host_cached_tokens: int = 0
+    num_disk_cached_tokens: int = 0
+    """Of num_cached_tokens, those promoted for this request from the host and the disk
+    tier (docs/kv-offload.md)."""
     block_hashes: list[BlockHash] = field(default_factory=list)
     cache_salt: bytes = field(default=b"", repr=False)
     """Seeds block_hashes (core/kv/block_hash.py): the tenant's digest the router
@@ -162,6 +166,9 @@ class RequestOutput:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    num_host_cached_tokens: int = 0
+    num_disk_cached_tokens: int = 0
+    """Of num_cached_tokens, those promoted from the host and the disk tier."""
     spec: SpecSummary | None = None
     """On the last output of a request that speculated: its proposed and accepted totals."""
     kept_blocks: list[int] | None = None

@@ -224,6 +224,8 @@ class Scheduler:
                 budget -= n
             elif req.status is not RequestStatus.WAITING:
                 continue  # preempted earlier in this loop to seat a more important one
+            elif self.kv.prefix_loading(req):
+                continue  # its prefix is being read up from disk: it waits, the step goes on
             elif (ext := self._external(req)) is not None:
                 if not self._admit_external(req, ext, batch):
                     return  # keep arrival order within the queue
@@ -277,8 +279,10 @@ class Scheduler:
         req.num_computed_tokens = ncached
         if not self._allocate_or_preempt(req, n, cached, batch):
             return None
+        promoted = self.kv.claim_promoted(cached)
         if req.num_preemptions == 0:
             req.num_cached_tokens = min(ncached, req.num_prompt_tokens)
+            req.num_host_cached_tokens, req.num_disk_cached_tokens = promoted
         self.waiting.remove(req)
         self._resume(req)
         batch.entries.append((req, n))
@@ -301,6 +305,7 @@ class Scheduler:
         if not self._allocate_or_preempt(req, need, hit, batch, ext.may_preempt):
             return False
         req.num_computed_tokens = req.num_cached_tokens = len(hit) * self.kv.block_size
+        req.num_host_cached_tokens, req.num_disk_cached_tokens = self.kv.claim_promoted(hit)
         self.waiting.remove(req)
         req.status = RequestStatus.WAITING_FOR_KV
         self.loading[req.request_id] = req

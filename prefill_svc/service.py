@@ -123,7 +123,9 @@ class PrefillService(WorkerBase, pb_grpc.PrefillServicer):
             first_token=out.new_token_ids[0] if out.new_token_ids else 0,  # none: max_tokens 0
             finished=out.finish_reason is not None,
             finish_reason=out.finish_reason.value if out.finish_reason else "",
-            num_cached_tokens=out.num_cached_tokens, prefill_seconds=seconds)
+            num_cached_tokens=out.num_cached_tokens, prefill_seconds=seconds,
+            num_host_cached_tokens=out.num_host_cached_tokens,
+            num_disk_cached_tokens=out.num_disk_cached_tokens)
         if out.logprobs:
             reply.first_logprob = out.logprobs[0].logprob
             if out.logprobs[0].top:

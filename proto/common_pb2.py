@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12proto/common.proto\x12\rtandem.common\"\xa8\x05\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x06 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x11\n\x04seed\x18\t \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\n \x03(\r\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x15\n\x08logprobs\x18\r \x01(\rH\x01\x88\x01\x01\x12%\n\x06guided\x18\x0e \x01(\x0b\x32\x15.tandem.common.Guided\x12\x16\n\tspeculate\x18\x0f \x01(\x08H\x02\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x10 \x01(\r\x12,\n\nlogit_bias\x18\x16 \x03(\x0b\x32\x18.tandem.common.TokenBias\x12\x19\n\x11\x61llowed_token_ids\x18\x12 \x03(\r\x12*\n\tbad_words\x18\x13 \x03(\x0b\x32\x17.tandem.common.TokenIds\x12\"\n\x1ainclude_stop_str_in_output\x18\x14 \x01(\x08\x12 \n\x13skip_special_tokens\x18\x15 \x01(\x08H\x03\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x17 \x01(\rH\x04\x88\x01\x01\x12\t\n\x01n\x18\x18 \x01(\rB\x07\n\x05_seedB\x0b\n\t_logprobsB\x0c\n\n_speculateB\x16\n\x14_skip_special_tokensB\x12\n\x10_prompt_logprobsJ\x04\x08\x11\x10\x12\"+\n\tTokenBias\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04\x62ias\x18\x02 \x01(\x02\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"$\n\x06Guided\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"K\n\x0ePromptLogprobs\x12\x10\n\x08logprobs\x18\x01 \x03(\x02\x12\'\n\x03top\x18\x02 \x03(\x0b\x32\x1a.tandem.common.TopLogprobs\"\x7f\n\x07KVEvent\x12)\n\x04kind\x18\x01 \x01(\x0e\x32\x1b.tandem.common.KVEvent.Kind\x12\x12\n\nblock_hash\x18\x02 \x01(\x0c\"5\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\n\n\x06STORED\x10\x01\x12\x0b\n\x07REMOVED\x10\x02\"%\n\x0fKVEventsRequest\x12\x12\n\nsubscriber\x18\x01 \x01(\t\"\x81\x01\n\x0cKVEventBatch\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12&\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x16.tandem.common.KVEvent\x12\'\n\x04load\x18\x03 \x01(\x0b\x32\x19.tandem.common.WorkerLoad\x12\r\n\x05reset\x18\x04 \x01(\x08\"\r\n\x0bLoadRequest\"\xe9\x01\n\nWorkerLoad\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x10\n\x08kv_usage\x18\x04 \x01(\x02\x12\x13\n\x0b\x66ree_blocks\x18\x05 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x06 \x01(\r\x12\x1c\n\x14queued_prompt_tokens\x18\x07 \x01(\r\x12\x15\n\ractive_leases\x18\x08 \x01(\r\x12\x12\n\nblock_size\x18\t \x01(\r\x12\x18\n\x10swap_used_blocks\x18\n \x01(\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1d\n\nAbortReply\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12proto/common.proto\x12\rtandem.common\"\xa8\x05\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x06 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x11\n\x04seed\x18\t \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\n \x03(\r\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x15\n\x08logprobs\x18\r \x01(\rH\x01\x88\x01\x01\x12%\n\x06guided\x18\x0e \x01(\x0b\x32\x15.tandem.common.Guided\x12\x16\n\tspeculate\x18\x0f \x01(\x08H\x02\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x10 \x01(\r\x12,\n\nlogit_bias\x18\x16 \x03(\x0b\x32\x18.tandem.common.TokenBias\x12\x19\n\x11\x61llowed_token_ids\x18\x12 \x03(\r\x12*\n\tbad_words\x18\x13 \x03(\x0b\x32\x17.tandem.common.TokenIds\x12\"\n\x1ainclude_stop_str_in_output\x18\x14 \x01(\x08\x12 \n\x13skip_special_tokens\x18\x15 \x01(\x08H\x03\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x17 \x01(\rH\x04\x88\x01\x01\x12\t\n\x01n\x18\x18 \x01(\rB\x07\n\x05_seedB\x0b\n\t_logprobsB\x0c\n\n_speculateB\x16\n\x14_skip_special_tokensB\x12\n\x10_prompt_logprobsJ\x04\x08\x11\x10\x12\"+\n\tTokenBias\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04\x62ias\x18\x02 \x01(\x02\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"$\n\x06Guided\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"K\n\x0ePromptLogprobs\x12\x10\n\x08logprobs\x18\x01 \x03(\x02\x12\'\n\x03top\x18\x02 \x03(\x0b\x32\x1a.tandem.common.TopLogprobs\"\xd8\x01\n\x07KVEvent\x12)\n\x04kind\x18\x01 \x01(\x0e\x32\x1b.tandem.common.KVEvent.Kind\x12\x12\n\nblock_hash\x18\x02 \x01(\x0c\x12-\n\x06medium\x18\x03 \x01(\x0e\x32\x1d.tandem.common.KVEvent.Medium\"5\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\n\n\x06STORED\x10\x01\x12\x0b\n\x07REMOVED\x10\x02\"(\n\x06Medium\x12\n\n\x06\x44\x45VICE\x10\x00\x12\x08\n\x04HOST\x10\x01\x12\x08\n\x04\x44ISK\x10\x02\"%\n\x0fKVEventsRequest\x12\x12\n\nsubscriber\x18\x01 \x01(\t\"\x81\x01\n\x0cKVEventBatch\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12&\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x16.tandem.common.KVEvent\x12\'\n\x04load\x18\x03 \x01(\x0b\x32\x19.tandem.common.WorkerLoad\x12\r\n\x05reset\x18\x04 \x01(\x08\"\r\n\x0bLoadRequest\"\xe9\x01\n\nWorkerLoad\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x10\n\x08kv_usage\x18\x04 \x01(\x02\x12\x13\n\x0b\x66ree_blocks\x18\x05 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x06 \x01(\r\x12\x1c\n\x14queued_prompt_tokens\x18\x07 \x01(\r\x12\x15\n\ractive_leases\x18\x08 \x01(\r\x12\x12\n\nblock_size\x18\t \x01(\r\x12\x18\n\x10swap_used_blocks\x18\n \x01(\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1d\n\nAbortReply\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,20 +43,22 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOPLOGPROBS']._serialized_end=878
   _globals['_PROMPTLOGPROBS']._serialized_start=880
   _globals['_PROMPTLOGPROBS']._serialized_end=955
-  _globals['_KVEVENT']._serialized_start=957
-  _globals['_KVEVENT']._serialized_end=1084
-  _globals['_KVEVENT_KIND']._serialized_start=1031
-  _globals['_KVEVENT_KIND']._serialized_end=1084
-  _globals['_KVEVENTSREQUEST']._serialized_start=1086
-  _globals['_KVEVENTSREQUEST']._serialized_end=1123
-  _globals['_KVEVENTBATCH']._serialized_start=1126
-  _globals['_KVEVENTBATCH']._serialized_end=1255
-  _globals['_LOADREQUEST']._serialized_start=1257
-  _globals['_LOADREQUEST']._serialized_end=1270
-  _globals['_WORKERLOAD']._serialized_start=1273
-  _globals['_WORKERLOAD']._serialized_end=1506
-  _globals['_ABORTREQUEST']._serialized_start=1508
-  _globals['_ABORTREQUEST']._serialized_end=1542
-  _globals['_ABORTREPLY']._serialized_start=1544
-  _globals['_ABORTREPLY']._serialized_end=1573
+  _globals['_KVEVENT']._serialized_start=958
+  _globals['_KVEVENT']._serialized_end=1174
+  _globals['_KVEVENT_KIND']._serialized_start=1079
+  _globals['_KVEVENT_KIND']._serialized_end=1132
+  _globals['_KVEVENT_MEDIUM']._serialized_start=1134
+  _globals['_KVEVENT_MEDIUM']._serialized_end=1174
+  _globals['_KVEVENTSREQUEST']._serialized_start=1176
+  _globals['_KVEVENTSREQUEST']._serialized_end=1213
+  _globals['_KVEVENTBATCH']._serialized_start=1216
+  _globals['_KVEVENTBATCH']._serialized_end=1345
+  _globals['_LOADREQUEST']._serialized_start=1347
+  _globals['_LOADREQUEST']._serialized_end=1360
+  _globals['_WORKERLOAD']._serialized_start=1363
+  _globals['_WORKERLOAD']._serialized_end=1596
+  _globals['_ABORTREQUEST']._serialized_start=1598
+  _globals['_ABORTREQUEST']._serialized_end=1632
+  _globals['_ABORTREPLY']._serialized_start=1634
+  _globals['_ABORTREPLY']._serialized_end=1663
 # @@protoc_insertion_point(module_scope)

@@ -96,7 +96,7 @@ class PromptLogprobs(_message.Message):
     def __init__(self, logprobs: _Optional[_Iterable[float]] = ..., top: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ...) -> None: ...
 
 class KVEvent(_message.Message):
-    __slots__ = ("kind", "block_hash")
+    __slots__ = ("kind", "block_hash", "medium")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[KVEvent.Kind]
@@ -105,11 +105,21 @@ class KVEvent(_message.Message):
     KIND_UNSPECIFIED: KVEvent.Kind
     STORED: KVEvent.Kind
     REMOVED: KVEvent.Kind
+    class Medium(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        DEVICE: _ClassVar[KVEvent.Medium]
+        HOST: _ClassVar[KVEvent.Medium]
+        DISK: _ClassVar[KVEvent.Medium]
+    DEVICE: KVEvent.Medium
+    HOST: KVEvent.Medium
+    DISK: KVEvent.Medium
     KIND_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
     kind: KVEvent.Kind
     block_hash: bytes
-    def __init__(self, kind: _Optional[_Union[KVEvent.Kind, str]] = ..., block_hash: _Optional[bytes] = ...) -> None: ...
+    medium: KVEvent.Medium
+    def __init__(self, kind: _Optional[_Union[KVEvent.Kind, str]] = ..., block_hash: _Optional[bytes] = ..., medium: _Optional[_Union[KVEvent.Medium, str]] = ...) -> None: ...
 
 class KVEventsRequest(_message.Message):
     __slots__ = ("subscriber",)

@@ -59,7 +59,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., kv_handle: _Optional[_Union[_kv_link_pb2.KVHandle, _Mapping]] = ..., preempt_lower_priority: _Optional[bool] = ..., cache_salt: _Optional[bytes] = ...) -> None: ...
 
 class KVTrace(_message.Message):
-    __slots__ = ("local_cached_tokens", "blocks_pulled", "bytes_pulled", "transfer_seconds", "fallback", "backend", "lease_ended")
+    __slots__ = ("local_cached_tokens", "blocks_pulled", "bytes_pulled", "transfer_seconds", "fallback", "backend", "lease_ended", "local_host_cached_tokens", "local_disk_cached_tokens")
     LOCAL_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_PULLED_FIELD_NUMBER: _ClassVar[int]
     BYTES_PULLED_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,8 @@ class KVTrace(_message.Message):
     FALLBACK_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     LEASE_ENDED_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_HOST_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_DISK_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     local_cached_tokens: int
     blocks_pulled: int
     bytes_pulled: int
@@ -74,7 +76,9 @@ class KVTrace(_message.Message):
     fallback: FallbackReason
     backend: str
     lease_ended: bool
-    def __init__(self, local_cached_tokens: _Optional[int] = ..., blocks_pulled: _Optional[int] = ..., bytes_pulled: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., fallback: _Optional[_Union[FallbackReason, str]] = ..., backend: _Optional[str] = ..., lease_ended: _Optional[bool] = ...) -> None: ...
+    local_host_cached_tokens: int
+    local_disk_cached_tokens: int
+    def __init__(self, local_cached_tokens: _Optional[int] = ..., blocks_pulled: _Optional[int] = ..., bytes_pulled: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., fallback: _Optional[_Union[FallbackReason, str]] = ..., backend: _Optional[str] = ..., lease_ended: _Optional[bool] = ..., local_host_cached_tokens: _Optional[int] = ..., local_disk_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
     __slots__ = ("token_ids", "finished", "finish_reason", "num_prompt_tokens", "num_output_tokens", "trace", "logprobs", "top_logprobs", "spec", "prompt_logprobs", "index")

@@ -27,7 +27,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[bytes] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("request_id", "first_token", "kv_handle", "finished", "finish_reason", "num_cached_tokens", "prefill_seconds", "first_logprob", "first_top_logprobs", "prompt_logprobs")
+    __slots__ = ("request_id", "first_token", "kv_handle", "finished", "finish_reason", "num_cached_tokens", "prefill_seconds", "first_logprob", "first_top_logprobs", "prompt_logprobs", "num_host_cached_tokens", "num_disk_cached_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,8 @@ class PrefillResponse(_message.Message):
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOST_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DISK_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token: int
     kv_handle: _kv_link_pb2.KVHandle
@@ -48,4 +50,6 @@ class PrefillResponse(_message.Message):
     first_logprob: float
     first_top_logprobs: _common_pb2.TopLogprobs
     prompt_logprobs: _common_pb2.PromptLogprobs
-    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., kv_handle: _Optional[_Union[_kv_link_pb2.KVHandle, _Mapping]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., first_logprob: _Optional[float] = ..., first_top_logprobs: _Optional[_Union[_common_pb2.TopLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[_common_pb2.PromptLogprobs, _Mapping]] = ...) -> None: ...
+    num_host_cached_tokens: int
+    num_disk_cached_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., kv_handle: _Optional[_Union[_kv_link_pb2.KVHandle, _Mapping]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., first_logprob: _Optional[float] = ..., first_top_logprobs: _Optional[_Union[_common_pb2.TopLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[_common_pb2.PromptLogprobs, _Mapping]] = ..., num_host_cached_tokens: _Optional[int] = ..., num_disk_cached_tokens: _Optional[int] = ...) -> None: ...

@@ -191,6 +191,8 @@ class RequestFlow:
                 first = await self._prefill(prefill, wid, req)
                 router_spans.prefill_reply(span, first)
             trace.realized_cached_tokens = first.num_cached_tokens
+            trace.realized_host_cached_tokens = first.num_host_cached_tokens
+            trace.realized_disk_cached_tokens = first.num_disk_cached_tokens
             gen.sampling.ClearField("prompt_logprobs")  # the prefill worker returned them
             if first.HasField("prompt_logprobs"):
                 req.prompt_logprobs = prompt_logprobs_from_proto(first.prompt_logprobs)
@@ -372,6 +374,8 @@ def _absorb(trace: Trace, t: decode_pb2.KVTrace) -> None:
     trace.decode_cached_tokens = t.local_cached_tokens
     if trace.path is RequestPath.LOCAL_PREFILL:
         trace.realized_cached_tokens = t.local_cached_tokens
+        trace.realized_host_cached_tokens = t.local_host_cached_tokens
+        trace.realized_disk_cached_tokens = t.local_disk_cached_tokens
     trace.blocks_pulled += t.blocks_pulled
     trace.bytes_pulled += t.bytes_pulled
     trace.transfer_seconds += t.transfer_seconds

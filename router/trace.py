@@ -49,6 +49,11 @@ class Trace:
     realized_cached_tokens: int = 0
     """Prompt tokens that worker really served from its prefix cache: the prefill
     worker's on the disaggregated path, the decode worker's on the local one."""
+    realized_host_cached_tokens: int = 0
+    realized_disk_cached_tokens: int = 0
+    """Of realized_cached_tokens, those that worker promoted from its host-memory tier
+    and from its disk tier for this request (docs/kv-offload.md); the rest were on its
+    device."""
     decode_cached_tokens: int = 0
     """Prompt tokens the decode worker already held, so it did not pull them."""
     blocks_pulled: int = 0

@@ -26,13 +26,15 @@ from proto import common_pb2 as common
 from auth.grpc_auth import channel as auth_channel
 from proto import decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from router.discovery.base import WorkerEndpoint
-from router.prefix_index import PrefixIndex
+from router.prefix_index import PrefixIndex, Tier
 from tracing.rpc import client_interceptors
 
 log = logging.getLogger(__name__)
 HEALTH_PERIOD_S = 1.0
 KV_PEERS_REFRESH_S = 30.0
 DRAIN_TIMEOUT_S = 600.0
+TIERS = frozenset(Tier)
+"""The KV event media this router places by (a newer worker's other tiers are skipped)."""
 
 
 @dataclass(eq=False)
@@ -219,10 +221,12 @@ class WorkerPool:
                     if batch.HasField("load"):
                         w.load = batch.load
                     for e in batch.events:
+                        if e.medium not in TIERS:  # a tier this router does not know
+                            continue
                         if e.kind == common.KVEvent.STORED:
-                            self.index.stored(w.address, BlockHash(e.block_hash))
+                            self.index.stored(w.address, BlockHash(e.block_hash), Tier(e.medium))
                         else:
-                            self.index.removed(w.address, BlockHash(e.block_hash))
+                            self.index.removed(w.address, BlockHash(e.block_hash), Tier(e.medium))
             except grpc.aio.AioRpcError:
                 pass
             await asyncio.sleep(delay)  # the next stream's snapshot resets the index

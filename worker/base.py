@@ -16,7 +16,7 @@ from core.errors import FieldError
 from core.kv.layout import scale_layout
 from engine.engine_thread import (AbortedBeforeArrival, DuplicateRequestError, EngineDead,
                                   EngineLoad, EngineWorker)
-from engine.kv_cache import KVEvent
+from engine.kv_cache.tiers.events import TierEvent
 from engine.kv_connector import KVConnector
 from engine.llm_engine import LLMEngine
 from engine.request import Request, RequestOutput
@@ -81,8 +81,8 @@ class WorkerBase:
         self.metrics.set_kv_cache(info.kv_cache_dtype, scale_layout(info.kv_cache_dtype),
                                   info.block_size, info.block_bytes)
 
-    def _on_kv_events(self, events: list[KVEvent]) -> None:
-        """Engine thread: the prefix cache's changes, to the routers' streams (and ZMQ)."""
+    def _on_kv_events(self, events: list[TierEvent]) -> None:
+        """Engine thread: every tier's changes, to the routers' streams (and ZMQ)."""
         self.hub.publish(events)
         if self._zmq_bridge is not None:
             self._zmq_bridge.on_events(events)
@@ -189,17 +189,16 @@ class WorkerBase:
         return self.load_proto()
 
     async def StreamKVEvents(self, request, context) -> None:
-        """A snapshot of every cached block (chunked, the first batch reset=true), then
+        """A snapshot of every block held, in every tier (chunked, the first batch reset=true), then
         each change and each load change, until the worker stops or cuts us off.
         Written with context.write, so a subscriber that goes away always unsubscribes."""
         sub = self.hub.subscribe()  # before the snapshot, so no change falls between
         try:
-            snapshot = await self.engine.cached_hashes()
+            snapshot = events_to_proto(await self.engine.stored_blocks())
             for i in range(0, max(len(snapshot), 1), SNAPSHOT_CHUNK):
                 await context.write(common.KVEventBatch(
                     worker_id=self.worker_id, load=self.load_proto(), reset=i == 0,
-                    events=[common.KVEvent(kind=common.KVEvent.STORED, block_hash=h)
-                            for h in snapshot[i:i + SNAPSHOT_CHUNK]]))
+                    events=snapshot[i:i + SNAPSHOT_CHUNK]))
             while True:
                 item = await sub.queue.get()
                 if item is None:  # the worker is stopping, or we fell too far behind

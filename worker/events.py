@@ -15,7 +15,8 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
-from engine.kv_cache import KVEvent, KVEventKind
+from engine.kv_cache import KVEventKind
+from engine.kv_cache.tiers.events import MEDIUM_DEVICE, MEDIUM_DISK, MEDIUM_HOST, TierEvent
 from proto import common_pb2 as common
 
 log = logging.getLogger(__name__)
@@ -29,7 +30,7 @@ LOAD_PERIOD_S = 0.05
 class Update:
     """One item of a subscriber's queue: cache events, or None for a load-only push."""
 
-    events: list[KVEvent] | None
+    events: list[TierEvent] | None
 
 
 class Subscription:
@@ -58,7 +59,7 @@ class KVEventHub:
         self._load_dirty = False
         self._load_timer: asyncio.TimerHandle | None = None
 
-    def publish(self, events: list[KVEvent]) -> None:
+    def publish(self, events: list[TierEvent]) -> None:
         self._loop.call_soon_threadsafe(self._fan_out, Update(events))
 
     def load_changed(self) -> None:
@@ -97,6 +98,12 @@ class KVEventHub:
         self._subscribers.discard(sub)
 
 
-def events_to_proto(events: list[KVEvent]) -> list[common.KVEvent]:
-    kinds = {KVEventKind.STORED: common.KVEvent.STORED, KVEventKind.REMOVED: common.KVEvent.REMOVED}
-    return [common.KVEvent(kind=kinds[e.kind], block_hash=e.block_hash) for e in events]
+_KINDS = {KVEventKind.STORED: common.KVEvent.STORED, KVEventKind.REMOVED: common.KVEvent.REMOVED}
+_MEDIA = {MEDIUM_DEVICE: common.KVEvent.DEVICE, MEDIUM_HOST: common.KVEvent.HOST,
+          MEDIUM_DISK: common.KVEvent.DISK}
+
+
+def events_to_proto(events: list[TierEvent]) -> list[common.KVEvent]:
+    """Each event with its tier (the tokens stay on the worker: the router hashes)."""
+    return [common.KVEvent(kind=_KINDS[e.kind], block_hash=e.block_hash, medium=_MEDIA[e.medium])
+            for e in events]

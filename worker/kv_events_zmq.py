@@ -38,8 +38,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 import msgspec
 import zmq
 
-from engine.kv_cache.block_pool import KVEvent, KVEventKind
-from engine.kv_cache.tiers.events import TierEvent, device_blocks, device_events
+from engine.kv_cache.block_pool import KVEventKind
+from engine.kv_cache.tiers.events import TierEvent
 
 if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
@@ -173,25 +173,22 @@ class ZmqKVEventPublisher:
 
 class EngineEventBridge:
     """Feeds a publisher from the engine thread (EngineWorker's on_events and on_step):
-    the device pool's events with their tokens, and the lower tiers' events. The first
-    step publishes everything held at start instead (a restarted worker's disk blocks)."""
+    every tier's events (LLMEngine.drain_kv_events), one batch per step. The first step
+    publishes everything held then instead (a restarted worker's disk blocks)."""
 
     def __init__(self, publisher: ZmqKVEventPublisher) -> None:
         self.publisher = publisher
-        self._device: list[KVEvent] = []
+        self._pending: list[TierEvent] = []
         self._started = False
 
-    def on_events(self, events: list[KVEvent]) -> None:
-        self._device += events
+    def on_events(self, events: list[TierEvent]) -> None:
+        self._pending += events
 
     def on_step(self, engine: LLMEngine) -> None:
-        tiers, pool = engine.tiers, engine.kv.pool
         if not self._started:  # what is held now covers the events so far
             self._started = True
-            held = device_blocks(pool) + (tiers.record_events() if tiers is not None else [])
-            self._device.clear()
-            self.publisher.publish(held)
+            self._pending.clear()
+            self.publisher.publish(engine.stored_blocks())
             return
-        events = device_events(pool, self._device)
-        self._device.clear()
-        self.publisher.publish(events + (tiers.drain_events() if tiers is not None else []))
+        events, self._pending = self._pending, []
+        self.publisher.publish(events)

@@ -81,17 +81,41 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return []
         limit = (len(req.token_ids) - 1) if max_tokens is None else max_tokens
-        hit: list[int] = []
         hashes = self.block_hashes(req)[: limit // self.block_size]
+        hit = self._device_prefix(req, hashes)
+        if self.lower_tiers is not None and len(hit) < len(hashes):
+            hit += self.lower_tiers.promote(hit, hashes, req.token_ids)
+        return hit
+
+    def _device_prefix(self, req: Request, hashes: list[BlockHash]) -> list[int]:
+        hit: list[int] = []
+        bs = self.block_size
         for i, h in enumerate(hashes):
-            bs = self.block_size
             bid = self.pool.lookup(h, req.token_ids[i * bs:(i + 1) * bs])
             if bid is None:
                 break
             hit.append(bid)
-        if self.lower_tiers is not None and len(hit) < len(hashes):
-            hit += self.lower_tiers.promote(hit, hashes, req.token_ids)
         return hit
+
+    def prefix_loading(self, req: Request) -> bool:
+        """Whether a lower tier is still reading part of req's cached prefix up from
+        disk (started now where needed): the request waits in the scheduler until its
+        blocks are in host memory, and the step goes on without it."""
+        if self.lower_tiers is None or not self.enable_prefix_caching:
+            return False
+        hashes = self.block_hashes(req)[: (len(req.token_ids) - 1) // self.block_size]
+        hit = self._device_prefix(req, hashes)
+        if len(hit) < len(hashes):  # what is on the host comes up now, the disk's after
+            hit += self.lower_tiers.promote(hit, hashes, req.token_ids)
+        return len(hit) < len(hashes) and self.lower_tiers.fetch(hit, hashes, req.token_ids)
+
+    def claim_promoted(self, cached: list[int]) -> tuple[int, int]:
+        """A request adopted these prefix blocks: (tokens of them promoted for it from
+        the host tier, from the disk tier); later hits on them are device hits."""
+        if self.lower_tiers is None or not cached:
+            return 0, 0
+        host, disk = self.lower_tiers.claim(cached)
+        return host * self.block_size, disk * self.block_size
 
     def first_live_block(self, num_computed: int) -> int:
         """The first block the query at position ``num_computed`` (the next one computed)

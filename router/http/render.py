@@ -50,9 +50,17 @@ def usage(*traces: Trace) -> dict:
     prompt = sum(t.prompt_tokens for t in traces)
     output = sum(t.output_tokens for t in traces)
     return {"prompt_tokens": prompt, "completion_tokens": output,
-            "total_tokens": prompt + output,
-            "prompt_tokens_details": {"cached_tokens": sum(t.realized_cached_tokens
-                                                           for t in traces)}}
+            "total_tokens": prompt + output, "prompt_tokens_details": cached_details(*traces)}
+
+
+def cached_details(*traces: Trace) -> dict:
+    """OpenAI's cached_tokens, and Tandem's extension cached_tokens_by_tier: where the
+    worker found those tokens (device, host memory, disk; docs/kv-offload.md)."""
+    host = sum(t.realized_host_cached_tokens for t in traces)
+    disk = sum(t.realized_disk_cached_tokens for t in traces)
+    cached = sum(t.realized_cached_tokens for t in traces)
+    return {"cached_tokens": cached,
+            "cached_tokens_by_tier": {"device": cached - host - disk, "host": host, "disk": disk}}
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from router.http.batch import Endpoints
 from router.http.errors import APIError
 from router.http.intake import Intake, Reader
 from router.http.owned import FLOW_ERRORS, Outcome, OwnedStream, echo_headers
+from router.http.render import cached_details
 from router.openai_api import ChatCompletionRequest
 from router.responses_api import CHAT_FIELD, ResponsesRequest
 from router.responses_store import ResponseStore
@@ -89,7 +90,7 @@ class _Reply:
         usage = None if trace is None else {
             "input_tokens": trace.prompt_tokens, "output_tokens": trace.output_tokens,
             "total_tokens": trace.prompt_tokens + trace.output_tokens,
-            "input_tokens_details": {"cached_tokens": trace.realized_cached_tokens},
+            "input_tokens_details": cached_details(trace),
             "output_tokens_details": {"reasoning_tokens": 0}}
         return {"id": self.rid, "object": "response", "created_at": self.created,
                 "status": status, "model": self.model, "output": output, "error": None,

@@ -36,9 +36,15 @@ def _host_gib(model_dir: Path, kv_dtype: str, blocks: int) -> float:
 
 def _run(eng: LLMEngine, prompt: list[int]) -> tuple[list[int], int, int]:
     """(tokens, prompt tokens served from a cache, tokens the model computed)."""
+    return _run_tiers(eng, prompt)[:3]
+
+
+def _run_tiers(eng: LLMEngine, prompt: list[int]) -> tuple[list[int], int, int, tuple[int, int]]:
+    """_run's, and the cached tokens promoted from the (host, disk) tiers."""
     before = eng.num_computed_tokens_total
     done = eng.generate([prompt], GREEDY)[0]
-    return done.token_ids, done.num_cached_tokens, eng.num_computed_tokens_total - before
+    return (done.token_ids, done.num_cached_tokens, eng.num_computed_tokens_total - before,
+            done.cached_by_tier)
 
 
 def _prompt_blocks(eng: LLMEngine) -> torch.Tensor:
@@ -70,11 +76,12 @@ def test_a_prefix_evicted_from_the_device_comes_back_from_host_memory(flat_model
                   kv_offload_cpu_gib=_host_gib(flat_model_dir, kv_dtype, 32))
     assert _run(eng, PROMPT) == (cold, 0, len(PROMPT) + GREEDY.max_tokens - 1)
     _evict_prompt(eng)
-    tokens, cached, computed = _run(eng, PROMPT)
-    assert (tokens, cached) == (cold, 4 * BS)
+    tokens, cached, computed, by_tier = _run_tiers(eng, PROMPT)
+    assert (tokens, cached, by_tier) == (cold, 4 * BS, (4 * BS, 0))
     assert torch.equal(_prompt_blocks(eng), cold_blocks)  # int8 codes and scales included
     assert computed == len(PROMPT) - 4 * BS + GREEDY.max_tokens - 1  # the tail and decodes
     assert eng.tiers.stats.host_hits == 4 and eng.tiers.stats.disk_hits == 0
+    assert _run_tiers(eng, PROMPT)[1:4:2] == (4 * BS, (0, 0))  # on the device now
     eng.leak_check()  # device pool, tables, every host slot accounted for, no pin left
 
 
@@ -99,8 +106,8 @@ def test_a_restarted_engine_serves_the_prefix_from_disk(flat_model_dir, tmp_path
     cold, cold_blocks = _cold(flat_model_dir, kv_dtype)
     _write_prompt_to_disk(flat_model_dir, tmp_path, kv_dtype)
     eng = _spilled_engine(flat_model_dir, tmp_path, kv_dtype)  # a restart: a new engine
-    tokens, cached, computed = _run(eng, PROMPT)
-    assert (tokens, cached) == (cold, 4 * BS)
+    tokens, cached, computed, by_tier = _run_tiers(eng, PROMPT)
+    assert (tokens, cached, by_tier) == (cold, 4 * BS, (0, 4 * BS))
     assert torch.equal(_prompt_blocks(eng), cold_blocks)
     assert computed == len(PROMPT) - 4 * BS + GREEDY.max_tokens - 1
     assert eng.tiers.stats.disk_hits == 4
@@ -172,3 +179,44 @@ def test_a_stopped_engine_thread_writes_its_queued_blocks_first(flat_model_dir, 
     assert disk.stats.written >= 4 and (disk.stats.dropped, disk.stats.write_errors) == (0, 0)
     assert sorted(p.name for p in tmp_path.glob("*.kvb")) == sorted(
         disk.path(h).name for h in disk.index)  # every block written, and only whole files
+
+
+def test_a_disk_read_does_not_hold_up_the_step_loop(flat_model_dir, tmp_path, monkeypatch) -> None:
+    """A prompt whose prefix is on disk waits in the scheduler while its blocks are read
+    (here a read that waits until the test lets it go): another request keeps decoding
+    meanwhile, step after step; then the prompt runs with the prefix from disk, its
+    tokens equal a cold run's."""
+    import threading
+
+    from engine.kv_cache.tiers.disk import DiskTier
+
+    cold, _ = _cold(flat_model_dir, "auto")
+    _write_prompt_to_disk(flat_model_dir, tmp_path)
+    eng = _spilled_engine(flat_model_dir, tmp_path)
+    other = eng.add_request(FILLERS[0][:20], SamplingParams(max_tokens=20, temperature=0,
+                                                            ignore_eos=True))  # 3 blocks
+    eng.step()  # the other request is decoding
+    real, gate, decoded_during_read = DiskTier.read, threading.Event(), []
+
+    def gated_read(self, *args):
+        gate.wait(timeout=3.0)  # released by the test, or (read on the step loop) given up
+        decoded_during_read.append(len(eng.requests[other].output_token_ids))
+        return real(self, *args)
+
+    monkeypatch.setattr(DiskTier, "read", gated_read)
+    rid = eng.add_request(PROMPT, GREEDY)
+    before = len(eng.requests[other].output_token_ids)
+    for _ in range(3):
+        eng.step()
+    assert len(eng.requests[other].output_token_ids) == before + 3  # it decoded each step
+    assert eng.requests[rid].num_computed_tokens == 0  # the prompt waits for its blocks
+    gate.set()
+    outs = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert decoded_during_read and decoded_during_read[0] >= before + 2
+    assert outs[rid] == cold
+    assert (eng.tiers.stats.disk_hits, eng.tiers.stats.host_hits) == (4, 0)
+    eng.tiers.disk.close()
+    eng.leak_check()

@@ -41,24 +41,29 @@ def test_a_burst_sharing_a_prefix_follows_the_first_request() -> None:
     assert other is not first
 
 
+def _walk(index: PrefixIndex, worker: str, hashes: list[int]) -> tuple[int, int]:
+    """(reported leading blocks, reported or expected leading blocks)."""
+    o = index.overlap(worker, hashes)
+    return o.reported, o.blocks
+
+
 def test_expectations_lapse_and_yield_to_reports() -> None:
-    """overlap() -> (reported leading blocks, reported or expected leading blocks)."""
     clock = Clock()
     index = PrefixIndex(clock)
     index.expect("a", [1, 2])
-    assert index.overlap("a", [1, 2]) == (0, 2)
+    assert _walk(index, "a", [1, 2]) == (0, 2)
     index.removed("a", 1)  # evicted before it was reported as stored: not expected any more
-    assert index.overlap("a", [1, 2]) == (0, 0)
+    assert _walk(index, "a", [1, 2]) == (0, 0)
     index.stored("a", 1)
-    assert index.overlap("a", [1, 2]) == (1, 2)
+    assert _walk(index, "a", [1, 2]) == (1, 2)
     index.stored("a", 3)  # held, but after an expected block: not a reported prefix
-    assert index.overlap("a", [1, 2, 3]) == (1, 3)
+    assert _walk(index, "a", [1, 2, 3]) == (1, 3)
     clock.t = EXPECT_TTL_S + 1
-    assert index.overlap("a", [1, 2]) == (1, 1)
+    assert _walk(index, "a", [1, 2]) == (1, 1)
     index.expect("a", [4])  # lapsed entries are dropped as new ones come
     assert list(index._expected["a"]) == [4]
     index.drop_worker("a")
-    assert index.overlap("a", [1, 2, 3]) == (0, 0)
+    assert _walk(index, "a", [1, 2, 3]) == (0, 0)
 
 
 def test_round_robin_ignores_the_index() -> None:

@@ -26,9 +26,9 @@ def test_a_failed_health_check_keeps_the_prefix_index() -> None:
         w = pool.workers[0]
         pool.index.stored(w.address, H)
         pool.mark_down(w)
-        assert pool.index.overlap(w.address, [H])[0] == 1
+        assert pool.index.overlap(w.address, [H]).reported == 1
         await pool.stop()
-        assert pool.index.overlap(w.address, [H])[0] == 0  # gone for real: dropped
+        assert pool.index.overlap(w.address, [H]).reported == 0  # gone for real: dropped
     asyncio.run(body())
 
 

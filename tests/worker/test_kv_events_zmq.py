@@ -131,6 +131,7 @@ def test_subscribers_rebuild_every_tiers_block_set_exactly(flat_model_dir, tmp_p
     eng.generate([PROMPT], SamplingParams(max_tokens=2))  # blocks the publisher finds
     pub = ZmqKVEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", eng.kv.block_size)
     bridge = EngineEventBridge(pub)
+    eng.drain_kv_events()  # as the engine thread does every step: the snapshot covers them
     bridge.on_step(eng)  # the first step: what the engine holds now
     endpoint, replay = pub.endpoints
     sub = zmq.Context.instance().socket(zmq.SUB)
@@ -143,7 +144,8 @@ def test_subscribers_rebuild_every_tiers_block_set_exactly(flat_model_dir, tmp_p
         _step_and_publish(eng, bridge)
         live.read_live(sub, replay, pub.accepted)
     want = _held(eng)  # the disk writer done
-    bridge.on_step(eng)  # its last writes
+    bridge.on_events(eng.drain_kv_events())  # its last writes, as the engine thread drains
+    bridge.on_step(eng)
     live.read_live(sub, replay, pub.accepted)
     assert pub.dropped == 0
     assert {m: s for m, s in live.blocks.items() if s} == {m: s for m, s in want.items() if s}

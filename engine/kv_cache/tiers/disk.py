@@ -58,7 +58,7 @@ class DiskTier:
         self.index: OrderedDict[BlockHash, int] = self._scan()
         """Blocks on disk, least recently used first, with their file sizes."""
         self._pending: dict[BlockHash, tuple[tuple[int, ...], bytes]] = {}
-        self._events: list[TierEvent] | None = None  # None: not recorded (record_events)
+        self._events: list[TierEvent] = []  # since drain_events
         self._queue: queue.Queue = queue.Queue(maxsize=queue_blocks)
         self._writer = threading.Thread(target=self._run, name="kv-disk-writer", daemon=True)
         self._writer.start()
@@ -113,25 +113,21 @@ class DiskTier:
             self._forget(block_hash)
         return None
 
-    def record_events(self) -> list[TierEvent]:
-        """Start recording; the blocks on disk now (those found at start-up included),
-        as stores without tokens (the files are not read for them)."""
+    def stored(self) -> list[TierEvent]:
+        """The blocks on disk now (those found at start-up included), as stores without
+        tokens (the files are not read for them)."""
         with self._lock:
-            self._events = []
             return [TierEvent(KVEventKind.STORED, h, MEDIUM_DISK) for h in self.index]
 
     def drain_events(self) -> list[TierEvent]:
         """Blocks written and files removed since the last call (any thread)."""
         with self._lock:
-            events = self._events or []
-            if self._events is not None:
-                self._events = []
+            events, self._events = self._events, []
         return events
 
     def _event(self, kind: KVEventKind, block_hash: BlockHash, tokens: tuple[int, ...] = ()) -> None:
         """Record one (the lock held)."""
-        if self._events is not None:
-            self._events.append(TierEvent(kind, block_hash, MEDIUM_DISK, tokens))
+        self._events.append(TierEvent(kind, block_hash, MEDIUM_DISK, tokens))
 
     def drain(self) -> None:
         """Wait until every queued block is written (tests; shutdown)."""

@@ -22,7 +22,12 @@ class HostEntry:
     slot: int
     tokens: tuple[int, ...]
     pins: int = 0
-    """Promotions reading this slot in the current step: never evicted while pinned."""
+    """Promotions reading this slot in the current step, or a disk read filling it:
+    never evicted while pinned."""
+    loading: bool = False
+    """A disk read is filling the slot (loader.py): not a hit until it lands."""
+    from_disk: bool = False
+    """Read up from the disk tier and not promoted since (a promotion counts as a disk hit)."""
 
 
 class HostTier:
@@ -44,7 +49,7 @@ class HostTier:
     def get(self, block_hash: BlockHash, tokens: Sequence[int]) -> HostEntry | None:
         """The entry holding this hash and these tokens (made most recently used)."""
         entry = self.entries.get(block_hash)
-        if entry is None or entry.tokens != tuple(tokens):
+        if entry is None or entry.loading or entry.tokens != tuple(tokens):
             return None
         self.entries.move_to_end(block_hash)
         return entry
