@@ -19,7 +19,7 @@ from engine.kv_cache.quant import row_width, storage_dtype
 from engine.loader import LoadedCheckpoint
 from engine.loader.gguf_loader import raw_rows
 from engine.compile.decode import CompiledDecode
-from engine.lora.slots import LoRASlots, lora_rows
+from engine.lora.slots import LoRASlots, lora_rows, warm_rows
 from engine.lora.layers import target_map
 from engine.models.base import CausalLM, ForwardContext, Segments, StepInterrupted
 from engine.quant.apply import QuantReport, kernel_fallbacks, quantize_model, select_paths
@@ -302,7 +302,7 @@ class ModelRunner:
         if bucket is not None:
             tids, tpos = c.pad(ids, pos, bucket)
             try:
-                with lora_rows(self.lora, adapters, bucket):
+                with lora_rows(self.lora, adapters, bucket, compiled=True):
                     return self.model(tids, tpos, ctx, c.segments, rows=len(ids))[:len(ids)]
             except StepInterrupted:
                 raise
@@ -321,8 +321,10 @@ class ModelRunner:
                               self.device, self.kv_quant)
         ctx = ForwardContext(self.kv, meta, self.backend)
         tids, tpos = self.compiled.pad([0] * rows, [0] * rows, rows)
-        with lora_rows(self.lora, [], rows):  # the graph a LoRA engine's steps run
-            hidden = self.model(tids, tpos, ctx, segments, rows=rows)
+        if self.lora is not None:  # the variant a step with adapter rows runs
+            with warm_rows(self.lora, rows):
+                self.model(tids, tpos, ctx, segments, rows=rows)
+        hidden = self.model(tids, tpos, ctx, segments, rows=rows)
         self.model.compute_logits(hidden)
 
     @torch.inference_mode()

@@ -1,20 +1,19 @@
 """Batched LoRA on top of any linear (dense ``Linear`` or packed ``QuantLinear``): one
 step's rows each use their own adapter, or none, in two matmuls per linear.
 
-Each wrapped linear holds every resident adapter (a *slot*, ``--max-loras`` of them)
-stacked: ``lora_a`` [K, S * Rc] and ``lora_b`` [S * Rc, N], where Rc is the rank a slot
-may hold for this linear (the linear's shards x ``--max-lora-rank``). A step computes
-``h = x @ lora_a`` for all slots at once, zeroes in each row the slots that are not its
-own (``LoRAState.onehot`` [T, S], one 1 per adapter row, none for a base row) and adds
-``h @ lora_b``. There is no loop over rows nor over adapters, and the shapes depend only
-on the configuration, so the compiled decode step traces it once per bucket; the cost is
-that of ``--max-loras`` x rank columns whatever the number of adapters in the batch
-(docs/performance.md, "Multi-LoRA").
-
-A fused linear (q/k/v, gate/up) takes each projection's adapter into its own rank
-columns and output rows: shard i's A fills columns [i Rmax, i Rmax + r) of the slot,
-its B the block of those columns and the shard's output rows, zeros elsewhere, so
-``h @ lora_b`` is the adapters' outputs laid side by side as the fused output is.
+Each wrapped linear holds every resident adapter (a *slot*, ``--max-loras`` = S of them,
+rank up to ``--max-lora-rank`` = R) stacked: ``lora_a`` [K, S x shards x R] and, per
+shard of its output (q, k, v of a fused q/k/v), ``lora_b{i}`` [S x R, shard rows]. A
+pass computes ``h = x @ lora_a`` for all slots at once, zeroes in each row the slots
+that are not its own (``LoRAState.onehot`` [T, S], one 1 per adapter row, none for a
+base row) and adds ``h_i @ lora_b{i}`` per shard; both matmuls run over the slots up to
+the highest in use (``LoRAState.used``; slots are handed out lowest free first; a
+compiled step reads all). No loop over rows nor over adapters (a loop over a linear's
+shards, at most 3, avoids multiplying the zero blocks a single fused B would hold); a fused linear's projections each take their own
+adapter's A columns and B rows (an adapter of Phi-3's fused ``qkv_proj`` is one shard).
+A pass with no adapter row skips all of it (LoRAState.onehot None); the compiled decode
+step traces both variants at start-up (docs/performance.md,
+"Multi-LoRA").
 """
 from __future__ import annotations
 
@@ -45,16 +44,19 @@ class LoRAState:
     def __init__(self) -> None:
         self.onehot: torch.Tensor | None = None
         """[T, S] in the compute dtype: row t uses slot s where onehot[t, s] = 1."""
+        self.used = 0
+        """Slots [0, used) are the only ones this pass reads (the rest hold no row's
+        adapter): the expand matmuls stop there."""
 
     @contextmanager
-    def rows(self, onehot: torch.Tensor) -> Iterator[None]:
+    def rows(self, onehot: torch.Tensor, used: int) -> Iterator[None]:
         if self.onehot is not None:
             raise RuntimeError("LoRAState.rows: a forward pass is already under way")
-        self.onehot = onehot
+        self.onehot, self.used = onehot, used
         try:
             yield
         finally:
-            self.onehot = None
+            self.onehot, self.used = None, 0
 
 
 class LoRALinear(nn.Module):
@@ -63,12 +65,15 @@ class LoRALinear(nn.Module):
         super().__init__()
         self.base = base
         self.shards, self.state = shards, state
-        self.slots, self.max_rank, self.cap = slots, max_rank, max_rank * len(shards)
+        self.slots, self.max_rank = slots, max_rank
         w = base.weight
-        self.register_buffer("lora_a", w.new_zeros(base.in_features, slots * self.cap),
+        # columns slot-major: [slot s][shard i][rank r], so the slots in use are a prefix
+        self.register_buffer("lora_a", w.new_zeros(base.in_features,
+                                                   len(shards) * slots * max_rank),
                              persistent=False)
-        self.register_buffer("lora_b", w.new_zeros(slots * self.cap, base.out_features),
-                             persistent=False)
+        for i, (_, rows) in enumerate(shards):
+            self.register_buffer(f"lora_b{i}", w.new_zeros(slots * max_rank, rows.stop - rows.start),
+                                 persistent=False)
 
     @property
     def in_features(self) -> int:
@@ -87,25 +92,25 @@ class LoRALinear(nn.Module):
         onehot = self.state.onehot
         if onehot is None:
             return y
-        t = x.shape[0]
-        h = (x @ self.lora_a).view(t, self.slots, self.cap)  # [T, S, Rc]
-        h = (h * onehot[:, :, None]).view(t, self.slots * self.cap)  # other slots' zeroed
-        return y + h @ self.lora_b  # [T, N]
+        t, n, u, r = x.shape[0], len(self.shards), self.state.used, self.max_rank
+        h = (x @ self.lora_a[:, :u * n * r]).view(t, u, n, r)  # [T, used slots, shards, R]
+        h = h * onehot[:, :u, None, None]  # each row keeps its own slot's columns only
+        outs = [h[:, :, i].reshape(t, u * r) @ getattr(self, f"lora_b{i}")[:u * r]
+                for i in range(n)]  # per shard [T, rows]: no block of zeros multiplied
+        return y + (outs[0] if n == 1 else torch.cat(outs, dim=1))
 
     @torch.no_grad()
     def set_slot(self, slot: int, parts: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
         """Fill one slot with an adapter's (shard index, A [r, K], B [rows, r]); zeros
         where the adapter has no shard (so a fresh slot carries nothing of the last)."""
-        cols = slice(slot * self.cap, (slot + 1) * self.cap)
-        self.lora_a[:, cols] = 0
-        self.lora_b[cols] = 0
+        n, r = len(self.shards), self.max_rank
+        self.lora_a[:, slot * n * r:(slot + 1) * n * r] = 0
+        for i in range(n):
+            getattr(self, f"lora_b{i}")[slot * r:(slot + 1) * r] = 0
         for i, a, b in parts:
-            r, at = a.shape[0], slot * self.cap + i * self.max_rank
-            self.lora_a[:, at:at + r] = a.t().to(self.lora_a)
-            self.lora_b[at:at + r, self.shards[i][1]] = b.t().to(self.lora_b)
-
-    def clear_slot(self, slot: int) -> None:
-        self.set_slot(slot, [])
+            at, k = (slot * n + i) * r, a.shape[0]
+            self.lora_a[:, at:at + k] = a.t().to(self.lora_a)
+            getattr(self, f"lora_b{i}")[slot * r:slot * r + k] = b.t().to(self.lora_a)
 
 
 def target_map(model: nn.Module) -> dict[str, Target]:

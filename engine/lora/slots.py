@@ -76,9 +76,21 @@ class LoRASlots:
 
 
 def lora_rows(slots: LoRASlots | None, rows: Sequence[LoRAAdapter | None],
-              total: int) -> AbstractContextManager:
+              total: int, compiled: bool = False) -> AbstractContextManager:
     """The context one forward pass of ``total`` rows runs in: each of ``rows`` under its
-    adapter (the rest, padding, as base). Without LoRA, nothing: the base graph."""
+    adapter (the rest, padding, as base). Without LoRA, or without an adapter row, nothing:
+    the base graph. A compiled pass reads every slot (one graph per bucket, not one per
+    number of slots in use)."""
+    if slots is None or not any(a is not None for a in rows):
+        return nullcontext()
+    onehot = slots.onehot(rows, total)
+    used = slots.max_loras if compiled else max(slots.resident[a.identity] for a in rows if a) + 1
+    return slots.state.rows(onehot, used)
+
+
+def warm_rows(slots: LoRASlots | None, total: int) -> AbstractContextManager:
+    """A compiled bucket's LoRA variant at start-up (every slot read, no row's adapter)."""
     if slots is None:
         return nullcontext()
-    return slots.state.rows(slots.onehot(rows, total))
+    some = next(iter(slots.layers.values())).lora_a
+    return slots.state.rows(some.new_zeros(total, slots.max_loras), slots.max_loras)
