@@ -363,6 +363,49 @@ class CompileConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA serving (engine/lora/)."""
+
+    enable_lora: bool = False
+    """Serve PEFT LoRA adapters on top of the base model, chosen per request by its model
+    field (on whenever --lora-modules names one)."""
+    lora_modules: tuple[str, ...] = ()
+    """Adapters served from start: name=PATH ... (PATH: a PEFT adapter directory,
+    adapter_config.json + adapter_model.safetensors)."""
+    max_loras: int = 4
+    """Adapters resident at once, hence distinct adapters in one batch (requests for more
+    wait their turn)."""
+    max_lora_rank: int = 16
+    """Largest adapter rank served (an adapter of higher rank is refused)."""
+    max_cpu_loras: int | None = None
+    """Adapters kept in host memory (least recently used read again from disk on demand);
+    None = --max-loras."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "lora_modules", tuple(self.lora_modules))
+        at_least("--max-loras", self.max_loras, 1)
+        at_least("--max-lora-rank", self.max_lora_rank, 1)
+        at_least("--max-cpu-loras", self.max_cpu_loras, self.max_loras)
+        for item in self.lora_modules:
+            name, eq, path = item.partition("=")
+            if not (name and eq and path):
+                raise ValueError(f"--lora-modules takes name=PATH items, got {item!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora_modules)
+
+    @property
+    def modules(self) -> list[tuple[str, str]]:
+        """(name, path) of each --lora-modules item."""
+        return [tuple(item.split("=", 1)) for item in self.lora_modules]  # type: ignore[misc]
+
+    @property
+    def cpu_loras(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Knobs of one engine (one model replica with its KV cache and step loop), one group
     per concern, read as ``config.cache.block_size``. ``from_flat`` builds one from the
@@ -374,6 +417,7 @@ class EngineConfig:
     quant: QuantConfig = field(default_factory=QuantConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
     compilation: CompileConfig = field(default_factory=CompileConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     FLAG_ORDER: ClassVar[tuple[str, ...]] = (
         "model", "dtype", "device", "block_size", "num_kv_blocks", "kv_cache_memory_gib",
@@ -383,7 +427,8 @@ class EngineConfig:
         "kv_offload_cpu_gib", "kv_offload_dir", "kv_offload_disk_gib", "num_threads",
         "quantization", "quant_group_size", "quant_packed_max_rows", "compile",
         "compile_max_batch", "speculative_method", "speculative_model",
-        "num_speculative_tokens", "speculative_max_batch")
+        "num_speculative_tokens", "speculative_max_batch", "enable_lora", "lora_modules",
+        "max_loras", "max_lora_rank", "max_cpu_loras")
     """Every group's fields in the order --help lists their flags: that of the flat config
     the groups replaced, so the help users know reads unchanged."""
 

@@ -42,6 +42,7 @@ def choice_of(parent: Request, index: int, start_guide: Callable | None) -> Requ
                     params, parent.priority, arrival_time=parent.arrival_time,
                     cache_salt=parent.cache_salt, index=index, group=parent.request_id,
                     forked=True)
+    child.lora = parent.lora  # the same adapter (its salt is already in cache_salt)
     child.num_cached_tokens = parent.num_cached_tokens
     child.sampling.eos_token_ids = parent.sampling.eos_token_ids
     if p.guided is not None and start_guide is not None:

@@ -22,13 +22,15 @@ import torch
 from engine.aborts import AbortMemory
 from engine.fork import Choices, choice_of
 from engine.config import CacheConfig, EngineConfig, dtype_name
+from core.errors import FieldError
 from core.states import PreemptionMode
 from core.guided.compiler import GrammarCompiler
 from core.errors import FieldError
 from core.limits import check_priority, check_prompt
-from core.kv import BlockHash, blocks_for, check_salt
+from core.kv import BlockHash, blocks_for, check_salt, lora_salt
 from engine.kv_cache import KVCacheManager
 from engine.kv_connector import KVConnector
+from engine.lora.registry import open_registry
 from engine.model_runner import ModelRunner
 from engine.models.base import StepInterrupted
 from engine.output import OutputProcessor
@@ -97,7 +99,10 @@ class LLMEngine:
         """Where KV comes from and goes to besides this engine; None: colocated."""
         if connector is not None:
             connector.bind(self.kv)
-        self.scheduler = Scheduler(self.kv, config.scheduler, self.swap, connector=connector)
+        self.loras = open_registry(config.lora, self.runner)
+        """The LoRA adapters served by name (engine/lora/registry.py); None: base only."""
+        self.scheduler = Scheduler(self.kv, config.scheduler, self.swap, connector=connector,
+                                   max_loras=config.lora.max_loras if self.loras else 0)
         self.stats = EngineStats()
         self.speculator = Speculator.create(config.spec, self.runner, self.tokenizer,
                                             self.max_model_len)
@@ -157,11 +162,13 @@ class LLMEngine:
     # -- requests -------------------------------------------------------------
     def make_request(self, prompt: str | Sequence[int], params: SamplingParams,
                      request_id: str | None = None, priority: int = 0,
-                     output_token_ids: Sequence[int] = (), cache_salt: bytes = b"") -> Request:
+                     output_token_ids: Sequence[int] = (), cache_salt: bytes = b"",
+                     lora: str = "") -> Request:
         """Validate and build a Request without queueing it. Raises ValueError naming
-        the field (prompt, output_token_ids, guided, max_tokens, cache_salt) when it
+        the field (prompt, output_token_ids, guided, max_tokens, cache_salt, model) when it
         cannot be served. ``cache_salt`` keeps its prefix-cache blocks apart from other
-        salts' (Request.cache_salt). Reads only the engine's fixed configuration (and the thread-safe grammar
+        salts' (Request.cache_salt); ``lora`` names the adapter it runs under ("": the
+        base model), whose identity is folded into that salt. Reads only the engine's fixed configuration (and the thread-safe grammar
         cache), so any thread may call it; whether the id is free is decided when the
         request is admitted (``admit``), on the engine thread."""
         request_id = request_id or uuid.uuid4().hex
@@ -173,6 +180,9 @@ class LLMEngine:
             raise FieldError("n", f"n: {params.n} choices cannot run together on a worker of "
                                   f"--max-num-seqs {self.config.scheduler.max_num_seqs}")
         req = Request(request_id, ids, params, priority, cache_salt=check_salt(cache_salt))
+        if lora:
+            req.lora = self.lora_adapter(lora)
+            req.cache_salt = lora_salt(req.cache_salt, req.lora.identity)
         req.sampling.eos_token_ids = self.eos_token_ids
         if params.guided is not None:  # the grammar compiles and can finish, or no work
             if not output_token_ids:
@@ -187,13 +197,20 @@ class LLMEngine:
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams,
                     request_id: str | None = None, priority: int = 0,
                     output_token_ids: Sequence[int] = (), kv_transfer: object | None = None,
-                    cache_salt: bytes = b"") -> str:
+                    cache_salt: bytes = b"", lora: str = "") -> str:
         """make_request and admit; ``kv_transfer``: the connector's parameters for it
         (Request.kv_transfer)."""
         req = self.make_request(prompt, params, request_id, priority, output_token_ids,
-                                cache_salt)
+                                cache_salt, lora)
         req.kv_transfer = kv_transfer
         return self.admit(req)
+
+    def lora_adapter(self, name: str):
+        """The adapter served as ``name`` (FieldError naming model when there is none)."""
+        if self.loras is None:
+            raise FieldError("model", f"model: {name!r} names a LoRA adapter, and this "
+                                      f"server runs without LoRA (--enable-lora)")
+        return self.loras.get(name)
 
     def admit(self, req: Request) -> str:
         """Queue a request built by make_request. DuplicateRequestError when its id is
@@ -497,10 +514,14 @@ class LLMEngine:
 
     # -- offline helper --------------------------------------------------------
     def generate(self, prompts: Sequence[str | Sequence[int]],
-                 params: SamplingParams | Sequence[SamplingParams]) -> list[Completion]:
-        """Run prompts to completion (batched) and return them in input order."""
+                 params: SamplingParams | Sequence[SamplingParams],
+                 loras: Sequence[str] | None = None) -> list[Completion]:
+        """Run prompts to completion (batched) and return them in input order; loras:
+        each prompt's adapter name ("" or None: the base model)."""
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        names = list(loras) if loras is not None else [""] * len(prompts)
+        ids = [self.add_request(p, sp, lora=name or "")
+               for p, sp, name in zip(prompts, plist, names)]
         reqs = {i: self.requests[i] for i in ids}
         texts = {i: [] for i in ids}
         while self.has_unfinished():

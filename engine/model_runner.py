@@ -19,6 +19,8 @@ from engine.kv_cache.quant import row_width, storage_dtype
 from engine.loader import LoadedCheckpoint
 from engine.loader.gguf_loader import raw_rows
 from engine.compile.decode import CompiledDecode
+from engine.lora.slots import LoRASlots, lora_rows, warm_rows
+from engine.lora.layers import target_map
 from engine.models.base import CausalLM, ForwardContext, Segments, StepInterrupted
 from engine.quant.apply import QuantReport, kernel_fallbacks, quantize_model, select_paths
 from engine.quant.base import resolve_method
@@ -110,10 +112,15 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.backend = get_backend(config.load.attention_backend, self.device)
         model = self._build(ckpt, max_model_len)
+        self.lora_targets = target_map(model)  # before quantization swaps the Linears
         self.quant = self._quantize(model, ckpt)
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         if self.quant is not None:
             select_paths(self.model, self.quant, config.quant.quant_packed_max_rows)
+        lora = config.lora
+        self.lora = (LoRASlots(self.model, self.lora_targets, lora.max_loras, lora.max_lora_rank)
+                     if lora.enabled else None)
+        """The resident adapters (engine/lora/); None: base model only."""
         self.kv_dtype = config.resolved_kv_cache_dtype
         self.kv_quant = config.kv_quant
         self.num_blocks = self._num_blocks()
@@ -280,8 +287,9 @@ class ModelRunner:
         sampled, rows = lay.sampled, lay.rows
         plain = [i for i, r in enumerate(sampled) if not r.draft]
         masks = self._submit_masks([r.sampling for r in sampled], [r.draft for r in sampled])
+        adapters = [req.lora for req, n in entries for _ in range(n)]  # one per row of ids
         try:
-            hidden = self._forward(lay.ids, lay.pos, ctx, decode_only=no_prompt)
+            hidden = self._forward(lay.ids, lay.pos, ctx, no_prompt, adapters)
             prompt = self._prompt_logprobs(hidden, lay.owed)
             if not sampled:
                 return StepTokens([], [], [], prompt)
@@ -352,21 +360,24 @@ class ModelRunner:
         return StepTokens(sampled, tokens, logprobs)
 
     def _forward(self, ids: list[int], pos: list[int], ctx: ForwardContext,
-                 decode_only: bool) -> torch.Tensor:
-        """Hidden states [T, H]: a compiled bucket for decode-only steps, else eager."""
+                 decode_only: bool, adapters: list) -> torch.Tensor:
+        """Hidden states [T, H]: a compiled bucket for decode-only steps, else eager.
+        adapters: each row's LoRA adapter or None (the base model)."""
         c = self.compiled
         bucket = c.bucket(len(ids)) if c is not None and decode_only else None
         if bucket is not None:
             tids, tpos = c.pad(ids, pos, bucket)
             try:
-                return self.model(tids, tpos, ctx, c.segments, rows=len(ids))[:len(ids)]
+                with lora_rows(self.lora, adapters, bucket, compiled=True):
+                    return self.model(tids, tpos, ctx, c.segments, rows=len(ids))[:len(ids)]
             except StepInterrupted:
                 raise
             except Exception as e:  # a recompile that failed: this step and later ones eager
                 c.fail(f"compiled decode step for batch {bucket} failed: {type(e).__name__}: "
                        f"{str(e).strip().splitlines()[0][:300] if str(e) else ''}")
-        return self.model(torch.tensor(ids, device=self.device),
-                          torch.tensor(pos, device=self.device), ctx)
+        with lora_rows(self.lora, adapters, len(ids)):
+            return self.model(torch.tensor(ids, device=self.device),
+                              torch.tensor(pos, device=self.device), ctx)
 
     @torch.inference_mode()
     def _dummy_decode(self, rows: int, segments: Segments) -> None:
@@ -376,6 +387,9 @@ class ModelRunner:
                               self.device, self.kv_quant)
         ctx = ForwardContext(self.kv, meta, self.backend)
         tids, tpos = self.compiled.pad([0] * rows, [0] * rows, rows)
+        if self.lora is not None:  # the variant a step with adapter rows runs
+            with warm_rows(self.lora, rows):
+                self.model(tids, tpos, ctx, segments, rows=rows)
         hidden = self.model(tids, tpos, ctx, segments, rows=rows)
         self.model.compute_logits(hidden)
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from core.kv.block_hash import BlockHash
 from core.sampling import SamplingParams
+from engine.lora.adapter import LoRAAdapter
 from engine.sampling import SamplingState, TokenLogprobs
 from engine.spec.state import SpecState, SpecSummary
 
@@ -60,6 +61,9 @@ class Request:
     """Seeds block_hashes (core/kv/block_hash.py): the tenant's digest the router
     sends; empty = the shared, unsalted cache. Kept out of repr: it names a tenant's
     cache, and a repr may reach a log."""
+    lora: LoRAAdapter | None = field(default=None, repr=False)
+    """The LoRA adapter it runs under (engine/lora/), None: the base model. Its identity
+    is folded into cache_salt (LLMEngine.make_request)."""
     finish_reason: FinishReason | None = None
     sampling: SamplingState | None = None
     num_preemptions: int = 0

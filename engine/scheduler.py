@@ -72,7 +72,9 @@ class PreemptionPolicy:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, config: SchedulerConfig,
-                 swap: SwapPool | None = None, connector: KVConnector | None = None) -> None:
+                 swap: SwapPool | None = None, connector: KVConnector | None = None,
+                 max_loras: int = 0) -> None:
+        """max_loras: distinct LoRA adapters the running batch may hold (0: no LoRA)."""
         self.priority_batch_cap = config.priority_batch_cap
         self.kv = kv
         self.swap = swap
@@ -88,6 +90,10 @@ class Scheduler:
         """Requests holding blocks while their leading KV is written (WAITING_FOR_KV)."""
         self._cap_turn = 0
         """Rotates which less important rows the priority cap lets through."""
+        self.max_loras = max_loras
+        self.lora_blocked = 0
+        """Waiting or swapped requests kept back last step because their adapter would
+        be one more than --max-loras (a gauge; the head of the queue waits for a slot)."""
 
     # -- queues ---------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -136,6 +142,7 @@ class Scheduler:
     # -- the step ---------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
+        self.lora_blocked = 0
         self.running.sort(key=Request.sort_key)
         budget = self._decodes(batch, self.budget)
         if not batch.preempted:
@@ -202,6 +209,8 @@ class Scheduler:
             req = self.swapped[0]
             if self.waiting and self.waiting[0].sort_key() < req.sort_key():
                 return  # a more important newcomer goes first
+            if not self.lora_fits(req):
+                return
             if not self._allocate(req, 0):
                 return
             host = list(self.swap.free(req.request_id))
@@ -238,6 +247,8 @@ class Scheduler:
         """A seat for req: a full batch gives up its least important seat to a more
         important request (else that request waits for a whole low-priority generation
         to end)."""
+        if not self.lora_fits(req):
+            return False
         seats = req.params.n if req.wants_fork else 1  # its choices run together
         if self.seats_taken + seats <= self.max_num_seqs:
             return True
@@ -245,6 +256,17 @@ class Scheduler:
             return False
         self._preempt(self.running[-1], batch)
         return True
+
+    def lora_fits(self, req: Request) -> bool:
+        """req's adapter is one the running batch holds, or a slot is left for it
+        (``--max-loras`` distinct adapters run at once; the rest wait their turn)."""
+        if req.lora is None:
+            return True
+        live = {r.lora.identity for r in (*self.running, *self.loading.values()) if r.lora}
+        if req.lora.identity in live or len(live) < self.max_loras:
+            return True
+        self.lora_blocked += 1
+        return False
 
     def _allocate_or_preempt(self, req: Request, n: int, cached: list[int],
                              batch: ScheduledBatch, may_preempt: bool = True) -> bool:

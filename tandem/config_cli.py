@@ -73,6 +73,9 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type, skip: tuple[str,
         if tp is bool:
             parser.add_argument(flag, dest=f.name, default=default, help=help_,
                                 action=argparse.BooleanOptionalAction)
+        elif typing.get_origin(tp) is tuple:  # name=PATH ... lists (--lora-modules)
+            parser.add_argument(flag, dest=f.name, nargs="+", default=default, help=help_,
+                                metavar=f.name.upper().removesuffix("S"))
         elif tp in (int, float, str):
             parser.add_argument(flag, dest=f.name, type=_optional(tp) if optional else tp,
                                 default=default, help=help_, metavar=f.name.upper())

@@ -4,10 +4,10 @@ each KV format (the transfer's compatibility record, the pool's size)."""
 from __future__ import annotations
 
 from core.kv.block_hash import (MAX_SALT_BYTES, BlockHash, check_salt, hash_block,
-                                hash_token_blocks, root_hash)
+                                hash_token_blocks, lora_salt, root_hash)
 from core.kv.layout import (KV_CACHE_DTYPES, blocks_for, is_quantized, kv_block_bytes,
                             kv_format_block_bytes, scale_layout)
 
 __all__ = ["KV_CACHE_DTYPES", "MAX_SALT_BYTES", "BlockHash", "blocks_for", "check_salt",
            "hash_block", "hash_token_blocks", "is_quantized", "kv_block_bytes",
-           "kv_format_block_bytes", "root_hash", "scale_layout"]
+           "kv_format_block_bytes", "lora_salt", "root_hash", "scale_layout"]

@@ -56,6 +56,15 @@ def hash_token_blocks(tokens: Sequence[int], block_size: int, seed: int,
     return out
 
 
+def lora_salt(salt: bytes, identity: bytes) -> bytes:
+    """The salt of a request under a LoRA adapter (``identity``: a digest of its files):
+    its KV differs from the base model's and every other adapter's for the same tokens, so
+    its blocks chain from a root of their own (a 32-byte digest, whatever ``salt`` was)."""
+    h = hashlib.sha256(b"tandem-lora-salt/v1\x00")
+    h.update(len(identity).to_bytes(4, "big") + identity + salt)
+    return h.digest()
+
+
 def check_salt(salt: bytes) -> bytes:
     """FieldError naming cache_salt unless a worker can take it (its value is never
     put in the message: it identifies a tenant's cache)."""

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from engine.attention import build_metadata
-from engine.config import SpecConfig
+from engine.config import LoRAConfig, SpecConfig
 from engine.models.base import ForwardContext
 from engine.request import Request
 from engine.spec.base import Proposer
@@ -163,5 +163,6 @@ def _load_draft(config: SpecConfig, runner, tokenizer):
     target = runner.config
     cfg = replace(target, load=replace(target.load, model=path),
                   cache=replace(target.cache, num_kv_blocks=runner.num_blocks, swap_space=1e-9),
-                  compilation=replace(target.compilation, compile=False), spec=SpecConfig())
+                  compilation=replace(target.compilation, compile=False), spec=SpecConfig(),
+                  lora=LoRAConfig())  # a draft proposes from its own base weights
     return ModelRunner(cfg, ckpt, runner.max_model_len)
