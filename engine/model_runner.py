@@ -15,7 +15,10 @@ from engine.attention import build_metadata, get_backend
 from engine.config import EngineConfig
 from engine.cpu_limit import default_threads
 from core.kv import kv_format_block_bytes
+from engine.kv_cache.manager import NULL_BLOCK
+from engine.kv_cache.policy import cache_view
 from engine.kv_cache.quant import row_width, storage_dtype
+from engine.kv_cache.shift import shift_keys
 from engine.loader import LoadedCheckpoint
 from engine.loader.gguf_loader import raw_rows
 from engine.compile.decode import CompiledDecode
@@ -192,6 +195,11 @@ class ModelRunner:
             torch.cuda.current_stream(self.device).synchronize()
         return nbytes
 
+    def shift_keys(self, blocks: list[int], delta: int) -> None:
+        """Re-rotate these blocks' keys by delta positions (a bounded KV policy dropped
+        blocks before them: KVCacheManager.on_shift)."""
+        shift_keys(self.kv, self.model, blocks, delta, self.kv_quant)
+
     @torch.inference_mode()
     def execute(self, entries: list[tuple[Request, int]], tables: list[list[int]],
                 should_stop: Callable[[], bool] | None = None) -> StepTokens:
@@ -213,7 +221,9 @@ class ModelRunner:
             ids.extend(req.token_ids[start:start + n])
             if req.draft:
                 ids.extend(req.draft)
-            pos.extend(range(start, start + n))
+            # a bounded policy: attention reads held blocks only, at positions among them
+            table, lost = cache_view(req.kv_policy, table, NULL_BLOCK, self.config.cache.block_size)
+            pos.extend(range(start - lost, start - lost + n))
             if req.draft:
                 qlens.extend([1] * n)
                 slens.extend(range(start + 1, start + n + 1))
@@ -222,7 +232,7 @@ class ModelRunner:
                 sampled.append(req)
                 continue
             qlens.append(n)
-            slens.append(start + n)
+            slens.append(start - lost + n)
             qtables.append(table)
             if start + n == len(req.token_ids):  # reached the end: next token is due
                 rows.append(range(len(ids) - 1, len(ids)))

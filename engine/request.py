@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from core.kv.block_hash import BlockHash
+from core.kv.policy import KVPolicy
 from core.sampling import SamplingParams
 from engine.sampling import SamplingState, TokenLogprobs
 from engine.spec.state import SpecState, SpecSummary
@@ -56,6 +57,11 @@ class Request:
     """Seeds block_hashes (core/kv/block_hash.py): the tenant's digest the router
     sends; empty = the shared, unsalted cache. Kept out of repr: it names a tenant's
     cache, and a repr may reach a log."""
+    kv_policy: KVPolicy | None = None
+    """A bounded KV policy (engine/kv_cache/policy.py); None: full, every token kept."""
+    max_total_len: int | None = None
+    """Most tokens (prompt + output) it may reach; None: the engine's context window
+    (a bounded request's is --max-stream-len)."""
     finish_reason: FinishReason | None = None
     sampling: SamplingState | None = None
     num_preemptions: int = 0
