@@ -89,6 +89,9 @@ class LLMEngine:
         --allow-request-kv-policy (engine/kv_cache/policy.py request_policy)."""
         if self.kv_policy is not None:
             self.kv_policy.check(config.cache.block_size, self.max_model_len, "--kv-policy")
+        if connector is not None and (self.kv_policy or config.cache.allow_request_kv_policy):
+            raise ValueError("--kv-policy / --allow-request-kv-policy: bounded KV is not yet "
+                             "handed over between prefill and decode workers; run it colocated")
         self.kv = self._kv_cache(config.cache, colocated=connector is None)
         self.kv.on_shift = self.runner.shift_keys
         slots = HostSlots(self.runner.num_host_slots)

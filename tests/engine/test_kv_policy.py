@@ -305,3 +305,11 @@ def test_shifted_keys_equal_keys_rotated_there(tiny_model_dir, kv_dtype) -> None
         tol = 1e-5 if quant is None else 0.05 * float(k5.abs().max())
         assert (k3 - k5).abs().max() < tol
         assert torch.equal(v3, v5)
+
+
+def test_a_p_d_worker_refuses_bounded_kv(tiny_model_dir) -> None:
+    """Not handed over between prefill and decode yet: refused at start-up, named."""
+    with pytest.raises(ValueError, match="--kv-policy"):
+        LLMEngine(EngineConfig.from_flat(model=str(tiny_model_dir), dtype="float32",
+                                         num_kv_blocks=64, kv_policy="streaming:sinks=4,window=60"),
+                  connector=object())
