@@ -57,15 +57,17 @@ def check_priority(priority: object, field: str = "priority") -> int:
 
 
 def check_prompt(prompt_ids: Sequence[int], vocab_size: int, max_model_len: int,
-                 output_ids: Sequence[int] = (), max_tokens: int | None = None) -> None:
+                 output_ids: Sequence[int] = (), max_tokens: int | None = None,
+                 limit: str = "the context window (max_model_len)") -> None:
     """FieldError naming the field (prompt, output_token_ids, max_tokens) unless the
     prompt can be served: non-empty, every id in the vocabulary, room for output in
-    the context window (and for max_tokens of it, when given)."""
+    the context window (and for max_tokens of it, when given). ``limit`` names what
+    max_model_len is (a bounded KV policy's total length is another flag's)."""
     if not prompt_ids:
         raise FieldError("prompt", "prompt is empty")
     n = len(prompt_ids) + len(output_ids)
     if n >= max_model_len:  # before reading the ids: an oversized prompt costs nothing
-        raise FieldError("prompt", f"prompt has {n} tokens; the context window (max_model_len) "
+        raise FieldError("prompt", f"prompt has {n} tokens; {limit} "
                                    f"is {max_model_len}, which leaves no room for output")
     for name, seq in (("prompt", prompt_ids), ("output_token_ids", output_ids)):
         for t in seq:
@@ -74,4 +76,4 @@ def check_prompt(prompt_ids: Sequence[int], vocab_size: int, max_model_len: int,
                                        f"[0, {vocab_size})")
     if max_tokens is not None and len(prompt_ids) + max_tokens > max_model_len:
         raise FieldError("max_tokens", f"max_tokens {max_tokens} + {len(prompt_ids)} prompt "
-                                       f"tokens exceed the context window of {max_model_len}")
+                                       f"tokens exceed {limit}, {max_model_len}")

@@ -18,6 +18,7 @@ import torch
 
 from engine.attention.base import ATTENTION_BACKENDS
 from core.kv.layout import KV_CACHE_DTYPES, is_quantized
+from core.kv.policy import parse_kv_policy
 from core.states import PreemptionMode
 
 
@@ -239,9 +240,21 @@ class CacheConfig:
     = off. Needs --kv-offload-cpu-gib > 0."""
     kv_offload_disk_gib: float = 16.0
     """Most GiB the disk tier's files take in --kv-offload-dir (LRU)."""
+    kv_policy: str = "full"
+    """What a request's KV cache keeps: full (every token), or streaming:sinks=S,window=W
+    (StreamingLLM: the first S tokens and the newest, S + W tokens in whole blocks, with
+    positions within the cache; a request may then run past --max-model-len, up to
+    --max-stream-len)."""
+    allow_request_kv_policy: bool = False
+    """Let a request choose its own kv_policy (else a request naming another policy than
+    --kv-policy is refused)."""
+    max_stream_len: int = 1 << 20
+    """Most tokens (prompt + output) of a request under a bounded KV policy."""
 
     def __post_init__(self) -> None:
         self._check_offload()
+        parse_kv_policy(self.kv_policy, "--kv-policy")
+        at_least("--max-stream-len", self.max_stream_len, 2)
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"--block-size must be a power of two >= 1, got {self.block_size}")
         at_least("--kv-blocks", self.num_kv_blocks, 1)
@@ -424,7 +437,8 @@ class EngineConfig:
         "kv_cache_dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
         "enable_chunked_prefill", "enable_prefix_caching", "attention_backend", "swap_space",
         "preemption_mode", "priority_batch_cap", "interrupt_steps", "hash_seed",
-        "kv_offload_cpu_gib", "kv_offload_dir", "kv_offload_disk_gib", "num_threads",
+        "kv_offload_cpu_gib", "kv_offload_dir", "kv_offload_disk_gib", "kv_policy",
+        "allow_request_kv_policy", "max_stream_len", "num_threads",
         "quantization", "quant_group_size", "quant_packed_max_rows", "compile",
         "compile_max_batch", "speculative_method", "speculative_model",
         "num_speculative_tokens", "speculative_max_batch", "enable_lora", "lora_modules",

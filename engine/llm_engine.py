@@ -28,6 +28,7 @@ from core.guided.compiler import GrammarCompiler
 from core.errors import FieldError
 from core.limits import check_priority, check_prompt
 from core.kv import BlockHash, blocks_for, check_salt, lora_salt
+from core.kv.policy import parse_kv_policy
 from engine.kv_cache import KVCacheManager
 from engine.kv_connector import KVConnector
 from engine.lora.registry import open_registry
@@ -37,6 +38,7 @@ from engine.output import OutputProcessor
 from engine.request import (DuplicateRequestError, FinishReason, Request, RequestOutput,
                             RequestStatus)
 from core.sampling import SamplingParams
+from engine.kv_cache.policy import request_policy
 from engine.kv_cache.swap import HostSlots, SwapPool
 from engine.kv_cache.tiers import build_tiers
 from engine.kv_cache.tiers.events import TierEvent, device_blocks, device_events
@@ -89,7 +91,16 @@ class LLMEngine:
         self.max_model_len = context_window(config.load, ckpt.config)
         self.tokenizer = tokenizer or checkpoint_tokenizer(ckpt)
         self.runner = ModelRunner(config, ckpt, self.max_model_len)
+        self.kv_policy = parse_kv_policy(config.cache.kv_policy, "--kv-policy")
+        """The server's KV policy (None: full); a request may name another only under
+        --allow-request-kv-policy (engine/kv_cache/policy.py request_policy)."""
+        if self.kv_policy is not None:
+            self.kv_policy.check(config.cache.block_size, self.max_model_len, "--kv-policy")
+        if connector is not None and (self.kv_policy or config.cache.allow_request_kv_policy):
+            raise ValueError("--kv-policy / --allow-request-kv-policy: bounded KV is not yet "
+                             "handed over between prefill and decode workers; run it colocated")
         self.kv = self._kv_cache(config.cache, colocated=connector is None)
+        self.kv.on_shift = self.runner.shift_keys
         slots = HostSlots(self.runner.num_host_slots)
         self.swap = SwapPool(self.runner.num_swap_blocks, slots) if self.runner.num_swap_blocks else None
         self.tiers = build_tiers(config.cache, self.kv, self.runner.kv, self.runner.swap_kv,
@@ -130,11 +141,14 @@ class LLMEngine:
         """The block manager over the runner's pool; ValueError when the pool cannot hold
         one request of the context window: all of it, or, colocated with chunked prefill
         and a sliding window, one chunk and the window before it (what a request then
-        holds at most; a P/D worker keeps or reads whole prompts)."""
+        holds at most; a P/D worker keeps or reads whole prompts), or, where every request
+        runs under the bounded --kv-policy, its budget."""
         window, sched = self._kv_window(), self.config.scheduler
         tokens = self.max_model_len
         if window is not None and colocated and sched.enable_chunked_prefill:
             tokens = min(tokens, window - 1 + sched.max_num_batched_tokens + cache.block_size)
+        if self.kv_policy is not None and not cache.allow_request_kv_policy:
+            tokens = self.kv_policy.budget_blocks(cache.block_size) * cache.block_size
         capacity = self.runner.num_blocks * cache.block_size
         if capacity < tokens:
             raise ValueError(
@@ -163,23 +177,36 @@ class LLMEngine:
     def make_request(self, prompt: str | Sequence[int], params: SamplingParams,
                      request_id: str | None = None, priority: int = 0,
                      output_token_ids: Sequence[int] = (), cache_salt: bytes = b"",
-                     lora: str = "") -> Request:
+                     lora: str = "", kv_policy: str | None = None) -> Request:
         """Validate and build a Request without queueing it. Raises ValueError naming
         the field (prompt, output_token_ids, guided, max_tokens, cache_salt, model) when it
         cannot be served. ``cache_salt`` keeps its prefix-cache blocks apart from other
         salts' (Request.cache_salt); ``lora`` names the adapter it runs under ("": the
-        base model), whose identity is folded into that salt. Reads only the engine's fixed configuration (and the thread-safe grammar
+        base model), whose identity is folded into that salt. ``kv_policy``: the
+        request's own KV policy (text, core/kv/policy.py; None: the server's). Reads only
+        the engine's fixed configuration (and the thread-safe grammar
         cache), so any thread may call it; whether the id is free is decided when the
         request is admitted (``admit``), on the engine thread."""
         request_id = request_id or uuid.uuid4().hex
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        check_prompt(ids, self.model_config.vocab_size, self.max_model_len, output_token_ids)
+        cache = self.config.cache
+        policy = request_policy(kv_policy, self.kv_policy, cache.allow_request_kv_policy,
+                                cache.block_size, self.max_model_len)
+        if policy is None:
+            check_prompt(ids, self.model_config.vocab_size, self.max_model_len, output_token_ids)
+        else:
+            check_prompt(ids, self.model_config.vocab_size, cache.max_stream_len,
+                         output_token_ids, limit="a bounded kv_policy's length (--max-stream-len)")
         check_priority(priority)
         params.check_vocab(self.model_config.vocab_size)
         if params.n > self.config.scheduler.max_num_seqs:
             raise FieldError("n", f"n: {params.n} choices cannot run together on a worker of "
                                   f"--max-num-seqs {self.config.scheduler.max_num_seqs}")
-        req = Request(request_id, ids, params, priority, cache_salt=check_salt(cache_salt))
+        if params.n > 1 and policy is not None:  # forks share blocks a bounded policy re-rotates
+            raise FieldError("n", "n: several choices need kv_policy full (a bounded policy "
+                                  "re-rotates its keys in place, so its blocks cannot be shared)")
+        req = Request(request_id, ids, params, priority, cache_salt=check_salt(cache_salt),
+                      kv_policy=policy, max_total_len=policy and cache.max_stream_len)
         if lora:
             req.lora = self.lora_adapter(lora)
             req.cache_salt = lora_salt(req.cache_salt, req.lora.identity)
@@ -197,11 +224,12 @@ class LLMEngine:
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams,
                     request_id: str | None = None, priority: int = 0,
                     output_token_ids: Sequence[int] = (), kv_transfer: object | None = None,
-                    cache_salt: bytes = b"", lora: str = "") -> str:
+                    cache_salt: bytes = b"", lora: str = "",
+                    kv_policy: str | None = None) -> str:
         """make_request and admit; ``kv_transfer``: the connector's parameters for it
         (Request.kv_transfer)."""
         req = self.make_request(prompt, params, request_id, priority, output_token_ids,
-                                cache_salt, lora)
+                                cache_salt, lora, kv_policy)
         req.kv_transfer = kv_transfer
         return self.admit(req)
 

@@ -15,7 +15,10 @@ from engine.attention import build_metadata, get_backend
 from engine.config import EngineConfig
 from engine.cpu_limit import default_threads
 from core.kv import kv_format_block_bytes
+from engine.kv_cache.manager import NULL_BLOCK
+from engine.kv_cache.policy import cache_view
 from engine.kv_cache.quant import row_width, storage_dtype
+from engine.kv_cache.shift import shift_keys
 from engine.loader import LoadedCheckpoint
 from engine.loader.gguf_loader import raw_rows
 from engine.compile.decode import CompiledDecode
@@ -66,13 +69,16 @@ class _Layout:
     """(request, first position, its rows): prompt positions whose logprobs are owed."""
 
     @classmethod
-    def of(cls, entries: list[tuple[Request, int]], tables: list[list[int]]) -> _Layout:
+    def of(cls, entries: list[tuple[Request, int]], tables: list[list[int]],
+           block_size: int) -> _Layout:
         lay = cls()
         for (req, n), table in zip(entries, tables):
             start = req.num_computed_tokens
             lay.ids.extend(req.token_ids[start:start + n])
             lay.ids.extend(req.draft)
-            lay.pos.extend(range(start, start + n))
+            # a bounded policy: attention reads held blocks only, at positions among them
+            table, lost = cache_view(req.kv_policy, table, NULL_BLOCK, block_size)
+            lay.pos.extend(range(start - lost, start - lost + n))
             if req.draft:
                 lay.qlens.extend([1] * n)
                 lay.slens.extend(range(start + 1, start + n + 1))
@@ -81,7 +87,7 @@ class _Layout:
                 lay.sampled.append(req)
                 continue
             lay.qlens.append(n)
-            lay.slens.append(start + n)
+            lay.slens.append(start - lost + n)
             lay.qtables.append(table)
             owed = req.prompt_logprobs_owed
             if owed is not None:  # positions [lo, hi) predict prompt tokens still owed
@@ -262,6 +268,11 @@ class ModelRunner:
             torch.cuda.current_stream(self.device).synchronize()
         return nbytes
 
+    def shift_keys(self, blocks: list[int], delta: int) -> None:
+        """Re-rotate these blocks' keys by delta positions (a bounded KV policy dropped
+        blocks before them: KVCacheManager.on_shift)."""
+        shift_keys(self.kv, self.model, blocks, delta, self.kv_quant)
+
     @torch.inference_mode()
     def execute(self, entries: list[tuple[Request, int]], tables: list[list[int]],
                 should_stop: Callable[[], bool] | None = None) -> StepTokens:
@@ -276,7 +287,7 @@ class ModelRunner:
         reach attention as n one-token decode queries over its block table, query j
         seeing start + j + 1 tokens (all n K/V rows are written before any is read):
         causal attention through the decode kernel, which rounds as plain decoding does."""
-        lay = _Layout.of(entries, tables)
+        lay = _Layout.of(entries, tables, self.config.cache.block_size)
         num_prefills = sum(1 for n in lay.qlens if n > 1)
         if any(n > 1 for n in lay.qlens[num_prefills:]):
             raise ValueError("execute: a prefill entry after a decode or speculating row")

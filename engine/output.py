@@ -87,7 +87,8 @@ class OutputProcessor:
         stop_id = token in p.stop_token_ids and (guide is None or guide.matcher.is_accepting())
         if eos or stop_id or hit or (guide is not None and guide.stopped):
             return FinishReason.STOP
-        if req.num_output_tokens >= p.max_tokens or len(req.token_ids) >= self.max_model_len:
+        if req.num_output_tokens >= p.max_tokens \
+                or len(req.token_ids) >= (req.max_total_len or self.max_model_len):
             return FinishReason.LENGTH
         return None
 

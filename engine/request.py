@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from core.kv.block_hash import BlockHash
+from core.kv.policy import KVPolicy
 from core.sampling import SamplingParams
 from engine.lora.adapter import LoRAAdapter
 from engine.sampling import SamplingState, TokenLogprobs
@@ -64,6 +65,11 @@ class Request:
     lora: LoRAAdapter | None = field(default=None, repr=False)
     """The LoRA adapter it runs under (engine/lora/), None: the base model. Its identity
     is folded into cache_salt (LLMEngine.make_request)."""
+    kv_policy: KVPolicy | None = None
+    """A bounded KV policy (engine/kv_cache/policy.py); None: full, every token kept."""
+    max_total_len: int | None = None
+    """Most tokens (prompt + output) it may reach; None: the engine's context window
+    (a bounded request's is --max-stream-len)."""
     finish_reason: FinishReason | None = None
     sampling: SamplingState | None = None
     num_preemptions: int = 0

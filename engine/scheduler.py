@@ -226,8 +226,10 @@ class Scheduler:
                 return
             if req.status is RequestStatus.RUNNING:
                 n = min(len(req.token_ids) - req.num_computed_tokens, budget)
-                if (n < len(req.token_ids) - req.num_computed_tokens and not self.chunked) \
-                        or not self._allocate(req, n):
+                if n < len(req.token_ids) - req.num_computed_tokens and not self.chunked:
+                    continue
+                n = self.kv.chunk_limit(req, n)
+                if not self._allocate(req, n):
                     continue
                 batch.entries.append((req, n))
                 budget -= n
@@ -282,8 +284,10 @@ class Scheduler:
 
     def _slides(self, req: Request) -> bool:
         """Whether req's blocks before a sliding window are dropped: not when the connector
-        takes its whole table once its prompt is done (another engine reads all of it)."""
-        return self.connector is None or not self.connector.ends_after_prompt(req)
+        takes its whole table once its prompt is done (another engine reads all of it).
+        A bounded policy always drops: the other engine gets only the kept blocks."""
+        return (self.connector is None or req.kv_policy is not None
+                or not self.connector.ends_after_prompt(req))
 
     def _allocate(self, req: Request, n: int, cached: list[int] = ()) -> bool:
         return self.kv.allocate(req, n, cached, slide=self._slides(req))
@@ -297,8 +301,8 @@ class Scheduler:
         n = len(req.token_ids) - ncached
         if n > budget and not self.chunked:
             return None
-        n = min(n, budget)
         req.num_computed_tokens = ncached
+        n = self.kv.chunk_limit(req, min(n, budget))
         if not self._allocate_or_preempt(req, n, cached, batch):
             return None
         promoted = self.kv.claim_promoted(cached)

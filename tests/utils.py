@@ -46,10 +46,12 @@ def _byte_level_tokenizer_json(vocab_size: int) -> dict:
 
 def make_tiny_llama(root: Path, *, layers: int = 2, hidden: int = 64, heads: int = 4,
                     kv_heads: int = 2, vocab: int = 320, seed: int = 0,
-                    tie: bool = True, max_pos: int = 512, embed_scale: float = 0.5) -> Path:
+                    tie: bool = True, max_pos: int = 512, embed_scale: float = 0.5,
+                    scale: float = 0.08) -> Path:
     """Write a random tiny Llama as an HF directory and return its path. A small
     embed_scale (tied embeddings) flattens its logits, so sampling wanders over every
-    token a constraint allows."""
+    token a constraint allows; a larger ``scale`` (the linears' weights) makes attention,
+    and so positions, weigh more in its outputs."""
     from safetensors.torch import save_file
 
     root.mkdir(parents=True, exist_ok=True)
@@ -63,7 +65,7 @@ def make_tiny_llama(root: Path, *, layers: int = 2, hidden: int = 64, heads: int
     (root / "config.json").write_text(json.dumps(cfg))
     g = torch.Generator().manual_seed(seed)
 
-    def rnd(*shape: int, scale: float = 0.08) -> torch.Tensor:
+    def rnd(*shape: int, scale: float = scale) -> torch.Tensor:
         return torch.randn(*shape, generator=g) * scale
 
     t = {"model.embed_tokens.weight": rnd(vocab, hidden, scale=embed_scale),

@@ -22,14 +22,23 @@ the one block that may be shared and written is the one holding position
 ``num_computed_tokens``: ``allocate`` copies it first (copy-on-write) when its ref count
 says another sequence holds it, and queues the (source, copy) pair; the engine copies
 the bytes before the step's forward (``take_copies``). The last holder writes in place.
+
+Bounded KV policies (``req.kv_policy``, engine/kv_cache/policy.py): a request keeps its
+leading sink blocks and its newest blocks; the dropped ones are a hole between them
+(``NULL_BLOCK`` entries from ``head`` to the hole's end). Attention reads the held blocks
+as one compact cache with positions within it, so dropping blocks moves every later
+block down: ``on_shift`` re-rotates their keys (the runner's ``shift_keys``) as they are
+dropped, before any later read or copy. A bounded request's blocks never enter the prefix
+cache and it adopts none (re-rotated keys are not the prompt's keys at its positions).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from core.kv.block_hash import BlockHash, hash_token_blocks
 from engine.kv_cache.block_pool import BlockPool
 from core.kv.layout import blocks_for
+from engine.kv_cache.policy import chunk_limit, live_bounds
 
 if TYPE_CHECKING:
     from engine.kv_cache.tiers.tiered import TieredCache
@@ -52,7 +61,10 @@ class KVCacheManager:
         self.sliding_window = sliding_window
         """Every layer's keys lie within this many positions of its query (None: some
         layer sees the whole context): blocks before that window are freed."""
-        self._dropped: dict[str, int] = {}  # leading table entries freed (NULL_BLOCK)
+        self._dropped: dict[str, int] = {}  # end of the table's hole of freed entries
+        self.on_shift: Callable[[list[int], int], None] | None = None
+        """Told (blocks, delta) when a bounded request's dropped blocks move these held
+        blocks delta (< 0) positions down in its cache: their keys are re-rotated."""
         self.enable_prefix_caching = enable_prefix_caching
         self.hash_seed = hash_seed
         self.tables: dict[str, list[int]] = {}
@@ -78,7 +90,7 @@ class KVCacheManager:
 
         At most ``max_tokens`` tokens (default: all but the last, so one token is always
         computed to produce logits)."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or req.kv_policy is not None:
             return []
         limit = (len(req.token_ids) - 1) if max_tokens is None else max_tokens
         hashes = self.block_hashes(req)[: limit // self.block_size]
@@ -124,14 +136,31 @@ class KVCacheManager:
             return 0
         return max(0, num_computed - self.sliding_window + 1) // self.block_size
 
+    def _bounds(self, req: Request, num_new_tokens: int, slide: bool) -> tuple[int, int]:
+        """(head, first): the table entries [0, head) and [first, ...) are held for the
+        next num_new_tokens queries (at least one), those between them dropped."""
+        if req.kv_policy is not None:
+            return live_bounds(req.kv_policy, self.block_size, req.num_computed_tokens,
+                               num_new_tokens)
+        return 0, self.first_live_block(req.num_computed_tokens) if slide else 0
+
+    def chunk_limit(self, req: Request, num_new_tokens: int) -> int:
+        """The most of num_new_tokens one step may compute for req (a bounded policy
+        stops a chunk where its kept blocks would change: engine/kv_cache/policy.py)."""
+        if req.kv_policy is None:
+            return num_new_tokens
+        return chunk_limit(req.kv_policy, self.block_size, req.num_computed_tokens,
+                           num_new_tokens)
+
     def can_allocate(self, req: Request, num_new_tokens: int, cached: list[int] = (),
                      slide: bool = True) -> bool:
         """Whether ``allocate`` would succeed (the blocks it would drop first are counted
         free only by allocate itself, which drops them either way)."""
         table = self.tables.get(req.request_id, [])
-        first = self.first_live_block(req.num_computed_tokens) if slide else 0
-        have = max(len(table), len(cached), first)
-        need = self.blocks_needed(req.num_computed_tokens + num_new_tokens) - have
+        head, first = self._bounds(req, num_new_tokens, slide)
+        start = max(len(table), len(cached))
+        target = self.blocks_needed(req.num_computed_tokens + num_new_tokens)
+        need = max(0, min(head, target) - start) + max(0, target - max(first, start))
         evictable_hits = sum(1 for b in cached[first:] if self.pool.blocks[b].ref_cnt == 0)
         if num_new_tokens and self._shared_write(req) is not None:
             need += 1  # its copy
@@ -142,11 +171,11 @@ class KVCacheManager:
         """Grow req's table to cover num_computed_tokens + num_new_tokens, first adopting
         ``cached`` prefix blocks (only for a request with no table yet). With a sliding
         window (and ``slide``: False keeps every block, for a table someone else reads
-        whole) the blocks before the next query's window are dropped first and no block
-        before it is taken or adopted. False when the pool is too small (the dead blocks
-        are dropped either way: no query reads them again)."""
-        first = self.first_live_block(req.num_computed_tokens) if slide else 0
-        self._drop_before(req.request_id, first)
+        whole) or a bounded policy, the blocks the next queries cannot see are dropped
+        first and none of them is taken or adopted. False when the pool is too small (the
+        dead blocks are dropped either way: no query reads them again)."""
+        head, first = self._bounds(req, num_new_tokens, slide)
+        self._drop(req.request_id, head, first, req.kv_policy is not None)
         if not self.can_allocate(req, num_new_tokens, cached, slide):
             return False
         table = self.tables.setdefault(req.request_id, [])
@@ -155,13 +184,14 @@ class KVCacheManager:
             self.pool.touch(cached[first:])
             table.extend([NULL_BLOCK] * min(first, len(cached)) + list(cached[first:]))
             self._num_cached[req.request_id] = len(cached)
-        if len(table) < first:  # a table rebuilt mid-context (swap-in): nothing before
-            table.extend([NULL_BLOCK] * (first - len(table)))
-        self._dropped[req.request_id] = max(self._dropped.get(req.request_id, 0),
-                                            min(first, len(table)))
-        need = self.blocks_needed(req.num_computed_tokens + num_new_tokens) - len(table)
-        if need > 0:
-            table.extend(self.pool.allocate(need))
+        target = self.blocks_needed(req.num_computed_tokens + num_new_tokens)
+        # a table rebuilt mid-context (swap-in, a load from elsewhere) has its hole too
+        held = [i < head or i >= first for i in range(len(table), max(target, first))]
+        fresh = iter(self.pool.allocate(sum(held)) or ())
+        table.extend(next(fresh) if h else NULL_BLOCK for h in held)
+        if first > head:
+            self._dropped[req.request_id] = max(self._dropped.get(req.request_id, head),
+                                                min(first, len(table)))
         if num_new_tokens:
             self._copy_on_write(req)
         return True
@@ -207,29 +237,36 @@ class KVCacheManager:
             done, num_tokens // self.block_size)
         child.block_hashes = list(parent.block_hashes[: num_tokens // self.block_size])
 
-    def _drop_before(self, request_id: str, first: int) -> None:
-        """Free the table's blocks before index ``first`` (no query will see them again),
-        oldest first, leaving NULL_BLOCK in their place."""
+
+    def _drop(self, request_id: str, head: int, first: int, shift: bool) -> None:
+        """Free the table's blocks from ``head`` up to index ``first`` (no query will see
+        them again), oldest first, leaving NULL_BLOCK in their place. ``shift`` (a bounded
+        policy: positions within the cache): the held blocks after them move down
+        (``on_shift``)."""
         table = self.tables.get(request_id)
-        done = self._dropped.get(request_id, 0)
+        done = max(self._dropped.get(request_id, head), head)
         if table is None or first <= done:
             return
         end = min(first, len(table))
-        self.pool.free([b for b in table[done:end] if b != NULL_BLOCK])
+        gone = [b for b in table[done:end] if b != NULL_BLOCK]
+        self.pool.free(gone)
         table[done:end] = [NULL_BLOCK] * (end - done)
         self._dropped[request_id] = end
+        moved = [b for b in table[end:] if b != NULL_BLOCK]
+        if shift and gone and moved and self.on_shift is not None:
+            self.on_shift(moved, -len(gone) * self.block_size)
 
     def live_blocks(self, req: Request, slide: bool = True) -> list[int]:
         """The blocks covering req's computed tokens that a later query can read, in table
-        order (sliding: the dead ones are dropped first), e.g. to swap out; after
+        order (the dead ones are dropped first), e.g. to swap out; after
         ``allocate(req, 0, slide=slide)`` rebuilds the table they are as many again."""
-        first = self.first_live_block(req.num_computed_tokens) if slide else 0
-        self._drop_before(req.request_id, first)
+        head, first = self._bounds(req, 0, slide)
+        self._drop(req.request_id, head, first, req.kv_policy is not None)
         table = self.tables[req.request_id][: self.blocks_needed(req.num_computed_tokens)]
-        return table[first:]
+        return [b for b in table if b != NULL_BLOCK]
 
     def first_held(self, request_id: str) -> int:
-        """The index of the table's first block not dropped (0 for an unknown request)."""
+        """The end of the table's hole of dropped entries (0 when none was dropped)."""
         return self._dropped.get(request_id, 0)
 
     def cache_computed(self, req: Request) -> None:
@@ -237,7 +274,7 @@ class KVCacheManager:
         dropped block that was never registered (its KV was loaded elsewhere, or a swap-in
         rebuilt the table without it): a chain with a hole could never be hit, so none
         of the request's later hashes is published."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or req.kv_policy is not None:
             return
         table = self.tables[req.request_id]
         done = self._num_cached.get(req.request_id, 0)

@@ -154,6 +154,15 @@ class RotaryEmbedding(nn.Module):
         self._build(self.cos.device)
         return self
 
+    def shift(self, x: torch.Tensor, delta: int) -> torch.Tensor:
+        """Keys rotated at position p -> the same keys rotated at p + delta (x [..., D]),
+        in fp32: rotations compose, and this one has no attention factor (the keys carry
+        theirs from their first rotation)."""
+        head_dim, max_positions, theta, scaling = self._spec
+        inv, _ = inv_frequencies(head_dim, theta, scaling, max_positions)
+        angle = torch.cat([inv, inv]).to(x.device) * delta  # [D]
+        return apply_rotary(x.float(), angle.cos(), angle.sin())
+
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for these positions, shaped [T, 1, D] to broadcast over heads."""
         return (self.cos[positions].unsqueeze(1).to(dtype),

@@ -99,11 +99,13 @@ class Speculator:
                 ends_after_prompt: Callable[[Request], bool] = lambda req: False) -> None:
         """Propose tokens for this step's decode rows (Request.draft). A request that
         ends after its prompt (``ends_after_prompt``, KVConnector) gets none: its last
-        prompt token may run as a decode row, and it must emit one token only."""
+        prompt token may run as a decode row, and it must emit one token only. Nor does
+        a request under a bounded KV policy (engine/kv_cache/policy.py)."""
         decodes = []
         for req in running:
             req.draft = []
             if (req.status is RequestStatus.RUNNING and not ends_after_prompt(req)
+                    and req.kv_policy is None  # its kept blocks change within a step
                     and len(req.token_ids) - req.num_computed_tokens == 1):
                 decodes.append(req)
         if self.max_batch and len(decodes) > self.max_batch:
