@@ -27,9 +27,10 @@ from core.limits import check_priority, check_prompt
 from core.kv import BlockHash, blocks_for, check_salt
 from engine.kv_cache import KVCacheManager, KVEvent
 from engine.kv_connector import KVConnector
-from engine.model_runner import ModelRunner
+from engine.parallel.runner import make_runner
 from engine.models.base import StepInterrupted
 from engine.output import OutputProcessor
+from engine.parallel.group import TPGroup
 from engine.request import (DuplicateRequestError, FinishReason, Request, RequestOutput,
                             RequestStatus)
 from core.sampling import SamplingParams
@@ -74,14 +75,16 @@ class Completion:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None,
-                 connector: KVConnector | None = None) -> None:
+                 connector: KVConnector | None = None, tp_group: TPGroup | None = None) -> None:
+        """tp_group: at --tensor-parallel-size > 1, a group of that size to run on (tests
+        share one across engines); None starts the engine's own."""
         self.config = config
         ckpt = open_checkpoint(config.load)
         self.model_config = ckpt.config
         self.fingerprint = served_fingerprint(ckpt, config.quant)
         self.max_model_len = context_window(config.load, ckpt.config)
         self.tokenizer = tokenizer or checkpoint_tokenizer(ckpt)
-        self.runner = ModelRunner(config, ckpt, self.max_model_len)
+        self.runner = make_runner(config, ckpt, self.max_model_len, tp_group)
         self.kv = self._kv_cache(config.cache, colocated=connector is None)
         slots = HostSlots(self.runner.num_host_slots)
         self.swap = SwapPool(self.runner.num_swap_blocks, slots) if self.runner.num_swap_blocks else None
@@ -429,9 +432,16 @@ class LLMEngine:
 
     def close(self) -> None:
         """At shutdown: what outlives the engine's steps ends cleanly (the disk tier's
-        queued blocks are written, so a restart finds them)."""
+        queued blocks are written, so a restart finds them; a tensor-parallel group's
+        other ranks end)."""
         if self.tiers is not None:
             self.tiers.close()
+        self.runner.close()
+
+    def raise_if_broken(self) -> None:
+        """Raise (GroupFailed, engine/parallel/group.py) once no step can run any more:
+        the engine thread asks between steps, so a lost rank stops an idle engine too."""
+        self.runner.raise_if_broken()
 
     def leak_check(self) -> None:
         """AssertionError unless no request is left and every block is free."""
