@@ -49,6 +49,7 @@ class TPGroup:
                              "tensor-parallel group (one engine per group)")
         self.world, self.device = world, device
         self.failed: str | None = None
+        self._failing = threading.Lock()
         self._store = dist.TCPStore(HOST, 0, world, is_master=True, timeout=STEP_TIMEOUT,
                                     wait_for_workers=False)
         # a fresh interpreter per rank (never a fork of a process holding torch's threads)
@@ -93,19 +94,34 @@ class TPGroup:
     def fail(self, reason: str) -> GroupFailed:
         """Mark the group failed (first reason wins), end every other rank, return the
         exception to raise."""
-        if self.failed is None:
-            self.failed = f"tensor-parallel group failed: {reason}"
-            log.critical("%s", self.failed)
-        self._kill()
+        with self._failing:  # the watch and the engine thread may both find it
+            if self.failed is None:
+                self.failed = f"tensor-parallel group failed: {self._lost_rank() or reason}"
+                log.critical("%s", self.failed)
+            self._kill()
         return GroupFailed(self.failed)
+
+    def _lost_rank(self, wait_s: float = 2.0) -> str | None:
+        """Which rank exited, where one did: a collective that fails because a rank died
+        often fails a moment before the process is seen gone, and the rank is the news."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            for r, p in enumerate(self._procs, start=1):
+                if p.poll() is not None:
+                    return f"rank {r} (pid {p.pid}) exited with code {p.returncode}"
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.1)
 
     def _watch_ranks(self) -> None:
         store = dist.TCPStore(HOST, self._store.port, is_master=False, timeout=STEP_TIMEOUT)
         seen = {r: (-1, time.monotonic()) for r in range(1, self.world)}
         while not self._stop.wait(0.5):
             for r, p in enumerate(self._procs, start=1):
+                if self._stop.is_set():  # shutting down: ranks leave on EXIT
+                    return
                 if p.poll() is not None:
-                    self.fail(f"rank {r} (pid {p.pid}) exited with code {p.returncode}")
+                    self.fail(f"rank {r} exited")  # _lost_rank names it
                     return
                 beat, since = seen[r]
                 now = store.add(beat_key(r), 0)

@@ -10,9 +10,10 @@ decode step and packed quantized weights are not built for shards.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -61,21 +62,37 @@ class ShardedRunner(ModelRunner):
              ) -> torch.Tensor | None:
         if self.group is None:
             return super()._run(inputs)
-        self.group.send(Op.STEP, inputs.encode())
-        try:
+        with self._group_op("a step"):
+            self.group.send(Op.STEP, inputs.encode())
             return super()._run(inputs)  # no should_stop: every rank finishes the step
-        except Exception as e:  # the other ranks may be mid-step: the group cannot go on
-            raise self.group.fail(f"rank 0's step failed: {type(e).__name__}: {e}") from e
 
     def copy_blocks(self, swap_out: list[tuple[list[int], list[int]]],
                     swap_in: list[tuple[list[int], list[int]]]) -> int:
-        if self.group is not None and (swap_out or swap_in):
+        if self.group is None or not (swap_out or swap_in):
+            return super().copy_blocks(swap_out, swap_in)
+        with self._group_op("a swap"):
             self.group.send(Op.COPY, Copies.of(swap_out, swap_in).encode())
-        return super().copy_blocks(swap_out, swap_in)
+            return super().copy_blocks(swap_out, swap_in)
 
     def raise_if_broken(self) -> None:
         if self.group is not None:
-            self.group.raise_if_failed()
+            with self._group_op("the group"):
+                self.group.raise_if_failed()
+
+    @contextlib.contextmanager
+    def _group_op(self, what: str) -> Iterator[None]:
+        """Rank 0's part of a group operation. Any error fails the group (the other
+        ranks may be mid-operation, waiting in a collective that will never come), and
+        the group is shut down here, on the thread that ran its collectives."""
+        try:
+            yield
+        except GroupFailed:
+            self.group.shutdown()
+            raise
+        except Exception as e:
+            failed = self.group.fail(f"{what} failed on rank 0: {type(e).__name__}: {e}")
+            self.group.shutdown()
+            raise failed from e
 
     def close(self) -> None:
         if self.group is None:
