@@ -419,6 +419,20 @@ class LoRAConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """How many devices (processes) one engine's model is split over."""
+
+    tensor_parallel_size: int = 1
+    """Ranks the model is split over (one process each, torch.distributed: gloo on CPU,
+    NCCL on CUDA): attention heads, MLP and expert widths, and the vocabulary are divided
+    among them, and each rank's KV pool holds only its KV heads. 1 runs in this process
+    alone (docs/tensor-parallel.md)."""
+
+    def __post_init__(self) -> None:
+        at_least("--tensor-parallel-size", self.tensor_parallel_size, 1)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Knobs of one engine (one model replica with its KV cache and step loop), one group
     per concern, read as ``config.cache.block_size``. ``from_flat`` builds one from the
@@ -431,6 +445,7 @@ class EngineConfig:
     spec: SpecConfig = field(default_factory=SpecConfig)
     compilation: CompileConfig = field(default_factory=CompileConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     FLAG_ORDER: ClassVar[tuple[str, ...]] = (
         "model", "dtype", "device", "block_size", "num_kv_blocks", "kv_cache_memory_gib",
@@ -442,7 +457,7 @@ class EngineConfig:
         "quantization", "quant_group_size", "quant_packed_max_rows", "compile",
         "compile_max_batch", "speculative_method", "speculative_model",
         "num_speculative_tokens", "speculative_max_batch", "enable_lora", "lora_modules",
-        "max_loras", "max_lora_rank", "max_cpu_loras")
+        "max_loras", "max_lora_rank", "max_cpu_loras", "tensor_parallel_size")
     """Every group's fields in the order --help lists their flags: that of the flat config
     the groups replaced, so the help users know reads unchanged."""
 
@@ -480,11 +495,29 @@ class EngineConfig:
                              f"{mode} (got {swap}); use "
                              "--preemption-mode recompute to run without a swap pool")
         self._check_kv_cache_dtype()
+        self._check_parallel()
         spec, window = self.spec, self.load.max_model_len
         if (spec.speculative_method != "none" and window is not None
                 and spec.num_speculative_tokens >= window):
             raise ValueError(f"--num-speculative-tokens {spec.num_speculative_tokens} is beyond "
                              f"the context window (--max-model-len {window})")
+
+    def _check_parallel(self) -> None:
+        """What is not built at --tensor-parallel-size > 1 is refused, naming both flags
+        (docs/tensor-parallel.md says why each is left out)."""
+        tp = self.parallel.tensor_parallel_size
+        if tp == 1:
+            return
+        unbuilt = {"--quantization": self.quant.quantization not in ("auto", "none"),
+                   "--speculative-method": self.spec.speculative_method != "none",
+                   "--kv-offload-cpu-gib": bool(self.cache.kv_offload_cpu_gib),
+                   "--enable-lora/--lora-modules": self.lora.enabled,
+                   "--kv-policy": self.cache.kv_policy not in (None, "", "full")
+                   or self.cache.allow_request_kv_policy}
+        for flag, used in unbuilt.items():
+            if used:
+                raise ValueError(f"{flag} is not supported with --tensor-parallel-size {tp} "
+                                 f"(only with 1); drop one of them")
 
     def _check_kv_cache_dtype(self) -> None:
         name = self.cache.kv_cache_dtype

@@ -240,6 +240,7 @@ class EngineWorker:
             self._loop.call_soon_threadsafe(self._die, e)
 
     def _iterate(self, engine: LLMEngine) -> None:
+        engine.raise_if_broken()
         self._run_commands(engine, block=not engine.has_unfinished())
         if engine.has_unfinished():
             outs = engine.step()

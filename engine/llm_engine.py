@@ -32,9 +32,10 @@ from core.kv.policy import parse_kv_policy
 from engine.kv_cache import KVCacheManager
 from engine.kv_connector import KVConnector
 from engine.lora.registry import open_registry
-from engine.model_runner import ModelRunner
+from engine.parallel.runner import make_runner
 from engine.models.base import StepInterrupted
 from engine.output import OutputProcessor
+from engine.parallel.group import TPGroup
 from engine.request import (DuplicateRequestError, FinishReason, Request, RequestOutput,
                             RequestStatus)
 from core.sampling import SamplingParams
@@ -83,14 +84,16 @@ class Completion:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None,
-                 connector: KVConnector | None = None) -> None:
+                 connector: KVConnector | None = None, tp_group: TPGroup | None = None) -> None:
+        """tp_group: at --tensor-parallel-size > 1, a group of that size to run on (tests
+        share one across engines); None starts the engine's own."""
         self.config = config
         ckpt = open_checkpoint(config.load)
         self.model_config = ckpt.config
         self.fingerprint = served_fingerprint(ckpt, config.quant)
         self.max_model_len = context_window(config.load, ckpt.config)
         self.tokenizer = tokenizer or checkpoint_tokenizer(ckpt)
-        self.runner = ModelRunner(config, ckpt, self.max_model_len)
+        self.runner = make_runner(config, ckpt, self.max_model_len, tp_group)
         self.kv_policy = parse_kv_policy(config.cache.kv_policy, "--kv-policy")
         """The server's KV policy (None: full); a request may name another only under
         --allow-request-kv-policy (engine/kv_cache/policy.py request_policy)."""
@@ -202,6 +205,9 @@ class LLMEngine:
         if params.n > self.config.scheduler.max_num_seqs:
             raise FieldError("n", f"n: {params.n} choices cannot run together on a worker of "
                                   f"--max-num-seqs {self.config.scheduler.max_num_seqs}")
+        if params.prompt_logprobs is not None and self.config.parallel.tensor_parallel_size > 1:
+            raise FieldError("prompt_logprobs", "prompt_logprobs: not supported with "
+                                                "--tensor-parallel-size > 1 (yet)")
         if params.n > 1 and policy is not None:  # forks share blocks a bounded policy re-rotates
             raise FieldError("n", "n: several choices need kv_policy full (a bounded policy "
                                   "re-rotates its keys in place, so its blocks cannot be shared)")
@@ -563,9 +569,16 @@ class LLMEngine:
 
     def close(self) -> None:
         """At shutdown: what outlives the engine's steps ends cleanly (the disk tier's
-        queued blocks are written, so a restart finds them)."""
+        queued blocks are written, so a restart finds them; a tensor-parallel group's
+        other ranks end)."""
         if self.tiers is not None:
             self.tiers.close()
+        self.runner.close()
+
+    def raise_if_broken(self) -> None:
+        """Raise (GroupFailed, engine/parallel/group.py) once no step can run any more:
+        the engine thread asks between steps, so a lost rank stops an idle engine too."""
+        self.runner.raise_if_broken()
 
     def leak_check(self) -> None:
         """AssertionError unless no request is left and every block is free."""

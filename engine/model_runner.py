@@ -28,6 +28,7 @@ from engine.models.base import CausalLM, ForwardContext, Segments, StepInterrupt
 from engine.quant.apply import QuantReport, kernel_fallbacks, quantize_model, select_paths
 from engine.quant.base import resolve_method
 from engine.models import MODELS
+from engine.parallel.plan import StepInputs
 from engine.request import Request
 from engine.sampling import Sampler, TokenLogprobs, token_logprobs
 from engine.spec.verify import verify
@@ -174,7 +175,7 @@ class ModelRunner:
         a row is head_dim values, or head_dim int8 codes and a float16 scale when quantized."""
         cfg = ckpt.config
         kv = torch.zeros(self.num_blocks, cfg.num_layers, 2, self.config.cache.block_size,
-                         cfg.num_kv_heads, row_width(self.kv_dtype, cfg.head_dim),
+                         self.kv_heads, row_width(self.kv_dtype, cfg.head_dim),
                          dtype=storage_dtype(self.kv_dtype, self.dtype), device=self.device)
         assert kv[0].numel() * kv.element_size() == self.block_bytes, "one block-bytes formula"
         return kv
@@ -225,7 +226,12 @@ class ModelRunner:
     def block_bytes(self) -> int:
         cfg = self.model_config
         return kv_format_block_bytes(self.kv_dtype, cfg.num_layers, self.config.cache.block_size,
-                                     cfg.num_kv_heads, cfg.head_dim)
+                                     self.kv_heads, cfg.head_dim)
+
+    @property
+    def kv_heads(self) -> int:
+        """KV heads this process's pool holds (a tensor-parallel rank holds its share)."""
+        return self.model_config.num_kv_heads
 
     def _num_blocks(self) -> int:
         if self.config.cache.num_kv_blocks is not None:
@@ -291,20 +297,17 @@ class ModelRunner:
         num_prefills = sum(1 for n in lay.qlens if n > 1)
         if any(n > 1 for n in lay.qlens[num_prefills:]):
             raise ValueError("execute: a prefill entry after a decode or speculating row")
-        meta = build_metadata(lay.qlens, lay.slens, num_prefills, lay.qtables,
-                              self.config.cache.block_size, self.device, self.kv_quant)
-        ctx = ForwardContext(self.kv, meta, self.backend, should_stop)
-        no_prompt = all(n == 1 or req.draft for req, n in entries)
+        inputs = StepInputs(lay.ids, lay.pos, lay.qlens, lay.slens, num_prefills, lay.qtables,
+                            [i for r in lay.rows for i in r],
+                            all(n == 1 or req.draft for req, n in entries))
         sampled, rows = lay.sampled, lay.rows
         plain = [i for i, r in enumerate(sampled) if not r.draft]
         masks = self._submit_masks([r.sampling for r in sampled], [r.draft for r in sampled])
         adapters = [req.lora for req, n in entries for _ in range(n)]  # one per row of ids
         try:
-            hidden = self._forward(lay.ids, lay.pos, ctx, no_prompt, adapters)
-            prompt = self._prompt_logprobs(hidden, lay.owed)
-            if not sampled:
+            logits, prompt = self._run(inputs, should_stop, adapters, lay.owed)  # [N, V] fp32
+            if logits is None:
                 return StepTokens([], [], [], prompt)
-            logits = self.model.compute_logits(hidden[[i for r in rows for i in r]])  # [N, V] fp32
         finally:  # the masks are done before anything else touches their matchers
             banned = self.masks.result(masks) if masks is not None else None
         step = self._sample(sampled, rows, logits, plain, banned)
@@ -329,6 +332,32 @@ class ModelRunner:
                                         [req.params.prompt_logprobs] * len(part))
             out.append((req, found))
         return out
+
+    def _run(self, inputs: StepInputs, should_stop: Callable[[], bool] | None = None,
+             adapters: list | None = None, owed: list[tuple[Request, int, range]] = ()
+             ) -> tuple[torch.Tensor | None, list[tuple[Request, list[TokenLogprobs]]]]:
+        """One forward pass over inputs -> fp32 logits [N, V] of its logit rows (None
+        when it has none) and the prompt logprobs owed (``_Layout.owed``). Every rank of
+        a tensor-parallel group runs this on the same inputs (engine/parallel/runner.py;
+        adapters and owed rows are rank 0's alone, so a group refuses them)."""
+        meta = build_metadata(inputs.query_lens, inputs.seq_lens, inputs.num_prefills,
+                              inputs.tables, self.config.cache.block_size, self.device,
+                              self.kv_quant)
+        ctx = ForwardContext(self.kv, meta, self.backend, should_stop)
+        hidden = self._forward(inputs.ids, inputs.positions, ctx, inputs.decode_only,
+                               adapters or [None] * len(inputs.ids))
+        prompt = self._prompt_logprobs(hidden, owed)
+        if not inputs.logit_rows:
+            return None, prompt
+        return self.model.compute_logits(hidden[inputs.logit_rows]), prompt
+
+    def raise_if_broken(self) -> None:
+        """Raise when this runner can no longer run a step (a tensor-parallel group
+        with a rank gone, engine/parallel/runner.py); one process cannot break so."""
+
+    def close(self) -> None:
+        """Release what outlives this object's references (a tensor-parallel group's
+        other ranks, engine/parallel/runner.py); nothing in one process."""
 
     @property
     def masks(self):
@@ -408,9 +437,6 @@ class ModelRunner:
     def prompt_logits(self, token_ids: list[int], table: list[int]) -> torch.Tensor:
         """fp32 logits at every position of a prompt (for correctness tests)."""
         n = len(token_ids)
-        meta = build_metadata([n], [n], 1 if n > 1 else 0, [table], self.config.cache.block_size,
-                              self.device, self.kv_quant)
-        ctx = ForwardContext(self.kv, meta, self.backend)
-        hidden = self.model(torch.tensor(token_ids, device=self.device),
-                            torch.arange(n, device=self.device), ctx)
-        return self.model.compute_logits(hidden)
+        logits, _ = self._run(StepInputs(list(token_ids), list(range(n)), [n], [n],
+                                         1 if n > 1 else 0, [table], list(range(n)), False))
+        return logits

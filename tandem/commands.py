@@ -54,6 +54,14 @@ def _generate_run(args: argparse.Namespace) -> int:
     config = config_from_args(EngineConfig, args, model=resolve_model(args),
                               num_kv_blocks=blocks_for(window, args.block_size))
     engine = LLMEngine(config)
+    try:  # close: a tensor-parallel engine's other ranks end with it
+        _generate_one(engine, args, params)
+    finally:
+        engine.close()
+    return 0
+
+
+def _generate_one(engine, args: argparse.Namespace, params) -> None:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
@@ -67,7 +75,6 @@ def _generate_run(args: argparse.Namespace) -> int:
             if out.error:
                 raise RuntimeError(out.error)
     sys.stdout.write("\n")
-    return 0
 
 
 # -- prefill / decode workers ---------------------------------------------------------

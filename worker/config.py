@@ -89,3 +89,8 @@ class WorkerConfig:
             raise ValueError(f"--metrics-port must be in [0, 65535], got {self.metrics_port}")
         if self.otlp_traces_endpoint is not None:
             traces_url(self.otlp_traces_endpoint)
+        tp = self.engine.parallel.tensor_parallel_size
+        if tp > 1:  # the handoff would move rank 0's KV heads only (docs/tensor-parallel.md)
+            raise ValueError(f"--tensor-parallel-size {tp}: prefill and decode workers run "
+                             f"at 1 only (their KV handoff moves one rank's KV heads); "
+                             f"tandem generate runs at any size")

@@ -1,0 +1,75 @@
+"""What the ranks of a tensor-parallel group share to meet and talk: where rank 0's
+store listens, the timeouts, how a rank process is started, the heartbeat keys, and the
+encodings of what crosses between them besides a step's plan (engine/parallel/plan.py):
+the engine's config, as JSON bytes, and the ranks' build errors."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from engine.config import EngineConfig
+
+STEP_TIMEOUT = timedelta(seconds=120)
+"""Most one collective may wait, the rendezvous included (a backstop: rank 0's
+heartbeat watch finds a hung rank first; the ranks' start, importing torch on a busy
+machine, needs the margin)."""
+IDLE_TIMEOUT = timedelta(days=365)
+"""The control group's: the other ranks wait for rank 0's next command this long."""
+HOST = "127.0.0.1"
+"""Where rank 0's store listens: every rank of a group runs on this machine."""
+ERROR_BYTES = 2048
+"""Room for one rank's build error in the exchange after a BUILD."""
+
+
+def config_to_tensor(config: EngineConfig) -> torch.Tensor:
+    """An EngineConfig as int64 bytes of its JSON (every field is a plain value)."""
+    blob = json.dumps(dataclasses.asdict(config)).encode()
+    return torch.tensor(list(blob), dtype=torch.int64)
+
+
+def config_from_tensor(flat: torch.Tensor) -> EngineConfig:
+    groups = json.loads(bytes(flat.tolist()).decode())
+    return EngineConfig(**{name: cls(**groups[name]) for name, cls in EngineConfig.groups().items()})
+
+
+def exchange_errors(mine: str, group) -> list[str]:
+    """Every rank's error text ('' where none), in rank order."""
+    blob = mine.encode()[:ERROR_BYTES]
+    t = torch.zeros(ERROR_BYTES, dtype=torch.uint8)
+    t[:len(blob)] = torch.tensor(list(blob), dtype=torch.uint8)
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, t, group=group)
+    return [bytes(p.tolist()).rstrip(b"\0").decode(errors="replace") for p in parts]
+
+
+def beat_key(rank: int) -> str:
+    return f"tandem/tp/beat/{rank}"
+
+
+def follower_command(rank: int, world: int, port: int, device: str) -> list[str]:
+    """The command line of rank ``rank``'s process."""
+    return [sys.executable, "-m", "engine.parallel.follower", str(rank), str(world), str(port),
+            device, str(os.getpid())]
+
+
+def follower_env() -> dict[str, str]:
+    """This environment, with the directory Tandem is imported from first on the path
+    (the ranks must run the very code rank 0 runs)."""
+    root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def backend_for(device: str) -> str:
+    """NCCL where the model runs on CUDA (and torch has it), gloo otherwise."""
+    if device.startswith("cuda") and dist.is_nccl_available():
+        return "nccl"
+    return "gloo"

@@ -1,0 +1,98 @@
+"""One forward pass's inputs (the runner's plan of a step) and the commands rank 0 of a
+tensor-parallel group sends the other ranks, as flat int64 tensors: every rank runs the
+same forward on its shard, so each needs exactly what rank 0's runner computes from the
+scheduler's batch, and nothing of the requests themselves. Plain integers, never
+pickles, cross between the processes."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+
+class Op(enum.IntEnum):
+    """What a command asks the other ranks to do."""
+
+    BUILD = 1
+    """Build the runner: the payload is the EngineConfig as JSON bytes."""
+    STEP = 2
+    """Run one forward: the payload is a StepInputs."""
+    COPY = 3
+    """Swap blocks between the KV pool and the host pool: the payload is a Copies."""
+    CLOSE = 4
+    """Drop the runner (its weights and KV pool); the rank waits for the next BUILD."""
+    EXIT = 5
+    """Leave the group and end the process."""
+
+
+@dataclass
+class StepInputs:
+    """What one forward pass runs: the tokens, where they sit, the attention layout
+    (query and sequence lengths, block tables) and which rows' logits are wanted."""
+
+    ids: list[int]
+    positions: list[int]
+    query_lens: list[int]
+    seq_lens: list[int]
+    num_prefills: int
+    tables: list[list[int]]
+    logit_rows: list[int]
+    """Rows of the hidden states [T, H] the LM head runs on; empty: no logits."""
+    decode_only: bool
+    """Every query is one token (a compiled decode bucket may run it)."""
+
+    def encode(self) -> torch.Tensor:
+        """Lengths first, then each list: a flat int64 tensor ``decode`` reads back."""
+        head = [self.num_prefills, int(self.decode_only), len(self.ids), len(self.query_lens),
+                len(self.logit_rows)]
+        body = (self.ids + self.positions + self.query_lens + self.seq_lens + self.logit_rows
+                + [len(t) for t in self.tables] + [b for t in self.tables for b in t])
+        return torch.tensor(head + body, dtype=torch.int64)
+
+    @classmethod
+    def decode(cls, flat: torch.Tensor) -> StepInputs:
+        values = flat.tolist()
+        num_prefills, decode_only, n, q, r = values[:5]
+        at = 5
+
+        def take(k: int) -> list[int]:
+            nonlocal at
+            at += k
+            return values[at - k:at]
+
+        ids, positions, qlens, slens, rows = take(n), take(n), take(q), take(q), take(r)
+        tables = [take(k) for k in take(q)]
+        return cls(ids, positions, qlens, slens, num_prefills, tables, rows, bool(decode_only))
+
+
+@dataclass
+class Copies:
+    """A step's swaps as ModelRunner.copy_blocks takes them, each side one list of
+    (device block, host slot) pairs (copy_blocks treats its lists of pairs so anyway)."""
+
+    out_device: list[int]
+    out_host: list[int]
+    in_host: list[int]
+    in_device: list[int]
+
+    @classmethod
+    def of(cls, swap_out: list[tuple[list[int], list[int]]],
+           swap_in: list[tuple[list[int], list[int]]]) -> Copies:
+        return cls([d for dev, _ in swap_out for d in dev], [h for _, host in swap_out for h in host],
+                   [h for host, _ in swap_in for h in host], [d for _, dev in swap_in for d in dev])
+
+    def lists(self) -> tuple[list[tuple[list[int], list[int]]], list[tuple[list[int], list[int]]]]:
+        """(swap_out, swap_in) in copy_blocks' form."""
+        return [(self.out_device, self.out_host)], [(self.in_host, self.in_device)]
+
+    def encode(self) -> torch.Tensor:
+        return torch.tensor([len(self.out_device), len(self.in_host), *self.out_device,
+                             *self.out_host, *self.in_host, *self.in_device], dtype=torch.int64)
+
+    @classmethod
+    def decode(cls, flat: torch.Tensor) -> Copies:
+        values = flat.tolist()
+        o, i = values[:2]
+        rest = values[2:]
+        return cls(rest[:o], rest[o:2 * o], rest[2 * o:2 * o + i], rest[2 * o + i:])

@@ -1,0 +1,150 @@
+"""The model runner of one rank of a tensor-parallel group, and the factory that gives
+an engine its runner: the plain ModelRunner at --tensor-parallel-size 1 (the path is
+then exactly the single-process one), a group of ShardedRunners otherwise.
+
+Rank 0's runner is what the engine holds: before each forward (and each swap) it sends
+the inputs to the other ranks, then runs its own shard; the gathered logits land on
+every rank, and rank 0 samples. A step at TP > 1 is never interrupted between layers
+(the other ranks would wait in the next collective), and it runs eagerly: the compiled
+decode step and packed quantized weights are not built for shards.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from typing import Callable, Iterator
+
+import torch
+
+from engine.config import EngineConfig
+from engine.cpu_limit import default_threads
+from engine.loader import LoadedCheckpoint
+from engine.model_runner import ModelRunner
+from engine.models import MODELS
+from engine.models.base import CausalLM
+from engine.parallel.channel import config_to_tensor
+from engine.parallel.group import GroupFailed, TPGroup
+from engine.parallel.plan import Copies, Op, StepInputs
+from engine.parallel.shard import check_shardable, local_kv_heads, shard_model
+
+
+def rank_config(config: EngineConfig) -> EngineConfig:
+    """What one rank runs: eager, dense, and its share of the cores unless
+    --num-threads says otherwise (ranks on one machine must not oversubscribe it)."""
+    world = config.parallel.tensor_parallel_size
+    threads = config.load.num_threads or max(1, (default_threads() or os.cpu_count() or 1) // world)
+    return dataclasses.replace(
+        config, load=dataclasses.replace(config.load, num_threads=threads),
+        quant=dataclasses.replace(config.quant, quantization="none"),
+        compilation=dataclasses.replace(config.compilation, compile=False))
+
+
+class ShardedRunner(ModelRunner):
+    def __init__(self, config: EngineConfig, ckpt: LoadedCheckpoint, max_model_len: int,
+                 rank: int, world: int, group: TPGroup | None = None, owns_group: bool = False
+                 ) -> None:
+        """group: rank 0's handle on the group (None on the other ranks, which only run
+        what rank 0 sends); owns_group: close() ends the group as well."""
+        self.rank, self.world, self.group, self.owns_group = rank, world, group, owns_group
+        super().__init__(rank_config(config), ckpt, max_model_len)
+
+    @property
+    def kv_heads(self) -> int:
+        return local_kv_heads(self.model_config.num_kv_heads, self.world)
+
+    def _build(self, ckpt: LoadedCheckpoint, max_model_len: int) -> CausalLM:
+        model = super()._build(ckpt, max_model_len)
+        shard_model(model, self.rank, self.world)
+        return model
+
+    def _run(self, inputs: StepInputs, should_stop: Callable[[], bool] | None = None,
+             adapters: list | None = None, owed: list = ()):
+        if owed:  # LLMEngine.make_request refuses them first; the other ranks cannot follow
+            raise ValueError("prompt_logprobs is not supported with --tensor-parallel-size > 1")
+        if self.group is None:
+            return super()._run(inputs)
+        with self._group_op("a step"):
+            self.group.send(Op.STEP, inputs.encode())
+            return super()._run(inputs)  # no should_stop: every rank finishes the step
+
+    def copy_blocks(self, swap_out: list[tuple[list[int], list[int]]],
+                    swap_in: list[tuple[list[int], list[int]]]) -> int:
+        if self.group is None or not (swap_out or swap_in):
+            return super().copy_blocks(swap_out, swap_in)
+        with self._group_op("a swap"):
+            self.group.send(Op.COPY, Copies.of(swap_out, swap_in).encode())
+            return super().copy_blocks(swap_out, swap_in)
+
+    def raise_if_broken(self) -> None:
+        if self.group is not None:
+            with self._group_op("the group"):
+                self.group.raise_if_failed()
+
+    @contextlib.contextmanager
+    def _group_op(self, what: str) -> Iterator[None]:
+        """Rank 0's part of a group operation. Any error fails the group (the other
+        ranks may be mid-operation, waiting in a collective that will never come), and
+        the group is shut down here, on the thread that ran its collectives."""
+        try:
+            yield
+        except GroupFailed:
+            self.group.shutdown()
+            raise
+        except Exception as e:
+            failed = self.group.fail(f"{what} failed on rank 0: {type(e).__name__}: {e}")
+            self.group.shutdown()
+            raise failed from e
+
+    def close(self) -> None:
+        if self.group is None:
+            return
+        if self.group.failed is None:
+            try:
+                self.group.send(Op.CLOSE)
+            except GroupFailed:
+                pass
+        if self.owns_group:
+            self.group.shutdown()
+
+
+def make_runner(config: EngineConfig, ckpt: LoadedCheckpoint, max_model_len: int,
+                group: TPGroup | None = None) -> ModelRunner:
+    """The engine's runner. At TP > 1 the split is checked before any process starts;
+    ``group``: an existing group of that size to build on (tests share one), else the
+    runner starts its own and ends it on close()."""
+    world = config.parallel.tensor_parallel_size
+    if world == 1:
+        return ModelRunner(config, ckpt, max_model_len)
+    with torch.device("meta"):
+        check_shardable(MODELS.load(ckpt.config.architecture)(ckpt.config, max_model_len), world)
+    if group is not None and group.world != world:
+        raise ValueError(f"--tensor-parallel-size {world} on a group of {group.world} ranks")
+    owned = group is None
+    group = group or TPGroup(world, config.load.device)
+    try:
+        return _build_on(group, config, ckpt, max_model_len, owned)
+    except BaseException:
+        if owned:
+            group.shutdown()
+        raise
+
+
+def _build_on(group: TPGroup, config: EngineConfig, ckpt: LoadedCheckpoint, max_model_len: int,
+              owned: bool) -> ShardedRunner:
+    """Every rank builds its shard; any rank's error is raised here, naming the rank."""
+    group.send(Op.BUILD, config_to_tensor(config))
+    runner, error, mine = None, None, ""
+    try:
+        runner = ShardedRunner(config, ckpt, max_model_len, 0, group.world, group, owned)
+    except Exception as e:  # noqa: BLE001 - the others must hear of it before it is raised
+        error, mine = e, f"{type(e).__name__}: {e}"
+    errors = group.gather_errors(mine)
+    if error is None and not any(errors):
+        return runner
+    group.send(Op.CLOSE)
+    if error is not None:
+        raise error
+    rank, text = next((r, t) for r, t in enumerate(errors) if t)
+    raise ValueError(f"--tensor-parallel-size {group.world}: rank {rank} could not build "
+                     f"its shard: {text}")

@@ -1,0 +1,164 @@
+"""Splitting a loaded model over the ranks of a tensor-parallel group (Megatron-style).
+
+Each rank keeps, of every layer:
+- attention: its share of the query heads and of the KV heads (the KV heads a rank's
+  query heads read; where there are fewer KV heads than ranks, each is replicated on the
+  ranks whose query heads read it); q/k/v are split by output rows (columns of the
+  computation), o_proj by its input columns, whose partial sums are all-reduced;
+- the gated MLP, and each expert of a mixture: its share of the intermediate width
+  (gate/up by rows, down by columns), all-reduced after the block. Every rank runs the
+  (replicated) router, so every rank picks the same experts for every token;
+- the embedding and the LM head: its share of the vocabulary. An embedding row outside
+  the share contributes zeros and the rows are all-reduced; the logits are gathered.
+
+So a layer costs two all-reduces of [T, H]. Biases after a row split stay on rank 0
+only (every rank adding one would add it world-size times). The collectives are
+forward hooks on the split modules, so a group of one never runs any of this: that
+path is the unsharded model, unchanged.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from engine.layers.attention import Attention
+from engine.layers.mlp import GatedMLP
+from engine.layers.moe import SparseMoE
+from engine.models.base import CausalLM
+
+FLAG = "--tensor-parallel-size"
+
+
+def check_shardable(model: CausalLM, world: int) -> None:
+    """ValueError naming the flag and the numbers when ``world`` ranks cannot split this
+    model evenly (works on a model still on the meta device: nothing is loaded yet)."""
+    cfg = model.cfg
+    counts = [("attention heads", cfg.num_heads), ("vocabulary entries", cfg.vocab_size)]
+    for layer in model.model.layers:
+        mlp = layer.mlp
+        if isinstance(mlp, GatedMLP):
+            counts.append(("MLP intermediate width", mlp.down_proj.in_features))
+        elif isinstance(mlp, SparseMoE):
+            counts.append(("expert intermediate width", mlp.experts.inter))
+        else:
+            raise ValueError(f"{FLAG} {world}: {type(mlp).__name__} layers cannot be split")
+    for what, n in counts:
+        if n % world:
+            raise ValueError(f"{FLAG} {world} does not divide the model's {n} {what}")
+    kv = cfg.num_kv_heads
+    if kv % world and world % kv:
+        raise ValueError(f"{FLAG} {world} neither divides the model's {kv} KV heads nor is "
+                         f"a multiple of them")
+
+
+def local_kv_heads(num_kv_heads: int, world: int) -> int:
+    """KV heads one rank holds: its share, or one replicated head."""
+    return max(1, num_kv_heads // world)
+
+
+def shard_model(model: CausalLM, rank: int, world: int) -> None:
+    """Keep rank's share of every split weight (in place) and hook the collectives in."""
+    check_shardable(model, world)
+    for layer in model.model.layers:
+        _shard_attention(layer.self_attn, rank, world)
+        if isinstance(layer.mlp, GatedMLP):
+            _shard_mlp(layer.mlp, rank, world)
+        else:
+            _shard_experts(layer.mlp, rank, world)
+        layer.self_attn.o_proj.register_forward_hook(_all_reduce)
+        layer.mlp.register_forward_hook(_all_reduce)
+    _shard_vocab(model, rank, world)
+
+
+def _keep(module: nn.Module, name: str, value: torch.Tensor) -> None:
+    setattr(module, name, nn.Parameter(value.contiguous(), requires_grad=False))
+
+
+def _rows(w: torch.Tensor, pieces: list[tuple[int, int]], dim: int = 0) -> torch.Tensor:
+    """The (start, length) pieces of w along dim, concatenated."""
+    return torch.cat([w.narrow(dim, s, n) for s, n in pieces], dim)
+
+
+def _column_split(linear: nn.Linear, pieces: list[tuple[int, int]]) -> None:
+    _keep(linear, "weight", _rows(linear.weight, pieces))
+    if linear.bias is not None:
+        _keep(linear, "bias", _rows(linear.bias, pieces))
+    linear.out_features = linear.weight.shape[0]
+
+
+def _row_split(linear: nn.Linear, start: int, n: int, rank: int) -> None:
+    _keep(linear, "weight", linear.weight.narrow(1, start, n))
+    if linear.bias is not None and rank:
+        _keep(linear, "bias", torch.zeros_like(linear.bias))
+    linear.in_features = n
+
+
+def _shard_attention(attn: Attention, rank: int, world: int) -> None:
+    d, hq, hkv = attn.d, attn.hq // world, local_kv_heads(attn.hkv, world)
+    first_kv = rank * hkv if attn.hkv >= world else rank * attn.hkv // world
+    k0, v0 = attn.hq * d, (attn.hq + attn.hkv) * d
+    _column_split(attn.qkv_proj, [(rank * hq * d, hq * d), (k0 + first_kv * d, hkv * d),
+                                  (v0 + first_kv * d, hkv * d)])
+    _row_split(attn.o_proj, rank * hq * d, hq * d, rank)
+    attn.hq, attn.hkv = hq, hkv
+
+
+def _shard_mlp(mlp: GatedMLP, rank: int, world: int) -> None:
+    inter = mlp.down_proj.in_features
+    n = inter // world
+    _column_split(mlp.gate_up_proj, [(rank * n, n), (inter + rank * n, n)])  # gate, up
+    _row_split(mlp.down_proj, rank * n, n, rank)
+
+
+def _shard_experts(moe: SparseMoE, rank: int, world: int) -> None:
+    ex = moe.experts
+    n = ex.inter // world
+    _keep(ex, "gate_up", _rows(ex.gate_up, [(rank * n, n), (ex.inter + rank * n, n)], dim=1))
+    _keep(ex, "down", ex.down.narrow(2, rank * n, n))
+    ex.inter = n
+
+
+class VocabShardEmbedding(nn.Module):
+    """Rank's rows [start, start + n) of the embedding; the full rows come from an
+    all-reduce (each token's row is nonzero on exactly one rank)."""
+
+    def __init__(self, weight: torch.Tensor, start: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+        self.start = start
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
+        local = ids - self.start
+        mine = (local >= 0) & (local < self.weight.shape[0])
+        x = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)
+        x = x * mine.unsqueeze(-1).to(x.dtype)
+        dist.all_reduce(x)
+        return x
+
+
+def _shard_vocab(model: CausalLM, rank: int, world: int) -> None:
+    n = model.cfg.vocab_size // world
+    embed = model.model.embed_tokens
+    model.model.embed_tokens = VocabShardEmbedding(embed.weight.narrow(0, rank * n, n), rank * n)
+    head = model.lm_head
+    if model.cfg.tie_word_embeddings:
+        head.weight = model.model.embed_tokens.weight
+    else:
+        _keep(head, "weight", head.weight.narrow(0, rank * n, n))
+    head.out_features = n
+    head.register_forward_hook(_gather_vocab)
+
+
+def _all_reduce(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+    """Forward hook: the ranks' partial sums -> the full output, on every rank."""
+    dist.all_reduce(out)
+    return out
+
+
+def _gather_vocab(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+    """Forward hook: each rank's logits [N, V / world] -> all of them [N, V]."""
+    parts = [torch.empty_like(out) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, out.contiguous())
+    return torch.cat(parts, dim=-1)

@@ -1,0 +1,145 @@
+"""--tensor-parallel-size 2 on two gloo ranks (this process is rank 0, one rank process
+beside it, one core each) against the same engine at 1, fp32, on every family's small
+random checkpoint (tests/models/families.py): greedy tokens equal token for token,
+last-position logits within 1e-4. One group serves the whole module (its ranks start
+once); each engine builds its shards on it and drops them on close. The module ends by
+checking that the rank process is gone."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import psutil
+import pytest
+import torch
+
+from core.sampling import SamplingParams
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.parallel.group import TPGroup
+from tests.models.families import FAMILIES, build_checkpoint, prompts
+
+NEW_TOKENS = 32
+LOGIT_ATOL = 1e-4
+ACCEPTANCE = ("llama", "mistral", "mixtral")
+"""Llama, a sliding-window family and an MoE family: 16 prompts alone and batched."""
+
+
+@pytest.fixture(scope="module")
+def group():
+    g = TPGroup(2)
+    pids = g.pids
+    yield g
+    g.shutdown()
+    assert not [p for p in pids if psutil.pid_exists(p)
+                and psutil.Process(p).status() != psutil.STATUS_ZOMBIE], "a rank outlived the group"
+
+
+def config(path, tp: int, **kw) -> EngineConfig:
+    flags = dict(model=str(path), dtype="float32", quantization="none", max_model_len=256,
+                 num_kv_blocks=256, block_size=8, attention_backend="sdpa", compile=False,
+                 tensor_parallel_size=tp)
+    return EngineConfig.from_flat(**{**flags, **kw})
+
+
+def last_logits(eng: LLMEngine, ids: list[int]) -> torch.Tensor:
+    table = eng.kv.pool.allocate(eng.kv.blocks_needed(len(ids)))
+    try:
+        return eng.runner.prompt_logits(ids, table)[-1]
+    finally:
+        eng.kv.pool.free(table)
+
+
+def compare(path, group: TPGroup, alone: bool, count: int, swaps: bool = False, **kw) -> None:
+    """TP 2 against TP 1 on one checkpoint: tokens (batched, and alone when asked) and
+    last-position logits; both engines end with a leak check. swaps: both engines must
+    have swapped blocks out and in."""
+    one = LLMEngine(config(path, 1, **kw))
+    two = LLMEngine(config(path, 2, **kw), tp_group=group)
+    try:
+        batch = prompts(count, seed=1)
+        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+        want = [c.token_ids for c in one.generate(batch, params)]
+        assert [c.token_ids for c in two.generate(batch, params)] == want
+        if swaps:
+            assert [e.stats.swap_in_bytes > 0 for e in (one, two)] == [True, True]
+            assert two.stats.swap_in_bytes * 2 == one.stats.swap_in_bytes  # half the heads each
+        if alone:
+            assert [two.generate([ids], params)[0].token_ids for ids in batch] == want
+        worst = max((last_logits(one, ids) - last_logits(two, ids)).abs().max().item()
+                    for ids in prompts(4, seed=2, low=20, high=60))
+        assert worst <= LOGIT_ATOL, f"last-position logits differ by {worst:.2e}"
+        one.leak_check()
+        two.leak_check()
+    finally:
+        two.close()
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_tp2_equals_tp1(family: str, checkpoint, group) -> None:
+    """8 prompts batched (16 alone and batched for the acceptance families), 32 tokens."""
+    big = family in ACCEPTANCE
+    compare(checkpoint(family), group, alone=big, count=16 if big else 8)
+
+
+def test_fewer_kv_heads_than_ranks_replicates_them(tmp_path, group) -> None:
+    """One KV head, two ranks: each rank holds a copy of it and half the query heads."""
+    compare(build_checkpoint(tmp_path, "llama", num_key_value_heads=1), group,
+            alone=False, count=8)
+
+
+def test_a_split_that_does_not_divide_is_refused_before_any_rank_starts(checkpoint) -> None:
+    before = psutil.Process().children(recursive=True)
+    with pytest.raises(ValueError, match=r"--tensor-parallel-size 3 does not divide the "
+                                         r"model's 4 attention heads"):
+        LLMEngine(config(checkpoint("llama"), 3))
+    assert psutil.Process().children(recursive=True) == before
+
+
+@pytest.mark.parametrize("flag, value", [("quantization", "int8"),
+                                         ("speculative_method", "ngram"),
+                                         ("kv_offload_cpu_gib", 0.5)])
+def test_combinations_not_built_are_refused_naming_both_flags(flag: str, value) -> None:
+    name = "--" + flag.replace("_", "-")
+    with pytest.raises(ValueError, match=f"{name} is not supported with "
+                                         f"--tensor-parallel-size 2"):
+        EngineConfig.from_flat(tensor_parallel_size=2, **{flag: value})
+
+
+def _ranks_of(pid: int) -> list[psutil.Process]:
+    """Live rank processes that a rank 0 of process id ``pid`` started."""
+    out = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if "engine.parallel.follower" in cmd and cmd[-1] == str(pid):
+            out.append(p)
+    return out
+
+
+def test_tandem_generate_at_tp2_prints_tp1_text_and_leaves_no_rank(checkpoint) -> None:
+    args = [sys.executable, "-m", "tandem.cli", "generate", "hello", "--model",
+            str(checkpoint("llama")), "--max-tokens", "12", "--dtype", "float32",
+            "--quantization", "none", "--no-compile", "--attention-backend", "sdpa"]
+    one = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    proc = subprocess.Popen(args + ["--tensor-parallel-size", "2"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    out, err = proc.communicate(timeout=300)
+    assert one.returncode == 0 and proc.returncode == 0, one.stderr + err
+    assert out == one.stdout and len(out) > 1
+    assert _ranks_of(proc.pid) == []
+
+
+def test_workers_refuse_tp_above_one() -> None:
+    from worker.config import WorkerConfig
+
+    with pytest.raises(ValueError, match="--tensor-parallel-size 2: prefill and decode workers"):
+        WorkerConfig(EngineConfig.from_flat(tensor_parallel_size=2))
+
+
+def test_swap_preemption_and_int8_kv_per_rank(checkpoint, group) -> None:
+    """A pool too small for the batch: requests are preempted to the host pool and
+    swapped back on every rank (rank 0 sends each swap), over int8 KV blocks; the
+    tokens equal TP 1's under the same pressure."""
+    kw = dict(kv_cache_dtype="int8", max_model_len=128, num_kv_blocks=40,
+              preemption_mode="swap", enable_prefix_caching=False)
+    compare(checkpoint("llama"), group, alone=False, count=8, swaps=True, **kw)
