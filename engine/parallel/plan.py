@@ -6,7 +6,7 @@ pickles, cross between the processes."""
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -68,31 +68,40 @@ class StepInputs:
 
 @dataclass
 class Copies:
-    """A step's swaps as ModelRunner.copy_blocks takes them, each side one list of
-    (device block, host slot) pairs (copy_blocks treats its lists of pairs so anyway)."""
+    """A step's block copies as ModelRunner.copy_blocks takes them: swaps, each side one
+    list of (device block, host slot) pairs (copy_blocks treats its lists of pairs so
+    anyway), and the copy-on-write pairs (source block, copy) of forked choices."""
 
     out_device: list[int]
     out_host: list[int]
     in_host: list[int]
     in_device: list[int]
+    cow: list[tuple[int, int]] = field(default_factory=list)
 
     @classmethod
     def of(cls, swap_out: list[tuple[list[int], list[int]]],
-           swap_in: list[tuple[list[int], list[int]]]) -> Copies:
+           swap_in: list[tuple[list[int], list[int]]],
+           copies: list[tuple[int, int]] = ()) -> Copies:
         return cls([d for dev, _ in swap_out for d in dev], [h for _, host in swap_out for h in host],
-                   [h for host, _ in swap_in for h in host], [d for _, dev in swap_in for d in dev])
+                   [h for host, _ in swap_in for h in host], [d for _, dev in swap_in for d in dev],
+                   list(copies))
 
-    def lists(self) -> tuple[list[tuple[list[int], list[int]]], list[tuple[list[int], list[int]]]]:
-        """(swap_out, swap_in) in copy_blocks' form."""
-        return [(self.out_device, self.out_host)], [(self.in_host, self.in_device)]
+    def lists(self) -> tuple[list[tuple[list[int], list[int]]], list[tuple[list[int], list[int]]],
+                             list[tuple[int, int]]]:
+        """(swap_out, swap_in, copies) in copy_blocks' form."""
+        return ([(self.out_device, self.out_host)], [(self.in_host, self.in_device)],
+                list(self.cow))
 
     def encode(self) -> torch.Tensor:
-        return torch.tensor([len(self.out_device), len(self.in_host), *self.out_device,
-                             *self.out_host, *self.in_host, *self.in_device], dtype=torch.int64)
+        return torch.tensor([len(self.out_device), len(self.in_host), len(self.cow),
+                             *self.out_device, *self.out_host, *self.in_host, *self.in_device,
+                             *(b for pair in self.cow for b in pair)], dtype=torch.int64)
 
     @classmethod
     def decode(cls, flat: torch.Tensor) -> Copies:
         values = flat.tolist()
-        o, i = values[:2]
-        rest = values[2:]
-        return cls(rest[:o], rest[o:2 * o], rest[2 * o:2 * o + i], rest[2 * o + i:])
+        o, i, c = values[:3]
+        rest = values[3:]
+        pairs = rest[2 * o + 2 * i:]
+        return cls(rest[:o], rest[o:2 * o], rest[2 * o:2 * o + i], rest[2 * o + i:2 * o + 2 * i],
+                   [(pairs[2 * k], pairs[2 * k + 1]) for k in range(c)])

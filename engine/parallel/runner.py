@@ -69,12 +69,15 @@ class ShardedRunner(ModelRunner):
             return super()._run(inputs)  # no should_stop: every rank finishes the step
 
     def copy_blocks(self, swap_out: list[tuple[list[int], list[int]]],
-                    swap_in: list[tuple[list[int], list[int]]]) -> int:
-        if self.group is None or not (swap_out or swap_in):
-            return super().copy_blocks(swap_out, swap_in)
+                    swap_in: list[tuple[list[int], list[int]]],
+                    copies: list[tuple[int, int]] = (), draft_kv: torch.Tensor | None = None
+                    ) -> int:
+        """draft_kv: always None here (a group refuses speculative decoding)."""
+        if self.group is None or not (swap_out or swap_in or copies):
+            return super().copy_blocks(swap_out, swap_in, copies)
         with self._group_op("a swap"):
-            self.group.send(Op.COPY, Copies.of(swap_out, swap_in).encode())
-            return super().copy_blocks(swap_out, swap_in)
+            self.group.send(Op.COPY, Copies.of(swap_out, swap_in, copies).encode())
+            return super().copy_blocks(swap_out, swap_in, copies)
 
     def raise_if_broken(self) -> None:
         if self.group is not None:

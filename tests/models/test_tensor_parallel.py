@@ -143,3 +143,33 @@ def test_swap_preemption_and_int8_kv_per_rank(checkpoint, group) -> None:
     kw = dict(kv_cache_dtype="int8", max_model_len=128, num_kv_blocks=40,
               preemption_mode="swap", enable_prefix_caching=False)
     compare(checkpoint("llama"), group, alone=False, count=8, swaps=True, **kw)
+
+
+def _choices(eng: LLMEngine, ids: list[int], params: SamplingParams) -> list[list[int]]:
+    """Each choice's tokens of one n > 1 request, by index."""
+    eng.add_request(ids, params)
+    out: dict[int, list[int]] = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            out.setdefault(o.index, []).extend(o.new_token_ids)
+    return [out[j] for j in sorted(out)]
+
+
+def test_forked_choices_copy_their_shared_block_on_every_rank(checkpoint, group) -> None:
+    """n = 3 forks the prompt's blocks; each choice's first write into the shared partial
+    block copies it first (copy-on-write), on every rank (rank 0 sends the copies with
+    the swaps). Without the copies on rank 1 its half of the heads would read another
+    block's bytes and the tokens would differ from TP 1's."""
+    path = checkpoint("llama")
+    one = LLMEngine(config(path, 1))
+    two = LLMEngine(config(path, 2), tp_group=group)
+    try:
+        ids = prompts(1, seed=3, low=13, high=14)[0]  # 13 tokens: a partial block is shared
+        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, n=3)
+        want = _choices(one, ids, params)
+        assert len(want) == 3 and want[0] == want[1] == want[2]
+        assert _choices(two, ids, params) == want
+        one.leak_check()
+        two.leak_check()
+    finally:
+        two.close()
