@@ -229,8 +229,8 @@ class Scheduler:
                 if n < len(req.token_ids) - req.num_computed_tokens and not self.chunked:
                     continue
                 n = self.kv.chunk_limit(req, n)
-                if not self._allocate(req, n):
-                    continue
+                if not self._allocate_or_preempt(req, n, [], batch):
+                    continue  # the blocks belong to more important requests, which will free them
                 batch.entries.append((req, n))
                 budget -= n
             elif req.status is not RequestStatus.WAITING:
@@ -272,12 +272,14 @@ class Scheduler:
 
     def _allocate_or_preempt(self, req: Request, n: int, cached: list[int],
                              batch: ScheduledBatch, may_preempt: bool = True) -> bool:
-        """Blocks for n more tokens of req, preempting less important running requests
-        while that helps; False (req untouched) when it still does not fit."""
+        """Blocks for n more tokens of req (an admission, or a running prompt's next
+        chunk), preempting less important running requests while that helps; False (req
+        untouched) when it still does not fit. A running prefill preempts too: two
+        prompts mid-prefill whose KV together overflows the pool would otherwise each
+        skip its chunk, step after step, and neither finish."""
         while not self._allocate(req, n, cached):
             victim = self.running[-1] if self.running else None
             if not may_preempt or victim is None or victim.sort_key() <= req.sort_key():
-                req.num_computed_tokens = 0
                 return False
             self._preempt(victim, batch)
         return True
@@ -304,6 +306,7 @@ class Scheduler:
         req.num_computed_tokens = ncached
         n = self.kv.chunk_limit(req, min(n, budget))
         if not self._allocate_or_preempt(req, n, cached, batch):
+            req.num_computed_tokens = 0
             return None
         promoted = self.kv.claim_promoted(cached)
         if req.num_preemptions == 0:
@@ -329,6 +332,7 @@ class Scheduler:
         req.num_computed_tokens = ext.num_tokens
         need = len(req.token_ids) - ext.num_tokens
         if not self._allocate_or_preempt(req, need, hit, batch, ext.may_preempt):
+            req.num_computed_tokens = 0
             return False
         req.num_computed_tokens = req.num_cached_tokens = len(hit) * self.kv.block_size
         req.num_host_cached_tokens, req.num_disk_cached_tokens = self.kv.claim_promoted(hit)

@@ -59,7 +59,7 @@ def test_unsupported_gguf_tensor_type_is_named(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("kwargs,field", [
-    ({"max_tokens": 0}, "max_tokens"), ({"temperature": -1}, "temperature"),
+    ({"max_tokens": -1}, "max_tokens"), ({"temperature": -1}, "temperature"),
     ({"top_p": 0}, "top_p"), ({"top_k": -2}, "top_k"), ({"min_p": 1.5}, "min_p"),
     ({"presence_penalty": 3}, "presence_penalty"), ({"logprobs": 50}, "logprobs"),
     ({"repetition_penalty": 0}, "repetition_penalty"),

@@ -26,8 +26,8 @@ def _requests():
 
 
 def _engine(model_dir, **kw) -> LLMEngine:
-    return LLMEngine(EngineConfig.from_flat(model=str(model_dir), dtype="float32", max_model_len=64,
-                                            **kw))
+    return LLMEngine(EngineConfig.from_flat(model=str(model_dir), dtype="float32",
+                                            **{"max_model_len": 64, **kw}))
 
 
 @pytest.fixture(scope="module")
@@ -169,4 +169,30 @@ def test_a_full_batch_gives_its_seat_to_a_more_important_request(tiny_model_dir,
     # span event, docs/observability.md), and for how long
     assert {k: o.num_preemptions for k, o in last.items()} == {"r0": 0, "r1": 1, "r2": 0}
     assert last["r1"].preempted_seconds > 0 and last["r0"].preempted_seconds == 0
+    eng.leak_check()
+
+
+def test_two_prefills_that_overflow_the_pool_finish(tiny_model_dir) -> None:
+    """A long prompt is mid-prefill when a more important long prompt arrives; together
+    their KV overflows the pool before either prompt is done. The prefill that cannot
+    get blocks preempts the less important one (it used to skip its chunk, and so did
+    the other: no step ran, forever); both finish with the tokens each gets alone."""
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = [[(i * 7 + j * 5) % 300 + 3 for j in range(300)] for i in range(2)]
+    alone = _engine(tiny_model_dir, max_model_len=320, num_kv_blocks=64)
+    want = [alone.generate([p], params)[0].token_ids for p in prompts]
+    eng = _engine(tiny_model_dir, max_model_len=320, num_kv_blocks=20,
+                  max_num_batched_tokens=64, preemption_mode="recompute")
+    low = eng.add_request(prompts[0], params, priority=1)
+    for _ in range(3):  # 192 of its 300 tokens: 12 of the 20 blocks
+        eng.step()
+    high = eng.add_request(prompts[1], params, priority=0)
+    reqs = {rid: eng.requests[rid] for rid in (low, high)}
+    for _ in range(200):  # bounded: a deadlock fails here instead of hanging
+        if not eng.has_unfinished():
+            break
+        eng.step()
+    assert not eng.has_unfinished(), [r.num_computed_tokens for r in reqs.values()]
+    assert [reqs[low].output_token_ids, reqs[high].output_token_ids] == want
+    assert eng.stats.preemptions == {PreemptionMode.RECOMPUTE: 1}
     eng.leak_check()

@@ -116,7 +116,7 @@ def test_clients_that_hang_up_are_aborted_upstream(c, stream) -> None:
     ({"stop": ["y" * 10_000]}, "stop"),
     ({"stop": "z" * 10_000}, "stop"),
     ({"logprobs": 21}, "logprobs"),
-    ({"n": 2}, "n"),
+    ({"n": 17}, "n"),  # above MAX_CHOICES (16)
     ({"temperature": -1e-40}, "temperature"),
     ({"top_k": 2**40}, "top_k"),
     ({"seed": 2**64}, "seed"),
