@@ -37,6 +37,10 @@ class RouterMetrics:
                                registry=r)
         self.healthy = Gauge("tandem:router_healthy_workers", "Healthy workers", ["role"],
                              registry=r)
+        self.worker_kv_blocks = Gauge(
+            "tandem:router_worker_kv_blocks",
+            "Each worker's KV blocks as its last load report said (free: free or cached)",
+            ["worker", "state"], registry=r)
         for role in ("prefill", "decode"):  # every series exists from the start
             self.healthy.labels(role=role)
         for path in RequestPath:

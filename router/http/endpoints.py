@@ -53,6 +53,11 @@ class Endpoints:
         m = self.state.metrics
         for role in ("prefill", "decode"):
             m.healthy.labels(role=role).set(len(self.state.pool.healthy(role)))
+        m.worker_kv_blocks.clear()  # workers come and go: only the current ones
+        for w in self.state.pool.workers:
+            if w.load.total_blocks:
+                m.worker_kv_blocks.labels(worker=w.address, state="free").set(w.load.free_blocks)
+                m.worker_kv_blocks.labels(worker=w.address, state="total").set(w.load.total_blocks)
         return PlainTextResponse(generate_latest(m.registry).decode(),
                                  media_type="text/plain; version=0.0.4")
 

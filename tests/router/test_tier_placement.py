@@ -136,6 +136,17 @@ def _generate_on(c, proc, rid: str, prompt: list[int]) -> None:
     assert chunks[-1].finished
 
 
+def _router_sees_idle(url: str, proc, total: int) -> None:
+    """Wait until the router's last load report from proc says every block is free (a
+    report is pushed at most every 50 ms, after the events of the same step: placing
+    before it arrives would weigh a stale mid-run load against the host hit)."""
+    want = f'tandem:router_worker_kv_blocks{{state="free",worker="{proc.addr}"}} {float(total)}'
+    deadline = time.monotonic() + 30
+    while want not in (text := httpx.get(url + "/metrics", timeout=10).text):
+        assert time.monotonic() < deadline, [ln for ln in text.splitlines() if "worker_kv" in ln]
+        time.sleep(0.05)
+
+
 def test_two_workers_the_prompt_goes_where_its_host_tier_holds_it(tiny_model_dir, tmp_path) -> None:
     """The prompt ran on one worker, which then ran other prompts (sent to it directly)
     until the prompt's blocks left its device for its host tier. The router sends the
@@ -150,6 +161,7 @@ def test_two_workers_the_prompt_goes_where_its_host_tier_holds_it(tiny_model_dir
         holder = next(p for p in c.decode if p.addr in where)
         for k, filler in enumerate(FILLERS):
             _generate_on(c, holder, f"filler-{k}", filler)
+        _router_sees_idle(c.url, holder, total=8)
         again = _complete(c.url, PROMPT)
         assert holder.addr in json.loads(log.read_text().splitlines()[-1])["decode_worker"]
         assert again["choices"][0]["text"] == first["choices"][0]["text"]
