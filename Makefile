@@ -31,7 +31,7 @@ up: model proto
 	$(VENV)/bin/tandem up
 
 test: model proto
-	$(VPY) -m pytest -q -ra
+	$(VPY) -m pytest -q -ra --durations=25
 
 bench: model proto
 	$(VPY) bench/bench_engine.py

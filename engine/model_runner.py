@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -303,7 +303,8 @@ class ModelRunner:
         sampled, rows = lay.sampled, lay.rows
         plain = [i for i, r in enumerate(sampled) if not r.draft]
         masks = self._submit_masks([r.sampling for r in sampled], [r.draft for r in sampled])
-        adapters = [req.lora for req, n in entries for _ in range(n)]  # one per row of ids
+        adapters = ([req.lora for req, n in entries for _ in range(n)]  # one per row of ids
+                    if self.lora is not None else None)
         try:
             logits, prompt = self._run(inputs, should_stop, adapters, lay.owed)  # [N, V] fp32
             if logits is None:
@@ -345,7 +346,7 @@ class ModelRunner:
                               self.kv_quant)
         ctx = ForwardContext(self.kv, meta, self.backend, should_stop)
         hidden = self._forward(inputs.ids, inputs.positions, ctx, inputs.decode_only,
-                               adapters or [None] * len(inputs.ids))
+                               adapters or ())
         prompt = self._prompt_logprobs(hidden, owed)
         if not inputs.logit_rows:
             return None, prompt
@@ -400,9 +401,9 @@ class ModelRunner:
         return StepTokens(sampled, tokens, logprobs)
 
     def _forward(self, ids: list[int], pos: list[int], ctx: ForwardContext,
-                 decode_only: bool, adapters: list) -> torch.Tensor:
+                 decode_only: bool, adapters: Sequence) -> torch.Tensor:
         """Hidden states [T, H]: a compiled bucket for decode-only steps, else eager.
-        adapters: each row's LoRA adapter or None (the base model)."""
+        adapters: each row's LoRA adapter or None (the base model); empty: all base."""
         c = self.compiled
         bucket = c.bucket(len(ids)) if c is not None and decode_only else None
         if bucket is not None:

@@ -62,7 +62,7 @@ def test_unsupported_gguf_tensor_type_is_named(tmp_path: Path) -> None:
     ({"max_tokens": -1}, "max_tokens"), ({"temperature": -1}, "temperature"),
     ({"top_p": 0}, "top_p"), ({"top_k": -2}, "top_k"), ({"min_p": 1.5}, "min_p"),
     ({"presence_penalty": 3}, "presence_penalty"), ({"logprobs": 50}, "logprobs"),
-    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"), ({"n": 2, "max_tokens": 0}, "n"),
 ])
 def test_sampling_values_are_checked(kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):

@@ -219,6 +219,10 @@ def test_only_full_requests_share_prefix_blocks(sharp_model) -> None:
     while eng.has_unfinished():
         eng.step()
     assert req.num_cached_tokens == 36
+    with pytest.raises(FieldError, match="n: several choices need kv_policy full"):
+        eng.add_request(prompt, SamplingParams(max_tokens=4, n=2, **GREEDY),
+                        kv_policy="streaming:sinks=4,window=12")
+    assert not eng.has_unfinished()
     eng.leak_check()
 
 

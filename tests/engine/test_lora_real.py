@@ -1,8 +1,10 @@
 """Multi-LoRA on the embedded model (SmolLM2-135M GGUF, kept packed as served) against
 PEFT on transformers' fp32 dequantization of the same file: three seeded random adapters
-on every linear (nonzero B, scaled small so the model stays coherent) and the base, 8
-prompts x 32 greedy tokens each equal PEFT's; 16 requests mixing all four in one batch
-equal each alone. As in tests/engine/test_reference_hf.py, a continuation may part from
+on every linear (nonzero B, scaled small so the model stays coherent) and the base, 4
+prompts x 16 greedy tokens each equal PEFT's; 8 requests mixing all four in one batch
+equal each alone. (The issue's full 8 prompts x 32 tokens and 16 mixed requests run on
+the random checkpoints of tests/models/test_lora.py; here the packed GGUF base is what
+is checked, at a size the suite can afford.) As in tests/engine/test_reference_hf.py, a continuation may part from
 the reference only at a near-tie (the reference's two candidates within 1e-3, which
 summation order can flip): anything else fails."""
 from __future__ import annotations
@@ -21,11 +23,10 @@ from tests.models.families import hf_greedy, hf_last_logits
 pytestmark = pytest.mark.slow
 pytest.importorskip("peft", reason="PEFT makes the adapters and is the reference")
 
-NEW_TOKENS = 32
+NEW_TOKENS = 16
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-TEXTS = ["The capital of France is", "def add(a, b):", "Once upon a time,",
-         "The three laws of motion are", "My favourite fruit is", "SELECT name FROM",
-         "Water boils at", "To make bread, first"]
+TEXTS = ["The capital of France is", "def add(a, b):", "The three laws of motion are",
+         "SELECT name FROM"]
 ADAPTERS = {"a": (1, {}), "b": (2, {"r": 4, "rslora": True}), "c": (3, {"r": 16})}
 NEAR_TIE = 1e-3
 
@@ -70,7 +71,7 @@ def test_greedy_matches_peft(setup) -> None:
 
 def test_mixed_batch_equals_alone(setup) -> None:
     eng, _, batch = setup
-    prompts, names = batch * 2, ["", "a", "b", "c"] * 4
+    prompts, names = batch * 2, ["", "a", "b", "c", "c", "b", "a", ""]
     together = [c.token_ids for c in eng.generate(prompts, GREEDY, names)]
     alone = [eng.generate([p], GREEDY, [n])[0].token_ids for p, n in zip(prompts, names)]
     assert together == alone

@@ -13,6 +13,7 @@ import psutil
 import pytest
 import torch
 
+from core.errors import FieldError
 from core.sampling import SamplingParams
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -96,14 +97,28 @@ def test_a_split_that_does_not_divide_is_refused_before_any_rank_starts(checkpoi
     assert psutil.Process().children(recursive=True) == before
 
 
-@pytest.mark.parametrize("flag, value", [("quantization", "int8"),
-                                         ("speculative_method", "ngram"),
-                                         ("kv_offload_cpu_gib", 0.5)])
-def test_combinations_not_built_are_refused_naming_both_flags(flag: str, value) -> None:
-    name = "--" + flag.replace("_", "-")
+@pytest.mark.parametrize("flag, value, name", [
+    ("quantization", "int8", "--quantization"),
+    ("speculative_method", "ngram", "--speculative-method"),
+    ("kv_offload_cpu_gib", 0.5, "--kv-offload-cpu-gib"),
+    ("enable_lora", True, "--enable-lora/--lora-modules"),
+    ("kv_policy", "streaming:sinks=4,window=60", "--kv-policy"),
+    ("allow_request_kv_policy", True, "--kv-policy")])
+def test_combinations_not_built_are_refused_naming_both_flags(flag: str, value, name: str) -> None:
     with pytest.raises(ValueError, match=f"{name} is not supported with "
                                          f"--tensor-parallel-size 2"):
         EngineConfig.from_flat(tensor_parallel_size=2, **{flag: value})
+
+
+def test_prompt_logprobs_at_tp2_is_refused_naming_the_field(checkpoint, group) -> None:
+    eng = LLMEngine(config(checkpoint("llama"), 2), tp_group=group)
+    try:
+        with pytest.raises(FieldError, match="prompt_logprobs: not supported with "
+                                             "--tensor-parallel-size > 1"):
+            eng.make_request([5, 6, 7], SamplingParams(max_tokens=1, prompt_logprobs=1))
+        eng.leak_check()
+    finally:
+        eng.close()
 
 
 def _ranks_of(pid: int) -> list[psutil.Process]:
