@@ -144,7 +144,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("worker_id", "num_waiting", "num_running", "kv_usage", "free_blocks", "total_blocks", "queued_prompt_tokens", "active_leases", "block_size", "swap_used_blocks", "loras")
+    __slots__ = ("worker_id", "num_waiting", "num_running", "kv_usage", "free_blocks", "total_blocks", "queued_prompt_tokens", "active_leases", "block_size", "swap_used_blocks", "loras", "lora_generation")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -156,6 +156,7 @@ class WorkerLoad(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     SWAP_USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LORAS_FIELD_NUMBER: _ClassVar[int]
+    LORA_GENERATION_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     num_waiting: int
     num_running: int
@@ -167,7 +168,8 @@ class WorkerLoad(_message.Message):
     block_size: int
     swap_used_blocks: int
     loras: _containers.RepeatedCompositeFieldContainer[LoRAAdapter]
-    def __init__(self, worker_id: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., kv_usage: _Optional[float] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., active_leases: _Optional[int] = ..., block_size: _Optional[int] = ..., swap_used_blocks: _Optional[int] = ..., loras: _Optional[_Iterable[_Union[LoRAAdapter, _Mapping]]] = ...) -> None: ...
+    lora_generation: int
+    def __init__(self, worker_id: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., kv_usage: _Optional[float] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., active_leases: _Optional[int] = ..., block_size: _Optional[int] = ..., swap_used_blocks: _Optional[int] = ..., loras: _Optional[_Iterable[_Union[LoRAAdapter, _Mapping]]] = ..., lora_generation: _Optional[int] = ...) -> None: ...
 
 class LoRAAdapter(_message.Message):
     __slots__ = ("name", "path", "identity")
@@ -194,10 +196,14 @@ class UnloadLoRARequest(_message.Message):
     def __init__(self, lora_name: _Optional[str] = ...) -> None: ...
 
 class LoRAReply(_message.Message):
-    __slots__ = ("adapter",)
+    __slots__ = ("adapter", "loras", "lora_generation")
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    LORAS_FIELD_NUMBER: _ClassVar[int]
+    LORA_GENERATION_FIELD_NUMBER: _ClassVar[int]
     adapter: LoRAAdapter
-    def __init__(self, adapter: _Optional[_Union[LoRAAdapter, _Mapping]] = ...) -> None: ...
+    loras: _containers.RepeatedCompositeFieldContainer[LoRAAdapter]
+    lora_generation: int
+    def __init__(self, adapter: _Optional[_Union[LoRAAdapter, _Mapping]] = ..., loras: _Optional[_Iterable[_Union[LoRAAdapter, _Mapping]]] = ..., lora_generation: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -184,7 +184,7 @@ class WorkerBase:
     def load_proto(self) -> common.WorkerLoad:
         load = load_to_proto(self.engine.load, self.worker_id, self.engine.info.block_size,
                              self.active_leases())
-        load.loras.extend(worker_lora.adapters_proto(self.engine.loras))
+        worker_lora.describe(self.engine.loras, load)
         return load
 
     # -- RPCs both roles serve ----------------------------------------------------

@@ -35,11 +35,12 @@ UNLOAD_POLL_S = 0.05
 """How often an unload looks whether the adapter's last request has finished."""
 
 
-def adapters_proto(registry: LoRARegistry | None) -> list[common.LoRAAdapter]:
-    """What WorkerLoad.loras says: every adapter served, by name."""
+def describe(registry: LoRARegistry | None, message) -> None:
+    """Fill a WorkerLoad's or LoRAReply's loras and lora_generation."""
     if registry is None:
-        return []
-    return [common.LoRAAdapter(name=n, path=p, identity=i) for n, p, i in registry.served()]
+        return
+    served, message.lora_generation = registry.served()
+    message.loras.extend(common.LoRAAdapter(name=n, path=p, identity=i) for n, p, i in served)
 
 
 async def _registry(engine: EngineWorker, context) -> LoRARegistry:
@@ -60,7 +61,7 @@ async def load_adapter(engine: EngineWorker, request: common.LoadLoRARequest, co
         return await refuse(context, FieldError(
             "lora_name" if not name else "lora_path",
             "lora_name and lora_path are both required (a name and a PEFT adapter directory)"))
-    with_name = {n for n, _, _ in registry.served()}
+    with_name = {n for n, _, _ in registry.served()[0]}
     if name in with_name:
         await context.abort(grpc.StatusCode.ALREADY_EXISTS,
                             f"lora_name: an adapter named {name!r} is already loaded; unload "
@@ -71,15 +72,17 @@ async def load_adapter(engine: EngineWorker, request: common.LoadLoRARequest, co
         if isinstance(e, ValueError) and str(e).startswith("lora_name"):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))  # a racing load
         return await refuse(context, FieldError("lora_path", f"lora_path {path!r}: {e}"))
-    return common.LoRAReply(adapter=common.LoRAAdapter(name=name, path=path,
-                                                       identity=adapter.identity))
+    reply = common.LoRAReply(adapter=common.LoRAAdapter(name=name, path=path,
+                                                        identity=adapter.identity))
+    describe(registry, reply)
+    return reply
 
 
 async def unload_adapter(engine: EngineWorker, request: common.UnloadLoRARequest,
                          context) -> common.LoRAReply:
     registry = await _registry(engine, context)
     name = request.lora_name
-    served = {n: (p, i) for n, p, i in registry.served()}
+    served = {n: (p, i) for n, p, i in registry.served()[0]}
     try:
         registry.remove(name)
     except KeyError:
@@ -87,9 +90,11 @@ async def unload_adapter(engine: EngineWorker, request: common.UnloadLoRARequest
                             f"lora_name: no adapter named {name!r} is loaded "
                             f"(loaded: {sorted(served) or 'none'})")
     path, identity = served[name]
+    reply = common.LoRAReply(adapter=common.LoRAAdapter(name=name, path=path, identity=identity))
+    describe(registry, reply)
     while await engine.run(lambda e: _uses(e, identity)):
         await asyncio.sleep(UNLOAD_POLL_S)
-    return common.LoRAReply(adapter=common.LoRAAdapter(name=name, path=path, identity=identity))
+    return reply
 
 
 def _uses(engine: LLMEngine, identity: bytes) -> bool:

@@ -33,6 +33,8 @@ class LoRARegistry:
         self.paths: dict[str, str] = {}
         self.identities: dict[str, bytes] = {}
         """Name -> the identity of its files as last read (what a router salts with)."""
+        self.generation = 0
+        """Adds and removes so far (routers keep the newest list they see)."""
         self.cache: OrderedDict[str, LoRAAdapter] = OrderedDict()
         self.lock = threading.Lock()
 
@@ -47,6 +49,7 @@ class LoRARegistry:
                 raise ValueError(f"lora_name: an adapter named {name!r} is already loaded")
             self.paths[name] = path
             self.identities[name] = adapter.identity
+            self.generation += 1
             self._keep(adapter)
         return adapter
 
@@ -55,16 +58,19 @@ class LoRARegistry:
         with self.lock:
             del self.paths[name]
             self.identities.pop(name, None)
+            self.generation += 1
             self.cache.pop(name, None)
 
     def names(self) -> list[str]:
         with self.lock:
             return sorted(self.paths)
 
-    def served(self) -> list[tuple[str, str, bytes]]:
-        """(name, path, identity) of every adapter served, by name."""
+    def served(self) -> tuple[list[tuple[str, str, bytes]], int]:
+        """(name, path, identity) of every adapter served, by name, and the generation
+        of that list."""
         with self.lock:
-            return [(n, self.paths[n], self.identities[n]) for n in sorted(self.paths)]
+            return ([(n, self.paths[n], self.identities[n]) for n in sorted(self.paths)],
+                    self.generation)
 
     def get(self, name: str) -> LoRAAdapter:
         """The adapter a request names in its ``model`` field (FieldError naming it when
