@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.cluster.launch import cluster
+from tests.cluster.launch import another_router, cluster
 from tests.models.adapters import tiny_adapters
 
 pytest.importorskip("peft", reason="PEFT makes the adapters")
@@ -140,3 +140,12 @@ def test_rank_above_max_lora_rank_is_refused_and_metrics_name_the_adapters(c) ->
                 if ln.startswith("tandem:lora_requests_info{")]
         assert len(info) == 1 and 'max_lora="4"' in info[0], info
     c.leak_check()
+
+
+def test_without_an_admin_key_the_admin_endpoints_are_off(c, tiny_model_dir) -> None:
+    with another_router(c, tiny_model_dir) as url:
+        r = httpx.post(url + "/v1/load_lora_adapter", timeout=30, headers={
+            "authorization": f"Bearer {ADMIN}"}, json={"lora_name": "x", "lora_path": "/x"})
+        assert r.status_code == 403 and "--admin-key-file" in r.json()["error"]["message"]
+        assert [m["id"] for m in httpx.get(url + "/v1/models", timeout=10).json()["data"]][1:] \
+            == ["a", "b"]  # learnt from the workers, not from its own flags
