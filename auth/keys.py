@@ -162,19 +162,30 @@ def _entry(e: object, i: int, where: str) -> ApiKey:
 
 
 METRICS_ENV = "TANDEM_METRICS_KEY"
+ADMIN_ENV = "TANDEM_ADMIN_KEY"
 
 
 def load_metrics_key(path: str | None) -> bytes | None:
     """The key /metrics requires: from path (--metrics-key-file), else
     $TANDEM_METRICS_KEY, else None (open)."""
+    return _load_key(path, "--metrics-key-file", METRICS_ENV)
+
+
+def load_admin_key(path: str | None) -> bytes | None:
+    """The key the admin endpoints (/v1/load_lora_adapter, /v1/unload_lora_adapter)
+    require: from path (--admin-key-file), else $TANDEM_ADMIN_KEY, else None (those
+    endpoints are off)."""
+    return _load_key(path, "--admin-key-file", ADMIN_ENV)
+
+
+def _load_key(path: str | None, flag: str, env: str) -> bytes | None:
     if path:
         try:
             value = Path(path).read_text().strip()
         except OSError as e:
-            raise KeyFileError(f"--metrics-key-file {path}: cannot read it "
-                               f"({e.strerror or e})") from e
+            raise KeyFileError(f"{flag} {path}: cannot read it ({e.strerror or e})") from e
         if not value:
-            raise KeyFileError(f"--metrics-key-file {path}: the file is empty")
+            raise KeyFileError(f"{flag} {path}: the file is empty")
         return value.encode()
-    value = os.environ.get(METRICS_ENV, "").strip()
+    value = os.environ.get(env, "").strip()
     return value.encode() or None

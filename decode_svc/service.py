@@ -108,6 +108,7 @@ class DecodeService(WorkerBase, pb_grpc.DecodeServicer):
         link's compatibility is checked before anything else, as the handle's block
         count only means something between compatible caches."""
         handle = blocks_from_proto(request.kv_handle)
+        await _refuse_other_weights(req, request, context)
         async with contextlib.AsyncExitStack() as stack:
             peer: Peer | None = None
             if not self.kv_peers.allows(handle.endpoint):
@@ -267,6 +268,24 @@ class DecodeService(WorkerBase, pb_grpc.DecodeServicer):
         """Cancel a request; its Generate stream ends with finish_reason "abort" (at once,
         or when its pull ends)."""
         return common.AbortReply(aborted=await self.engine.abort(request.request_id))
+
+
+async def _refuse_other_weights(req: Request, request: pb.GenerateRequest, context) -> None:
+    """FAILED_PRECONDITION when the handle's KV was computed under another LoRA adapter
+    (or the base model) than this request runs under: such KV is never adopted. Nothing
+    is held here yet; the caller (the router) ends the prefill side's lease."""
+    mine = req.lora.identity if req.lora is not None else b""
+    theirs = request.kv_handle.lora_identity
+    if theirs != mine:
+        await context.abort(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"kv_handle.lora_identity: the KV was computed under {_weights(theirs)}, and "
+            f"request {req.request_id} runs under {_weights(mine)} (lora_name "
+            f"{request.lora_name!r}); KV of other weights is never adopted")
+
+
+def _weights(identity: bytes) -> str:
+    return f"LoRA adapter {identity.hex()[:16]}" if identity else "the base model"
 
 
 async def _quiet_release(peer: Peer, handle: SourceBlocks) -> bool:

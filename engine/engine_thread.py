@@ -108,8 +108,8 @@ class EngineWorker:
     # -- requests -----------------------------------------------------------------------
     async def make_request(self, prompt_ids: Sequence[int], params: SamplingParams,
                            request_id: str, priority: int = 0,
-                           output_token_ids: Sequence[int] = (), cache_salt: bytes = b""
-                           ) -> Request:
+                           output_token_ids: Sequence[int] = (), cache_salt: bytes = b"",
+                           lora: str = "") -> Request:
         """Validate and build a request (ValueError naming the field). Reads only fixed
         configuration, so it runs off the engine thread: here for a plain request (its
         cost is bounded by the context window), on the build pool when it has a
@@ -121,7 +121,7 @@ class EngineWorker:
 
         def build() -> Request:
             return engine.make_request(list(prompt_ids), params, request_id, priority,
-                                       list(output_token_ids), cache_salt)
+                                       list(output_token_ids), cache_salt, lora)
         if params.guided is None and not output_token_ids:
             return build()
         return await asyncio.get_running_loop().run_in_executor(self._builders, build)
@@ -160,6 +160,18 @@ class EngineWorker:
 
     def close_stream(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
+
+    # -- LoRA adapters ------------------------------------------------------------------
+    @property
+    def loras(self):
+        """The engine's LoRA adapters by name (engine/lora/registry.py LoRARegistry, which
+        any thread may use), None without LoRA."""
+        return self._engine.loras if self._engine is not None else None
+
+    async def off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(*args) on the request-build pool (a disk read, such as loading an adapter:
+        neither the event loop nor the engine thread waits for it)."""
+        return await asyncio.get_running_loop().run_in_executor(self._builders, fn, *args)
 
     # -- queries ------------------------------------------------------------------------
     async def cached_hashes(self) -> list[BlockHash]:

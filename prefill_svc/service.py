@@ -108,6 +108,8 @@ class PrefillService(WorkerBase, pb_grpc.PrefillServicer):
                                   len(request.token_ids) + len(request.output_token_ids))
             if handle is None:  # an Abort freed the blocks before this handler woke
                 out.finish_reason, out.kept_blocks = FinishReason.ABORT, None
+            elif req.lora is not None:  # the decode side adopts it under this adapter only
+                handle.lora_identity = req.lora.identity
         if out.error:
             await context.abort(grpc.StatusCode.INTERNAL, out.error)
         return self._reply(request, out, handle, time.monotonic() - t0)
@@ -134,7 +136,7 @@ class PrefillService(WorkerBase, pb_grpc.PrefillServicer):
             reply.prompt_logprobs.CopyFrom(prompt_logprobs_to_proto(out.prompt_logprobs))
         if handle is not None:
             reply.kv_handle.CopyFrom(handle)
-        worker_spans.prefill_done(out, seconds, handle)
+        worker_spans.prefill_done(out, seconds, handle, request.lora_name)
         return reply
 
     def _handle(self, rid: str, blocks: list[int], num_tokens: int):

@@ -144,7 +144,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("worker_id", "num_waiting", "num_running", "kv_usage", "free_blocks", "total_blocks", "queued_prompt_tokens", "active_leases", "block_size", "swap_used_blocks")
+    __slots__ = ("worker_id", "num_waiting", "num_running", "kv_usage", "free_blocks", "total_blocks", "queued_prompt_tokens", "active_leases", "block_size", "swap_used_blocks", "loras", "lora_generation")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -155,6 +155,8 @@ class WorkerLoad(_message.Message):
     ACTIVE_LEASES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     SWAP_USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LORAS_FIELD_NUMBER: _ClassVar[int]
+    LORA_GENERATION_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     num_waiting: int
     num_running: int
@@ -165,7 +167,43 @@ class WorkerLoad(_message.Message):
     active_leases: int
     block_size: int
     swap_used_blocks: int
-    def __init__(self, worker_id: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., kv_usage: _Optional[float] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., active_leases: _Optional[int] = ..., block_size: _Optional[int] = ..., swap_used_blocks: _Optional[int] = ...) -> None: ...
+    loras: _containers.RepeatedCompositeFieldContainer[LoRAAdapter]
+    lora_generation: int
+    def __init__(self, worker_id: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., kv_usage: _Optional[float] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., active_leases: _Optional[int] = ..., block_size: _Optional[int] = ..., swap_used_blocks: _Optional[int] = ..., loras: _Optional[_Iterable[_Union[LoRAAdapter, _Mapping]]] = ..., lora_generation: _Optional[int] = ...) -> None: ...
+
+class LoRAAdapter(_message.Message):
+    __slots__ = ("name", "path", "identity")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    identity: bytes
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., identity: _Optional[bytes] = ...) -> None: ...
+
+class LoadLoRARequest(_message.Message):
+    __slots__ = ("lora_name", "lora_path")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    lora_path: str
+    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
+
+class UnloadLoRARequest(_message.Message):
+    __slots__ = ("lora_name",)
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    def __init__(self, lora_name: _Optional[str] = ...) -> None: ...
+
+class LoRAReply(_message.Message):
+    __slots__ = ("adapter", "loras", "lora_generation")
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    LORAS_FIELD_NUMBER: _ClassVar[int]
+    LORA_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    adapter: LoRAAdapter
+    loras: _containers.RepeatedCompositeFieldContainer[LoRAAdapter]
+    lora_generation: int
+    def __init__(self, adapter: _Optional[_Union[LoRAAdapter, _Mapping]] = ..., loras: _Optional[_Iterable[_Union[LoRAAdapter, _Mapping]]] = ..., lora_generation: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

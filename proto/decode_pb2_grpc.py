@@ -60,6 +60,16 @@ class DecodeStub:
                 request_serializer=proto_dot_decode__pb2.KVPeers.SerializeToString,
                 response_deserializer=proto_dot_decode__pb2.KVPeersReply.FromString,
                 _registered_method=True)
+        self.LoadLoRAAdapter = channel.unary_unary(
+                '/tandem.decode.Decode/LoadLoRAAdapter',
+                request_serializer=proto_dot_common__pb2.LoadLoRARequest.SerializeToString,
+                response_deserializer=proto_dot_common__pb2.LoRAReply.FromString,
+                _registered_method=True)
+        self.UnloadLoRAAdapter = channel.unary_unary(
+                '/tandem.decode.Decode/UnloadLoRAAdapter',
+                request_serializer=proto_dot_common__pb2.UnloadLoRARequest.SerializeToString,
+                response_deserializer=proto_dot_common__pb2.LoRAReply.FromString,
+                _registered_method=True)
 
 
 class DecodeServicer:
@@ -98,6 +108,19 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRAAdapter(self, request, context):
+        """Serve one more LoRA adapter / stop serving one (the router's admin endpoints).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRAAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -125,6 +148,16 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.SetKVPeers,
                     request_deserializer=proto_dot_decode__pb2.KVPeers.FromString,
                     response_serializer=proto_dot_decode__pb2.KVPeersReply.SerializeToString,
+            ),
+            'LoadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRAAdapter,
+                    request_deserializer=proto_dot_common__pb2.LoadLoRARequest.FromString,
+                    response_serializer=proto_dot_common__pb2.LoRAReply.SerializeToString,
+            ),
+            'UnloadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRAAdapter,
+                    request_deserializer=proto_dot_common__pb2.UnloadLoRARequest.FromString,
+                    response_serializer=proto_dot_common__pb2.LoRAReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -262,6 +295,60 @@ class Decode:
             '/tandem.decode.Decode/SetKVPeers',
             proto_dot_decode__pb2.KVPeers.SerializeToString,
             proto_dot_decode__pb2.KVPeersReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.decode.Decode/LoadLoRAAdapter',
+            proto_dot_common__pb2.LoadLoRARequest.SerializeToString,
+            proto_dot_common__pb2.LoRAReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.decode.Decode/UnloadLoRAAdapter',
+            proto_dot_common__pb2.UnloadLoRARequest.SerializeToString,
+            proto_dot_common__pb2.LoRAReply.FromString,
             options,
             channel_credentials,
             insecure,

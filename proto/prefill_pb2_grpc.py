@@ -55,6 +55,16 @@ class PrefillStub:
                 request_serializer=proto_dot_common__pb2.LoadRequest.SerializeToString,
                 response_deserializer=proto_dot_common__pb2.WorkerLoad.FromString,
                 _registered_method=True)
+        self.LoadLoRAAdapter = channel.unary_unary(
+                '/tandem.prefill.Prefill/LoadLoRAAdapter',
+                request_serializer=proto_dot_common__pb2.LoadLoRARequest.SerializeToString,
+                response_deserializer=proto_dot_common__pb2.LoRAReply.FromString,
+                _registered_method=True)
+        self.UnloadLoRAAdapter = channel.unary_unary(
+                '/tandem.prefill.Prefill/UnloadLoRAAdapter',
+                request_serializer=proto_dot_common__pb2.UnloadLoRARequest.SerializeToString,
+                response_deserializer=proto_dot_common__pb2.LoRAReply.FromString,
+                _registered_method=True)
 
 
 class PrefillServicer:
@@ -87,6 +97,19 @@ class PrefillServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRAAdapter(self, request, context):
+        """Serve one more LoRA adapter / stop serving one (the router's admin endpoints).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRAAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -109,6 +132,16 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=proto_dot_common__pb2.LoadRequest.FromString,
                     response_serializer=proto_dot_common__pb2.WorkerLoad.SerializeToString,
+            ),
+            'LoadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRAAdapter,
+                    request_deserializer=proto_dot_common__pb2.LoadLoRARequest.FromString,
+                    response_serializer=proto_dot_common__pb2.LoRAReply.SerializeToString,
+            ),
+            'UnloadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRAAdapter,
+                    request_deserializer=proto_dot_common__pb2.UnloadLoRARequest.FromString,
+                    response_serializer=proto_dot_common__pb2.LoRAReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -219,6 +252,60 @@ class Prefill:
             '/tandem.prefill.Prefill/GetLoad',
             proto_dot_common__pb2.LoadRequest.SerializeToString,
             proto_dot_common__pb2.WorkerLoad.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.prefill.Prefill/LoadLoRAAdapter',
+            proto_dot_common__pb2.LoadLoRARequest.SerializeToString,
+            proto_dot_common__pb2.LoRAReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.prefill.Prefill/UnloadLoRAAdapter',
+            proto_dot_common__pb2.UnloadLoRARequest.SerializeToString,
+            proto_dot_common__pb2.LoRAReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -8,7 +8,7 @@ from typing import Callable
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 
-from auth.keys import KeyRing, load_metrics_key
+from auth.keys import KeyRing, load_admin_key, load_metrics_key
 from auth.secret import load_cluster_secret
 from core.tokenizer import Tokenizer
 from router.config import RouterConfig
@@ -25,6 +25,7 @@ def create_app(config: RouterConfig, tokenizer: Tokenizer | None = None) -> Fast
     secret = load_cluster_secret(config.cluster_secret_file)
     keys = KeyRing.from_config(config.api_keys_file, config.api_key)
     metrics_key = load_metrics_key(config.metrics_key_file)
+    admin_key = load_admin_key(config.admin_key_file)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -48,7 +49,7 @@ def create_app(config: RouterConfig, tokenizer: Tokenizer | None = None) -> Fast
                        body_routes=frozenset(("POST", r.path) for r in served
                                              if "POST" in (r.methods or ())),
                        read_timeout_s=config.read_timeout_s,
-                       write_timeout_s=config.write_timeout_s)
+                       write_timeout_s=config.write_timeout_s, admin_key=admin_key)
     return app
 
 

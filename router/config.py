@@ -65,6 +65,10 @@ class RouterConfig:
     metrics_key_file: str | None = None
     """File holding the key /metrics requires (Bearer); default: $TANDEM_METRICS_KEY, else
     /metrics is open (keep it off the public address: --metrics-port, a NetworkPolicy)."""
+    admin_key_file: str | None = None
+    """File holding the key the admin endpoints require (Bearer): POST
+    /v1/load_lora_adapter and /v1/unload_lora_adapter. Default: $TANDEM_ADMIN_KEY, else
+    those endpoints answer 403 (run-time adapter changes are off)."""
     metrics_port: int | None = None
     """Serve /metrics on this port of --host instead of --port, which then carries only
     the API (its /metrics answers 404); 0 picks a free port. Default: /metrics on --port."""

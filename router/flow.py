@@ -26,7 +26,7 @@ import grpc
 from opentelemetry.trace import Span
 
 from core.guided.compiler import GrammarCompiler
-from core.kv import blocks_for, hash_token_blocks
+from core.kv import BlockHash, blocks_for, hash_token_blocks, lora_salt
 from core.sampling import SamplingParams
 from core.text import TextAssembler
 from core.tokenizer import Tokenizer
@@ -86,17 +86,19 @@ class RequestFlow:
 
     async def run(self, prompt_ids: list[int], params: SamplingParams, priority: int = 0,
                   request_id: str | None = None, trace: Trace | None = None,
-                  deadline: float | None = None, cache_salt: bytes = b""
+                  deadline: float | None = None, cache_salt: bytes = b"", lora: str = ""
                   ) -> AsyncIterator[Delta]:
         """The client's deltas. deadline (time.monotonic()): DeadlineExceeded once it
         passes; default now + request_timeout_s. cache_salt (router/cache_salt.py):
-        the prefix cache its blocks belong to, on every worker and every attempt."""
+        the prefix cache its blocks belong to, on every worker and every attempt. lora:
+        the LoRA adapter it runs under ("": the base model); only workers serving it
+        take it."""
         rid = request_id or uuid.uuid4().hex
         trace = trace or Trace(rid)
-        trace.prompt_tokens = len(prompt_ids)
+        trace.prompt_tokens, trace.lora = len(prompt_ids), lora
         t0 = time.monotonic()
         req = _Request(rid, prompt_ids, params, priority,
-                       deadline or t0 + self.config.request_timeout_s, cache_salt)
+                       deadline or t0 + self.config.request_timeout_s, cache_salt, lora)
         texts = [_TextStream(self.tokenizer, prompt_ids, params, accept)
                  for accept in await self._acceptors(params)]
         left = params.n
@@ -164,23 +166,26 @@ class RequestFlow:
         worker, both under the worker-level id wid."""
         context = req.prompt_ids + req.generated
         bs = self.config.block_size
-        # the workers' KV events carry hashes under each request's salt: placement
-        # looks for this tenant's blocks only
-        hashes = hash_token_blocks(context, bs, self.config.hash_seed, salt=req.cache_salt)
-        decoders = [w for w in self.pool.healthy("decode") if w not in failed]
+        hashes = _Chains(context, bs, self.config.hash_seed, req)
+        decoders = [w for w in self.pool.healthy("decode")
+                    if w not in failed and w.lora_identity(req.lora) is not None]
         if not decoders:
-            raise NoWorkerError("no healthy decode worker")
+            raise NoWorkerError("no healthy decode worker" + (
+                f" serves the LoRA adapter {req.lora!r}" if req.lora else ""))
         need = blocks_for(len(context), bs) + 1
         decode, overlap = self.placer.choose(decoders, hashes, need)
         trace.decode_worker = decode.name
         cached = overlap * bs
-        prefillers = [w for w in self.pool.healthy("prefill") if w not in failed]
+        # a prefill worker must hold the adapter's very files: the decode worker
+        # refuses KV made under other weights
+        prefillers = [w for w in self.pool.healthy("prefill") if w not in failed
+                      and w.lora_identity(req.lora) == decode.lora_identity(req.lora)]
         gen = decode_pb2.GenerateRequest(request_id=wid, prompt_token_ids=req.prompt_ids,
                                          output_token_ids=req.generated,
                                          sampling=req.sampling(),
                                          priority=req.priority,
                                          preempt_lower_priority=self.config.priority_preemption,
-                                         cache_salt=req.cache_salt)
+                                         cache_salt=req.cache_salt, lora_name=req.lora)
         threshold = self.config.local_prefill_threshold
         if threshold is not None and prefillers and len(context) - cached > threshold:
             trace.path = RequestPath.DISAGGREGATED
@@ -263,7 +268,7 @@ class RequestFlow:
             first = await w.stub.Prefill(prefill_pb2.PrefillRequest(
                 request_id=wid, token_ids=req.prompt_ids, output_token_ids=req.generated,
                 sampling=req.sampling(), priority=req.priority,
-                cache_salt=req.cache_salt), timeout=req.remaining())
+                cache_salt=req.cache_salt, lora_name=req.lora), timeout=req.remaining())
         except grpc.aio.AioRpcError as e:
             raise _failure(w, e, req) from e
         finally:
@@ -284,6 +289,8 @@ class _Request:
     deadline: float
     cache_salt: bytes = field(default=b"", repr=False)
     """router/cache_salt.py; kept out of repr (it names a tenant's cache)."""
+    lora: str = ""
+    """The LoRA adapter's name ("": the base model)."""
     generated: list[int] = field(default_factory=list)
     held: _Held = field(default_factory=lambda: _Held())
     prompt_logprobs: list[Logprob] | None = None
@@ -303,6 +310,26 @@ class _Request:
         if left <= 0:
             raise DeadlineExceeded(f"request {self.rid}: its deadline passed")
         return left
+
+
+class _Chains:
+    """The prompt's block hashes as each worker computes them: under the request's salt,
+    and under a LoRA adapter with its identity there folded in (core/kv lora_salt), so
+    placement finds the blocks that worker cached under that adapter. One chain per
+    identity, computed when first asked."""
+
+    def __init__(self, context: list[int], block_size: int, seed: int, req: _Request) -> None:
+        self.context, self.block_size, self.seed, self.req = context, block_size, seed, req
+        self._by_identity: dict[bytes, list[BlockHash]] = {}
+
+    def __call__(self, worker: Worker) -> list[BlockHash]:
+        identity = worker.lora_identity(self.req.lora) or b""
+        chain = self._by_identity.get(identity)
+        if chain is None:
+            salt = lora_salt(self.req.cache_salt, identity) if identity else self.req.cache_salt
+            chain = hash_token_blocks(self.context, self.block_size, self.seed, salt=salt)
+            self._by_identity[identity] = chain
+        return chain
 
 
 class _Held:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import itertools
-from typing import Sequence
+from typing import Callable, Sequence
 
 from core.kv import BlockHash
 from router.prefix_index import Overlap, PrefixIndex, Tier
@@ -40,19 +40,22 @@ class Placer:
         self.index = index
         self._rr = itertools.count()
 
-    def choose(self, workers: Sequence[Worker], hashes: Sequence[BlockHash],
+    def choose(self, workers: Sequence[Worker],
+               hashes: Sequence[BlockHash] | Callable[[Worker], Sequence[BlockHash]],
                need_blocks: int = 0) -> tuple[Worker, int]:
         """(worker, its cached leading blocks of this prompt as reported by its KV
         events, in any tier). workers is non-empty; need_blocks: KV blocks the whole context takes.
-        The prefix policy also counts blocks of requests just routed to a worker
-        (PrefixIndex.expect), so a burst sharing a prefix lands together."""
+        hashes: the prompt's block hashes, or each worker's (a LoRA adapter's salt is its
+        identity on that worker). The prefix policy also counts blocks of requests just
+        routed to a worker (PrefixIndex.expect), so a burst sharing a prefix lands together."""
+        chain = hashes if callable(hashes) else (lambda _: hashes)
         turn = next(self._rr)
         if self.policy == "round_robin":
             w = workers[turn % len(workers)]
-            return w, self.index.overlap(w.address, hashes).reported
+            return w, self.index.overlap(w.address, chain(w)).reported
         best, best_key = None, None
         for i, w in enumerate(workers):
-            overlap = self.index.overlap(w.address, hashes)
+            overlap = self.index.overlap(w.address, chain(w))
             score = (cache_score(overlap) - LOAD_WEIGHT * (w.inflight + w.load.num_waiting)
                      - KV_WEIGHT * w.load.kv_usage)
             if w.load.total_blocks and w.load.free_blocks < need_blocks - overlap.on_device:
@@ -60,5 +63,5 @@ class Placer:
             key = (score, -((i - turn) % len(workers)))  # ties rotate
             if best_key is None or key > best_key:
                 best, best_key = (w, overlap.reported), key
-        self.index.expect(best[0].address, hashes)
+        self.index.expect(best[0].address, chain(best[0]))
         return best

@@ -14,6 +14,7 @@ from router.admission import Admission
 from router.config import RouterConfig
 from router.discovery.base import Discovery
 from router.flow import RequestFlow
+from router.loras import RouterLoRAs
 from router.http.offload import EdgeWork
 from router.metrics import RouterMetrics
 from router.responses_store import ResponseStore
@@ -51,6 +52,12 @@ class RouterState:
     """Where each finished request's trace goes (--log-requests), one JSON line each."""
     responses: ResponseStore = field(default_factory=ResponseStore)
     """Stored /v1/responses conversations, per API key (previous_response_id)."""
+    loras: RouterLoRAs | None = None
+    """The LoRA adapters the workers serve (router/loras.py); made from pool when None."""
+
+    def __post_init__(self) -> None:
+        if self.loras is None:
+            self.loras = RouterLoRAs(self.pool)
 
 
 @asynccontextmanager

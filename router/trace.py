@@ -42,6 +42,8 @@ class Trace:
     """None until placed (a request refused before, e.g. by the queue)."""
     prefill_worker: str = ""
     decode_worker: str = ""
+    lora: str = ""
+    """The LoRA adapter it ran under (the request's model field), "": the base model."""
     prompt_tokens: int = 0
     output_tokens: int = 0
     predicted_cached_tokens: int = 0

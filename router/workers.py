@@ -54,10 +54,30 @@ class Worker:
     """Decode workers: when this router last told it the prefill pool, and what."""
     refused: bool = False
     """Its last authenticated call was refused (another cluster secret)."""
+    loras: dict[str, common.LoRAAdapter] = field(default_factory=dict)
+    """The LoRA adapters it serves, by name (WorkerLoad.loras)."""
+    lora_generation: int = -1
+    """The generation of ``loras`` (a report of an older one is ignored)."""
 
     @property
     def name(self) -> str:
         return self.worker_id or self.address
+
+    def take_loras(self, message, fresh: bool = False) -> None:
+        """Adopt a WorkerLoad's or LoRAReply's adapters unless they are older than what
+        it said before; fresh: a new event stream's first batch (the worker may have
+        restarted, its count with it)."""
+        if fresh or message.lora_generation >= self.lora_generation:
+            self.loras = {a.name: a for a in message.loras}
+            self.lora_generation = message.lora_generation
+
+    def lora_identity(self, lora: str) -> bytes | None:
+        """The identity of the adapter it serves as ``lora`` (b"" for the base model,
+        lora ""); None when it serves no adapter of that name."""
+        if not lora:
+            return b""
+        adapter = self.loras.get(lora)
+        return adapter.identity if adapter is not None else None
 
 
 _STUBS = {"prefill": prefill_pb2_grpc.PrefillStub, "decode": decode_pb2_grpc.DecodeStub}
@@ -169,6 +189,7 @@ class WorkerPool:
         clear warning) when the worker refuses them."""
         try:
             w.load = await w.stub.GetLoad(common.LoadRequest(), timeout=2.0)
+            w.take_loras(w.load)
         except grpc.aio.AioRpcError as e:
             if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
                 if not w.refused:
@@ -220,6 +241,7 @@ class WorkerPool:
                     w.worker_id = batch.worker_id
                     if batch.HasField("load"):
                         w.load = batch.load
+                        w.take_loras(batch.load, fresh=batch.reset)
                     for e in batch.events:
                         if e.medium not in TIERS:  # a tier this router does not know
                             continue

@@ -27,6 +27,7 @@ from proto.convert import field_error_trailer, sampling_from_proto
 from worker.events import KVEventHub, events_to_proto
 from worker.kv_events_zmq import EngineEventBridge, ZmqKVEventPublisher
 from worker.metrics import WorkerMetrics
+from worker import lora as worker_lora
 from worker import server as grpc_server
 from tracing import provider as tracing
 
@@ -158,7 +159,7 @@ class WorkerBase:
             params = sampling_from_proto(message.sampling)
             return await self.engine.make_request(prompt_ids, params, message.request_id,
                                                   message.priority, message.output_token_ids,
-                                                  message.cache_salt)
+                                                  message.cache_salt, message.lora_name)
         except ValueError as e:
             await invalid_argument(context, e)
             raise  # abort raised already; for a context that does not
@@ -181,12 +182,25 @@ class WorkerBase:
             self.kv_events.close()
 
     def load_proto(self) -> common.WorkerLoad:
-        return load_to_proto(self.engine.load, self.worker_id, self.engine.info.block_size,
+        load = load_to_proto(self.engine.load, self.worker_id, self.engine.info.block_size,
                              self.active_leases())
+        worker_lora.describe(self.engine.loras, load)
+        return load
 
     # -- RPCs both roles serve ----------------------------------------------------
     async def GetLoad(self, request, context) -> common.WorkerLoad:
         return self.load_proto()
+
+    async def LoadLoRAAdapter(self, request: common.LoadLoRARequest, context) -> common.LoRAReply:
+        reply = await worker_lora.load_adapter(self.engine, request, context, invalid_argument)
+        self.hub.load_changed()  # routers learn the new adapter with the next batch
+        return reply
+
+    async def UnloadLoRAAdapter(self, request: common.UnloadLoRARequest,
+                                context) -> common.LoRAReply:
+        reply = await worker_lora.unload_adapter(self.engine, request, context)
+        self.hub.load_changed()
+        return reply
 
     async def StreamKVEvents(self, request, context) -> None:
         """A snapshot of every block held, in every tier (chunked, the first batch reset=true), then

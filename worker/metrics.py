@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from core.states import FallbackReason, PreemptionMode
+from worker.lora import LoRAMetrics
 from worker.tier_metrics import TierMetrics
 
 if TYPE_CHECKING:
@@ -70,6 +71,7 @@ class WorkerMetrics:
                                list(labels) + ["kind"], registry=r)
         self._spec_metrics(counter)
         self.tiers = TierMetrics(r, labels)
+        self.lora = LoRAMetrics(r, labels)
         self._ticks = 0
         self._last = None  # EngineStats seen at the previous refresh
         self._create_series()
@@ -149,6 +151,7 @@ class WorkerMetrics:
         """Refresh the gauges and add the engine counters' growth (called after steps)."""
         self._count_stats(engine.stats)
         self.tiers.observe(engine, kv_events)
+        self.lora.observe(engine)
         self._count_spec(engine)
         self._ticks += 1
         if self._ticks % FALLBACK_EVERY == 1:  # cheap, but not per step

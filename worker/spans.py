@@ -29,12 +29,14 @@ def _end(out: RequestOutput) -> dict:
             "tandem.finish_reason": out.finish_reason.value if out.finish_reason else "handoff"}
 
 
-def prefill_done(out: RequestOutput, seconds: float, handle: kv_link_pb2.KVHandle | None) -> None:
-    """The Prefill span's figures (the current span)."""
+def prefill_done(out: RequestOutput, seconds: float, handle: kv_link_pb2.KVHandle | None,
+                 lora: str = "") -> None:
+    """The Prefill span's figures (the current span); lora: the adapter's name ("": base)."""
     span = spans.current()
     if not span.is_recording():
         return
-    attrs = {**_end(out), "tandem.request_id": out.request_id, "tandem.prefill_seconds": seconds}
+    attrs = {**_end(out), "tandem.request_id": out.request_id, "tandem.prefill_seconds": seconds,
+             "tandem.lora": lora}
     if handle is not None:
         attrs.update({"tandem.lease_blocks": len(handle.block_ids),
                       "tandem.lease_epoch": handle.lease_epoch})
@@ -46,7 +48,8 @@ def generate_start(req: Request, kv_source: str) -> None:
     holding the prompt's KV, or "local" (this worker prefills)."""
     spans.annotate(spans.current(), {
         "tandem.request_id": req.request_id, "tandem.priority": req.priority,
-        "tandem.context_tokens": len(req.token_ids), "tandem.kv_source": kv_source})
+        "tandem.context_tokens": len(req.token_ids), "tandem.kv_source": kv_source,
+        "tandem.lora": req.lora.name if req.lora is not None else ""})
 
 
 def generate_done(out: RequestOutput) -> None:

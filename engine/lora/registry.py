@@ -31,6 +31,10 @@ class LoRARegistry:
         AdapterError when it does not fit."""
         self.max_rank, self.max_cpu, self.place = max_rank, max_cpu, place
         self.paths: dict[str, str] = {}
+        self.identities: dict[str, bytes] = {}
+        """Name -> the identity of its files as last read (what a router salts with)."""
+        self.generation = 0
+        """Adds and removes so far (routers keep the newest list they see)."""
         self.cache: OrderedDict[str, LoRAAdapter] = OrderedDict()
         self.lock = threading.Lock()
 
@@ -44,6 +48,8 @@ class LoRARegistry:
             if name in self.paths:
                 raise ValueError(f"lora_name: an adapter named {name!r} is already loaded")
             self.paths[name] = path
+            self.identities[name] = adapter.identity
+            self.generation += 1
             self._keep(adapter)
         return adapter
 
@@ -51,11 +57,20 @@ class LoRARegistry:
         """KeyError when no adapter has that name."""
         with self.lock:
             del self.paths[name]
+            self.identities.pop(name, None)
+            self.generation += 1
             self.cache.pop(name, None)
 
     def names(self) -> list[str]:
         with self.lock:
             return sorted(self.paths)
+
+    def served(self) -> tuple[list[tuple[str, str, bytes]], int]:
+        """(name, path, identity) of every adapter served, by name, and the generation
+        of that list."""
+        with self.lock:
+            return ([(n, self.paths[n], self.identities[n]) for n in sorted(self.paths)],
+                    self.generation)
 
     def get(self, name: str) -> LoRAAdapter:
         """The adapter a request names in its ``model`` field (FieldError naming it when
@@ -72,6 +87,7 @@ class LoRARegistry:
         adapter = self._read(name, path)
         with self.lock:
             if self.paths.get(name) == path:
+                self.identities[name] = adapter.identity  # the files may have changed
                 self._keep(adapter)
         return adapter
 

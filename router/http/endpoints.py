@@ -62,8 +62,21 @@ class Endpoints:
                                  media_type="text/plain; version=0.0.4")
 
     async def models(self) -> dict:
-        return {"object": "list", "data": [{"id": self.state.model_name, "object": "model",
-                                            "created": 0, "owned_by": "tandem"}]}
+        """The base model, then each LoRA adapter the workers serve with the base as its
+        parent (vLLM's shape)."""
+        base = self.state.model_name
+        data = [{"id": base, "object": "model", "created": 0, "owned_by": "tandem",
+                 "root": base, "parent": None}]
+        data += [{"id": name, "object": "model", "created": 0, "owned_by": "tandem",
+                  "root": a.path, "parent": base} for name, a in self.state.loras.served().items()]
+        return {"object": "list", "data": data}
+
+    async def lora_admin(self, request: Request, handler) -> Response:
+        """/v1/load_lora_adapter and /v1/unload_lora_adapter (router/http/lora_admin.py)."""
+        try:
+            return await handler(self.state, request)
+        except APIError as e:
+            return e.response({})
 
     # -- tokenizer ---------------------------------------------------------------------
     async def tokenize(self, request: Request) -> JSONResponse:
@@ -157,16 +170,17 @@ class Endpoints:
             outcome.trace.queue_seconds = await stack.enter_async_context(
                 st.admission.slot(intake.priority, intake.deadline, blocks))
         stack.callback(self._account, outcome)
+        stack.enter_context(st.loras.running(intake.lora))  # an unload waits for it
         st.metrics.in_flight.inc()
         stack.callback(st.metrics.in_flight.dec)
         deltas = st.flow.run(intake.prompt_ids, intake.params, intake.priority, rid,
-                             outcome.trace, intake.deadline, intake.cache_salt)
+                             outcome.trace, intake.deadline, intake.cache_salt, intake.lora)
         stack.push_async_callback(deltas.aclose)
         return deltas
 
     def shape(self, intake: Intake, rid: str, index: int = 0) -> ResponseShape:
         st = self.state
-        return ResponseShape(rid, int(time.time()), st.model_name, intake.chat,
+        return ResponseShape(rid, int(time.time()), intake.lora or st.model_name, intake.chat,
                              LogprobFormat(st.tokenizer, intake.chat, intake.tokens_as_ids)
                              if intake.logprobs is not None else None,
                              intake.include_usage, intake.tools,

@@ -56,6 +56,8 @@ class Intake:
     """vLLM's prompt_logprobs: the response carries them (top N each)."""
     n: int = 1
     """Choices returned (params.n sequences are generated: more with best_of)."""
+    lora: str = ""
+    """The LoRA adapter its model field names ("": the base model)."""
 
 
 class Reader:
@@ -120,9 +122,11 @@ class Reader:
             refuse_unsupported(body)
         except ValueError as e:
             raise APIError.invalid(e) from None
-        if body.model not in (None, "", self.state.model_name):
+        if body.model not in (None, "", self.state.model_name) \
+                and not self.state.loras.offers(body.model):
+            served = [self.state.model_name, *self.state.loras.served()]
             raise APIError(404, f"model {body.model!r} does not exist; this server serves "
-                                f"{self.state.model_name!r}", param="model")
+                                f"{', '.join(map(repr, served))}", param="model")
         return body
 
     async def _intake(self, request: Request, body, ids: list[int], chat: bool,
@@ -141,7 +145,8 @@ class Reader:
                       bool(body.stream_options and body.stream_options.include_usage),
                       constraint.tools, request.state.priority, request.state.deadline, salt,
                       body.return_token_ids, body.return_tokens_as_token_ids, echo,
-                      body.prompt_logprobs, body.n)
+                      body.prompt_logprobs, body.n,
+                      body.model if body.model not in (None, self.state.model_name) else "")
 
     # -- on the pools ------------------------------------------------------------------
     async def _constraint(self, body) -> Constraint:

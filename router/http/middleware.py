@@ -2,7 +2,8 @@
 
 1. Keys, path and body size, before any byte of the body is read: 401 without a valid
    API key on /v1, /tokenize, /detokenize and the API docs (when keys are set), 429 with Retry-After past the
-   key's rate limit, 401 without the metrics key on /metrics (when one is set); the key
+   key's rate limit, 401 without the metrics key on /metrics (when one is set), 401
+   without the admin key on the LoRA admin paths (403 when no admin key is set); the key
    found is put in the request's state (its priority ceiling applies in the endpoints).
    404 for a path no route serves. Only the routes that take a body (``body_routes``)
    have it read: on any other, a body is never read and the connection is closed
@@ -55,6 +56,8 @@ async def _error(send: Send, status: int, message: str, type_: str,
     await send({"type": "http.response.body", "body": body})
 
 
+ADMIN_PATHS = frozenset(("/v1/load_lora_adapter", "/v1/unload_lora_adapter"))
+"""Paths that take the admin key (--admin-key-file) and no API key."""
 KEYED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/docs", "/redoc", "/openapi.json")
 
 
@@ -68,12 +71,15 @@ class EdgeGuard:
     def __init__(self, app: ASGIApp, keys: KeyRing, metrics_key: bytes | None,
                  max_body_bytes: int, paths: frozenset[str] = frozenset(),
                  body_routes: frozenset[tuple[str, str]] = frozenset(),
-                 read_timeout_s: float = 30.0, write_timeout_s: float = 30.0) -> None:
+                 read_timeout_s: float = 30.0, write_timeout_s: float = 30.0,
+                 admin_key: bytes | None = None) -> None:
         """paths: every path a route serves (empty: any); body_routes: the (method,
-        path) pairs whose body is read."""
+        path) pairs whose body is read; admin_key: what ADMIN_PATHS require (None: they
+        are off, 403)."""
         self.app = app
         self.keys = keys
         self._metrics = b"Bearer " + metrics_key if metrics_key else None
+        self._admin = b"Bearer " + admin_key if admin_key else None
         self.max_body_bytes = max_body_bytes
         self.paths, self.body_routes = paths, body_routes
         self.read_timeout_s, self.write_timeout_s = read_timeout_s, write_timeout_s
@@ -100,6 +106,8 @@ class EdgeGuard:
                 await _error(send, 401, "invalid or missing metrics key (Authorization: Bearer "
                                         "...; --metrics-key-file)", "authentication_error")
                 return False
+        if path in ADMIN_PATHS:  # the admin key instead of an API key
+            return await self._admin_key(presented, send)
         if path.startswith(KEYED_PREFIXES) and self.keys.enabled:
             key = self.keys.lookup(presented[7:]) if presented.startswith(b"Bearer ") else None
             if key is None:
@@ -116,6 +124,19 @@ class EdgeGuard:
         if self.paths and path not in self.paths:
             await _error(send, 404, f"no route {path}", "invalid_request_error",
                          {"connection": "close"} if _has_body(scope) else None)
+            return False
+        return True
+
+    async def _admin_key(self, presented: bytes, send: Send) -> bool:
+        """403 while run-time adapter changes are off, 401 without the admin key."""
+        if self._admin is None:
+            await _error(send, 403, "run-time LoRA adapter changes are off: start the router "
+                                    "with --admin-key-file (or $TANDEM_ADMIN_KEY)",
+                         "permission_error")
+            return False
+        if not hmac.compare_digest(presented, self._admin):
+            await _error(send, 401, "invalid or missing admin key (Authorization: Bearer ...; "
+                                    "--admin-key-file)", "authentication_error")
             return False
         return True
 

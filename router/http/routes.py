@@ -7,7 +7,9 @@ from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 
 from router.http.endpoints import Endpoints
+from router.http import lora_admin
 from router.http.errors import APIError
+from router.http.lora_admin import LoadLoRARequest, UnloadLoRARequest
 from router.openai_api import ChatCompletionRequest, CompletionRequest
 from router.responses_api import ResponsesRequest
 from router.tokenize_api import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
@@ -47,7 +49,8 @@ def _body_doc(model: type) -> dict:
 
 
 BODY_MODELS = (CompletionRequest, ChatCompletionRequest, ResponsesRequest,
-               TokenizeCompletionRequest, TokenizeChatRequest, DetokenizeRequest)
+               TokenizeCompletionRequest, TokenizeChatRequest, DetokenizeRequest,
+               LoadLoRARequest, UnloadLoRARequest)
 
 
 @routes.post("/v1/completions", openapi_extra=_body_doc(CompletionRequest))
@@ -81,6 +84,16 @@ async def tokenizer_info(request: Request):
 @routes.post("/detokenize", openapi_extra=_body_doc(DetokenizeRequest))
 async def detokenize(request: Request):
     return await _ep(request).detokenize(request)
+
+
+@routes.post("/v1/load_lora_adapter", openapi_extra=_body_doc(LoadLoRARequest))
+async def load_lora_adapter(request: Request):
+    return await _ep(request).lora_admin(request, lora_admin.load)
+
+
+@routes.post("/v1/unload_lora_adapter", openapi_extra=_body_doc(UnloadLoRARequest))
+async def unload_lora_adapter(request: Request):
+    return await _ep(request).lora_admin(request, lora_admin.unload)
 
 
 async def invalid_request(request: Request, exc: RequestValidationError):

@@ -30,3 +30,13 @@ def make_adapter(base, root: Path, seed: int, targets: Sequence[str] = ALL_LINEA
                     p.mul_(scale)
     model.save_pretrained(root)
     return root, model.eval()
+
+
+def tiny_adapters(model_dir: Path, root: Path, ranks: dict[str, int]) -> dict[str, Path]:
+    """Seeded random adapters of the given ranks on the tiny Llama (tests/utils.py), one
+    directory each under root, for the serving tests: name -> path (seeds 1, 2, ...)."""
+    import transformers
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return {name: make_adapter(base, root / name, seed, r=r, alpha=2 * r)[0]
+            for seed, (name, r) in enumerate(sorted(ranks.items()), start=1)}

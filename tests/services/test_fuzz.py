@@ -28,6 +28,8 @@ METHODS = [  # (service port: "p" | "d", method, request type, streaming reply)
     ("d", "/tandem.decode.Decode/GetLoad", common_pb2.LoadRequest, False),
     ("d", "/tandem.decode.Decode/StreamKVEvents", common_pb2.KVEventsRequest, True),
     ("d", "/tandem.decode.Decode/SetKVPeers", decode_pb2.KVPeers, False),
+    ("p", "/tandem.prefill.Prefill/LoadLoRAAdapter", common_pb2.LoadLoRARequest, False),
+    ("d", "/tandem.decode.Decode/UnloadLoRAAdapter", common_pb2.UnloadLoRARequest, False),
 ]
 CLEAN_CODES = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT,
                grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.ALREADY_EXISTS,
