@@ -10,8 +10,11 @@ from __future__ import annotations
 import json
 import shutil
 
+import jsonschema
 import pytest
 import torch
+
+from core.guided.spec import GuidedSpec
 
 from core.errors import FieldError
 from core.sampling import SamplingParams
@@ -19,6 +22,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.lora.adapter import AdapterError
 from tests.models.adapters import ALL_LINEARS, make_adapter
+from tests.guided_cases import MAX_TOKENS, SCHEMAS
 from tests.models.families import build_checkpoint, hf_greedy, load_reference, prompts
 
 pytest.importorskip("peft", reason="PEFT makes the adapters and is the reference")
@@ -162,3 +166,48 @@ def test_compiled_decode_step_runs_adapters(setup) -> None:
     assert ([c.token_ids for c in compiled.generate(batch, GREEDY, names)]
             == [c.token_ids for c in eng.generate(batch, GREEDY, names)])
     compiled.leak_check()
+
+
+def _with(eng: LLMEngine, **flags) -> LLMEngine:
+    """Another engine serving the same adapters as eng, with flags changed."""
+    return LLMEngine(EngineConfig.from_flat(**{
+        "model": eng.config.load.model, "dtype": "float32", "quantization": "none",
+        "max_model_len": 256, "num_kv_blocks": 512, "block_size": 8,
+        "lora_modules": eng.config.lora.lora_modules, "max_loras": 3, **flags}))
+
+
+def test_speculation_constraints_and_swap_work_per_adapter(setup) -> None:
+    """Under adapters (issue 30, item 4): n-gram speculation equals plain greedy with
+    guesses accepted; a JSON-schema output under an adapter validates; in a pool too small
+    for the batch, preempted and swapped adapter requests (low priority, pushed out by
+    urgent ones) get their alone-tokens."""
+    family, eng, _ = setup
+    if family != "llama":
+        pytest.skip("one family suffices")
+    names = ["a", "b", "c", ""] * 2
+    batch = [p * 3 if i % 2 == 0 else p for i, p in enumerate(prompts(8, seed=7, low=4, high=12))]
+    want = [c.token_ids for c in eng.generate(batch, GREEDY, names)]
+    spec = _with(eng, speculative_method="ngram", speculative_max_batch=0)
+    assert [c.token_ids for c in spec.generate(batch, GREEDY, names)] == want
+    counters = spec.speculator.counters.get(spec.speculator.proposer.name)
+    assert counters.accepted > 0
+    spec.leak_check()
+
+    schema = SCHEMAS["flat_object"]
+    out = eng.generate(prompts(1, seed=8, low=3, high=30), SamplingParams(
+        max_tokens=MAX_TOKENS, temperature=0.0, guided=GuidedSpec.json_schema(schema)), ["b"])[0]
+    jsonschema.validate(json.loads(out.text), schema)
+
+    small = _with(eng, num_kv_blocks=16, max_model_len=64, preemption_mode="swap",
+                  swap_space=0.01)
+    batch = prompts(8, seed=13, low=20, high=30)
+    alone = [eng.generate([p], GREEDY, [n])[0].token_ids for p, n in zip(batch, names)]
+    ids = [small.add_request(p, GREEDY, lora=n, priority=5 if i < 4 else 0)
+           for i, (p, n) in enumerate(zip(batch, names))]
+    outs = {i: [] for i in ids}
+    while small.has_unfinished():
+        for o in small.step():
+            outs[o.request_id].extend(o.new_token_ids)
+    assert small.stats.swap_out_bytes > 0 and small.stats.swap_in_bytes > 0
+    assert [outs[i] for i in ids] == alone
+    small.leak_check()
