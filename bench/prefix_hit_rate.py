@@ -41,16 +41,8 @@ def ideal_cached(reqs: list[BenchRequest], tok: Tokenizer) -> list[int]:
     out = []
     for r in reqs:
         ids = tok.encode(r.prompt)
-        best = 0
-        for prev in seen.get(r.group, []):
-            n = 0
-            for a, b in zip(ids, prev):
-                if a != b:
-                    break
-                n += 1
-            best = max(best, min(n, len(ids) - 1) // BLOCK * BLOCK)
+        out.append(stats.ideal_cached_tokens(ids, seen.get(r.group, []), BLOCK))
         seen.setdefault(r.group, []).append(ids)
-        out.append(best)
     return out
 
 

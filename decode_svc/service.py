@@ -157,6 +157,8 @@ class DecodeService(WorkerBase, pb_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                 f"request {req.request_id}: no KV room before its deadline")
         trace.local_cached_tokens = res.local_cached_tokens
+        trace.local_host_cached_tokens = res.local_host_cached_tokens
+        trace.local_disk_cached_tokens = res.local_disk_cached_tokens
         joined = False
         try:
             ok = False

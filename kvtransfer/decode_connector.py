@@ -38,6 +38,9 @@ class RemoteReservation:
     """Prompt tokens this engine already had (prefix cache hit)."""
     fill: list[tuple[int, int]]
     """(block index within the prompt, local block id) for every block to pull."""
+    local_host_cached_tokens: int = 0
+    local_disk_cached_tokens: int = 0
+    """Of local_cached_tokens, those promoted from this engine's host and disk tiers."""
 
 
 def remote_kv(req: Request, num_kv_tokens: int, preempt_lower: bool) -> ExternalKV:
@@ -71,7 +74,10 @@ class DecodeConnector(KVConnector):
 
     def blocks_allocated(self, req: Request, num_local_tokens: int,
                          fill: list[tuple[int, int]]) -> None:
-        self.granted.append(RemoteReservation(req.request_id, num_local_tokens, fill))
+        # read here, on the engine thread, where the scheduler just set them
+        self.granted.append(RemoteReservation(req.request_id, num_local_tokens, fill,
+                                              req.num_host_cached_tokens,
+                                              req.num_disk_cached_tokens))
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._hand_out)
 

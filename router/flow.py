@@ -399,6 +399,8 @@ class _Retry(Exception):
 
 def _absorb(trace: Trace, t: decode_pb2.KVTrace) -> None:
     trace.decode_cached_tokens = t.local_cached_tokens
+    trace.decode_host_cached_tokens = t.local_host_cached_tokens
+    trace.decode_disk_cached_tokens = t.local_disk_cached_tokens
     if trace.path is RequestPath.LOCAL_PREFILL:
         trace.realized_cached_tokens = t.local_cached_tokens
         trace.realized_host_cached_tokens = t.local_host_cached_tokens

@@ -65,6 +65,8 @@ def kv_trace(span: Span, t: decode_pb2.KVTrace) -> None:
     spans.annotate(span, {"tandem.blocks_pulled": t.blocks_pulled,
                           "tandem.bytes_pulled": t.bytes_pulled,
                           "tandem.local_cached_tokens": t.local_cached_tokens,
+                          "tandem.local_host_cached_tokens": t.local_host_cached_tokens,
+                          "tandem.local_disk_cached_tokens": t.local_disk_cached_tokens,
                           "tandem.lease_ended": t.lease_ended})
     reason = FALLBACK.from_proto(t.fallback)
     if reason is not None:

@@ -58,6 +58,10 @@ class Trace:
     device."""
     decode_cached_tokens: int = 0
     """Prompt tokens the decode worker already held, so it did not pull them."""
+    decode_host_cached_tokens: int = 0
+    decode_disk_cached_tokens: int = 0
+    """Of decode_cached_tokens, those the decode worker promoted from its host-memory
+    and disk tiers (on the local path, the realized_* ones again)."""
     blocks_pulled: int = 0
     bytes_pulled: int = 0
     transfer_seconds: float = 0.0

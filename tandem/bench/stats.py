@@ -28,6 +28,22 @@ def percentile(values: Sequence[float], p: float) -> float | None:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
+def ideal_cached_tokens(prompt: Sequence[int], earlier: Iterable[Sequence[int]],
+                        block: int) -> int:
+    """The prompt tokens one unbounded prefix cache could serve, having computed the
+    ``earlier`` sequences: the whole blocks of the longest common prefix with any of
+    them, never the prompt's last token (it is computed for its logits)."""
+    best = 0
+    for seen in earlier:
+        n = 0
+        for a, b in zip(prompt, seen):
+            if a != b:
+                break
+            n += 1
+        best = max(best, min(n, len(prompt) - 1) // block * block)
+    return best
+
+
 @dataclass(frozen=True)
 class Dist:
     """Mean and percentiles of one latency, in seconds (None when no samples)."""

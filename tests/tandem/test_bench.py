@@ -137,6 +137,15 @@ def test_percentiles_match_numpy():
         stats.percentile(xs, 101)
 
 
+def test_ideal_cached_tokens_counts_whole_blocks_of_the_longest_shared_prefix():
+    prompt = list(range(40))
+    earlier = [list(range(20)) + [99], list(range(35)), [7] * 40]
+    assert stats.ideal_cached_tokens(prompt, earlier, 16) == 32  # 35 shared: 2 whole blocks
+    assert stats.ideal_cached_tokens(prompt, [prompt], 16) == 32  # never the last token
+    assert stats.ideal_cached_tokens(list(range(33)), [list(range(40))], 16) == 32
+    assert stats.ideal_cached_tokens(prompt, [], 16) == 0
+
+
 def test_summary_throughput_and_latency_percentiles():
     results = [_result(ttft=0.01 * (i + 1), itl=0.001 * (i + 1), tokens=10) for i in range(100)]
     s = stats.summarize(results, duration_s=20.0)
