@@ -241,10 +241,11 @@ class CacheConfig:
     kv_offload_disk_gib: float = 16.0
     """Most GiB the disk tier's files take in --kv-offload-dir (LRU)."""
     kv_policy: str = "full"
-    """What a request's KV cache keeps: full (every token), or streaming:sinks=S,window=W
+    """What a request's KV cache keeps: full (every token), streaming:sinks=S,window=W
     (StreamingLLM: the first S tokens and the newest, S + W tokens in whole blocks, with
     positions within the cache; a request may then run past --max-model-len, up to
-    --max-stream-len)."""
+    --max-stream-len), or h2o:heavy=H,recent=R (H2O: per layer and KV head the R newest
+    tokens and the H with the most accumulated attention)."""
     allow_request_kv_policy: bool = False
     """Let a request choose its own kv_policy (else a request naming another policy than
     --kv-policy is refused)."""

@@ -39,7 +39,7 @@ from engine.parallel.group import TPGroup
 from engine.request import (DuplicateRequestError, FinishReason, Request, RequestOutput,
                             RequestStatus)
 from core.sampling import SamplingParams
-from engine.kv_cache.policy import request_policy
+from engine.kv_cache.policy import check_scores, request_policy
 from engine.kv_cache.swap import HostSlots, SwapPool
 from engine.kv_cache.tiers import build_tiers
 from engine.kv_cache.tiers.events import TierEvent, device_blocks, device_events
@@ -99,6 +99,8 @@ class LLMEngine:
         --allow-request-kv-policy (engine/kv_cache/policy.py request_policy)."""
         if self.kv_policy is not None:
             self.kv_policy.check(config.cache.block_size, self.max_model_len, "--kv-policy")
+            if self.kv_policy.scored:
+                check_scores(self.runner, "--kv-policy")
         if connector is not None and (self.kv_policy or config.cache.allow_request_kv_policy):
             raise ValueError("--kv-policy / --allow-request-kv-policy: bounded KV is not yet "
                              "moved by a KV connector (disaggregated serving); run it colocated")
@@ -208,6 +210,8 @@ class LLMEngine:
         if params.prompt_logprobs is not None and self.config.parallel.tensor_parallel_size > 1:
             raise FieldError("prompt_logprobs", "prompt_logprobs: not supported with "
                                                 "--tensor-parallel-size > 1 (yet)")
+        if policy is not None and policy.scored:
+            check_scores(self.runner, "kv_policy")
         if params.n > 1 and policy is not None:  # forks share blocks a bounded policy re-rotates
             raise FieldError("n", "n: several choices need kv_policy full (a bounded policy "
                                   "re-rotates its keys in place, so its blocks cannot be shared)")

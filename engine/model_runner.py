@@ -16,6 +16,7 @@ from engine.config import EngineConfig
 from engine.cpu_limit import default_threads
 from core.kv import kv_format_block_bytes
 from engine.kv_cache.manager import NULL_BLOCK
+from engine.kv_cache.h2o import keep_scores, step_scores
 from engine.kv_cache.policy import cache_view
 from engine.kv_cache.quant import row_width, storage_dtype
 from engine.kv_cache.shift import shift_keys
@@ -68,6 +69,8 @@ class _Layout:
     sampled: list[Request] = field(default_factory=list)
     owed: list[tuple[Request, int, range]] = field(default_factory=list)
     """(request, first position, its rows): prompt positions whose logprobs are owed."""
+    scored: list[tuple[Request, int, int]] = field(default_factory=list)
+    """(request, sequence index, new tokens) of rows whose attention scores are kept (h2o)."""
 
     @classmethod
     def of(cls, entries: list[tuple[Request, int]], tables: list[list[int]],
@@ -78,7 +81,7 @@ class _Layout:
             lay.ids.extend(req.token_ids[start:start + n])
             lay.ids.extend(req.draft)
             # a bounded policy: attention reads held blocks only, at positions among them
-            table, lost = cache_view(req.kv_policy, table, NULL_BLOCK, block_size)
+            table, lost = cache_view(req.kv_policy, table, NULL_BLOCK, block_size, start)
             lay.pos.extend(range(start - lost, start - lost + n))
             if req.draft:
                 lay.qlens.extend([1] * n)
@@ -87,6 +90,8 @@ class _Layout:
                 lay.rows.append(range(len(lay.ids) - n, len(lay.ids)))
                 lay.sampled.append(req)
                 continue
+            if req.kv_policy is not None and req.kv_policy.scored:
+                lay.scored.append((req, len(lay.qlens), n))
             lay.qlens.append(n)
             lay.slens.append(start - lost + n)
             lay.qtables.append(table)
@@ -305,8 +310,11 @@ class ModelRunner:
         masks = self._submit_masks([r.sampling for r in sampled], [r.draft for r in sampled])
         adapters = ([req.lora for req, n in entries for _ in range(n)]  # one per row of ids
                     if self.lora is not None else None)
+        scores = step_scores(lay.scored, self.model_config.num_layers, self.kv_heads, self.device)
         try:
-            logits, prompt = self._run(inputs, should_stop, adapters, lay.owed)  # [N, V] fp32
+            logits, prompt = self._run(inputs, should_stop, adapters, lay.owed, scores)
+            keep_scores(lay.scored, scores, dict(enumerate(lay.qtables)), self.kv, self.model,
+                        self.kv_quant)
             if logits is None:
                 return StepTokens([], [], [], prompt)
         finally:  # the masks are done before anything else touches their matchers
@@ -335,18 +343,22 @@ class ModelRunner:
         return out
 
     def _run(self, inputs: StepInputs, should_stop: Callable[[], bool] | None = None,
-             adapters: list | None = None, owed: list[tuple[Request, int, range]] = ()
+             adapters: list | None = None, owed: list[tuple[Request, int, range]] = (),
+             scores: dict[int, torch.Tensor] | None = None
              ) -> tuple[torch.Tensor | None, list[tuple[Request, list[TokenLogprobs]]]]:
         """One forward pass over inputs -> fp32 logits [N, V] of its logit rows (None
-        when it has none) and the prompt logprobs owed (``_Layout.owed``). Every rank of
+        when it has none) and the prompt logprobs owed (``_Layout.owed``); ``scores``:
+        the accumulators attention adds into (AttentionMetadata.scores). Every rank of
         a tensor-parallel group runs this on the same inputs (engine/parallel/runner.py;
         adapters and owed rows are rank 0's alone, so a group refuses them)."""
         meta = build_metadata(inputs.query_lens, inputs.seq_lens, inputs.num_prefills,
                               inputs.tables, self.config.cache.block_size, self.device,
                               self.kv_quant)
+        meta.scores = scores or {}
         ctx = ForwardContext(self.kv, meta, self.backend, should_stop)
-        hidden = self._forward(inputs.ids, inputs.positions, ctx, inputs.decode_only,
-                               adapters or ())
+        # a compiled step has no scores to give: steps with scored rows run eager
+        hidden = self._forward(inputs.ids, inputs.positions, ctx,
+                               inputs.decode_only and not meta.scores, adapters or ())
         prompt = self._prompt_logprobs(hidden, owed)
         if not inputs.logit_rows:
             return None, prompt

@@ -67,6 +67,9 @@ class Request:
     is folded into cache_salt (LLMEngine.make_request)."""
     kv_policy: KVPolicy | None = None
     """A bounded KV policy (engine/kv_cache/policy.py); None: full, every token kept."""
+    kv_scores: object | None = field(default=None, repr=False)
+    """Under h2o: the accumulated attention per cache slot, a tensor [L, Hkv, budget]
+    the runner keeps (engine/kv_cache/h2o.py); None otherwise."""
     max_total_len: int | None = None
     """Most tokens (prompt + output) it may reach; None: the engine's context window
     (a bounded request's is --max-stream-len)."""

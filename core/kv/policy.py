@@ -6,11 +6,16 @@ arXiv 2309.17453): the first S tokens (attention sinks) and the most recent ones
 a budget of S + W tokens; attention uses positions within the cache, so a request streams
 far past the model's context window with a fixed KV budget. ``sinks=0`` is a plain
 window over cache positions (the paper's "window attention" baseline).
+``h2o:heavy=H,recent=R`` (H2O, arXiv 2306.14048): the R most recent tokens (the one
+being computed among them) and the H "heavy hitters" with the largest attention mass
+accumulated so far, chosen per layer and KV head, token by token
+(engine/kv_cache/h2o.py); positions within the cache as for streaming.
 
 The cache is paged, so a bounded policy keeps whole blocks (engine/kv_cache/policy.py
 says exactly which): ``sink_blocks`` = ceil(S / block) leading blocks and
 ``budget_blocks - sink_blocks`` most recent ones, ``budget_blocks`` = ceil((S + W) /
-block). A budget that leaves no recent block is refused.
+block). A budget that leaves no recent block is refused. ``h2o`` keeps tokens, not
+blocks: its ``budget`` tokens fill ``budget_blocks`` blocks, compacted.
 """
 from __future__ import annotations
 
@@ -18,8 +23,9 @@ from dataclasses import dataclass
 
 from core.errors import FieldError
 
-KV_POLICY_KINDS = ("full", "streaming")
-"""The kinds this build computes; ``h2o`` (heavy hitters) is refused by name."""
+KV_POLICY_KINDS = ("full", "streaming", "h2o")
+_ARGS = {"streaming": ("sinks", "window"), "h2o": ("heavy", "recent")}
+_FORMS = "full, streaming:sinks=S,window=W or h2o:heavy=H,recent=R"
 
 
 @dataclass(frozen=True)
@@ -31,15 +37,25 @@ class KVPolicy:
     """Leading tokens always kept (the attention sinks)."""
     window: int
     """Most recent tokens kept besides the sinks."""
+    heavy: int = 0
+    """h2o: tokens kept for their accumulated attention (the heavy hitters)."""
+    recent: int = 0
+    """h2o: most recent tokens kept (the one being computed included)."""
 
     @property
     def budget(self) -> int:
-        """Tokens the policy keeps: sinks + window."""
-        return self.sinks + self.window
+        """Tokens the policy keeps: sinks + window, or heavy + recent."""
+        return self.sinks + self.window + self.heavy + self.recent
+
+    @property
+    def scored(self) -> bool:
+        """Whether attention must give this policy's requests their scores (h2o)."""
+        return self.kind == "h2o"
 
     def spec(self) -> str:
         """The text this policy parses from (what a log or a handoff carries)."""
-        return f"{self.kind}:sinks={self.sinks},window={self.window}"
+        a, b = _ARGS[self.kind]
+        return f"{self.kind}:{a}={getattr(self, a)},{b}={getattr(self, b)}"
 
     def sink_blocks(self, block_size: int) -> int:
         return -(-self.sinks // block_size)
@@ -57,9 +73,10 @@ class KVPolicy:
         recent block once the sinks' blocks are kept, or one past the context window
         (positions within the cache must stay inside the model's rotary tables)."""
         if self.budget < block_size:
-            raise FieldError(field, f"{field}: the budget sinks + window = {self.budget} "
+            names = " + ".join(_ARGS[self.kind])
+            raise FieldError(field, f"{field}: the budget {names} = {self.budget} "
                                     f"tokens is smaller than one KV block ({block_size} tokens)")
-        if self.recent_blocks(block_size) < 1:
+        if not self.scored and self.recent_blocks(block_size) < 1:
             raise FieldError(field, f"{field}: sinks={self.sinks} fill all "
                                     f"{self.budget_blocks(block_size)} blocks of the budget "
                                     f"(blocks of {block_size} tokens): raise window")
@@ -70,26 +87,26 @@ class KVPolicy:
 
 
 def parse_kv_policy(text: str, field: str = "kv_policy") -> KVPolicy | None:
-    """``full`` -> None; ``streaming:sinks=S,window=W`` -> KVPolicy. FieldError naming
-    ``field`` for anything else (``h2o`` is named as not computed by this build)."""
+    """``full`` -> None; ``streaming:sinks=S,window=W`` or ``h2o:heavy=H,recent=R`` ->
+    KVPolicy. FieldError naming ``field`` for anything else."""
     kind, _, args = text.strip().partition(":")
     if kind == "full" and not args:
         return None
-    if kind == "h2o":
-        raise FieldError(field, f"{field}: h2o (heavy hitters) is not computed by this "
-                                f"server; use full or streaming:sinks=S,window=W")
-    if kind != "streaming":
-        raise FieldError(field, f"{field} must be full or streaming:sinks=S,window=W; "
-                                f"got {text!r}")
+    if kind not in _ARGS:
+        raise FieldError(field, f"{field} must be {_FORMS}; got {text!r}")
+    names = _ARGS[kind]
+    form = f"{kind}:{names[0]}={names[0][0].upper()},{names[1]}={names[1][0].upper()}"
     values: dict[str, int] = {}
     for part in args.split(","):
         key, eq, value = part.partition("=")
         key = key.strip()
-        if not eq or key not in ("sinks", "window") or key in values \
-                or not value.strip().isdigit():
-            raise FieldError(field, f"{field}: {text!r} is not streaming:sinks=S,window=W "
-                                    f"(S >= 0, W >= 1, whole numbers)")
+        if not eq or key not in names or key in values or not value.strip().isdigit():
+            raise FieldError(field, f"{field}: {text!r} is not {form} (whole numbers)")
         values[key] = int(value)
-    if set(values) != {"sinks", "window"} or values["window"] < 1:
-        raise FieldError(field, f"{field}: {text!r} needs sinks=S and window=W with W >= 1")
-    return KVPolicy("streaming", values["sinks"], values["window"])
+    least = {"sinks": 0, "window": 1, "heavy": 1, "recent": 1}
+    if set(values) != set(names) or any(values[k] < least[k] for k in names):
+        raise FieldError(field, f"{field}: {text!r} needs {names[0]} and {names[1]}, "
+                                f"{', '.join(f'{k} >= {least[k]}' for k in names)}")
+    if kind == "h2o":
+        return KVPolicy(kind, 0, 0, values["heavy"], values["recent"])
+    return KVPolicy(kind, values["sinks"], values["window"])

@@ -12,6 +12,13 @@ values in the compute dtype; with ``meta.kv_quant`` (int8, fp8_e4m3) it is head_
 one-byte codes and the row's bfloat16 scale (engine/kv_cache/quant.py): ``write_kv``
 quantizes, ``gather_blocks`` / ``gather_kv`` dequantize, so a backend that reads
 through them needs nothing else.
+
+Attention scores (``meta.scores``, for requests under ``h2o``: engine/kv_cache/h2o.py):
+for the sequences named there, a backend adds each key's attention probability, summed
+over the step's queries and over each KV head's group of query heads, into that
+sequence's accumulator (``add_scores``), from the probabilities it computes anyway;
+other sequences cost nothing. A backend that cannot (``gives_scores`` False) is refused
+for h2o by name.
 """
 from __future__ import annotations
 
@@ -54,6 +61,8 @@ class AttentionBackend(ABC):
     supports: frozenset[str] = frozenset()
     """The optional LayerAttention fields ("window", "softcap") this backend computes;
     a model asking for another is refused by ``check`` at start-up, never ignored."""
+    gives_scores: bool = True
+    """Whether ``attend`` fills ``meta.scores`` (module docstring)."""
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv: torch.Tensor, meta: AttentionMetadata, params: LayerAttention
@@ -144,24 +153,52 @@ def visible(qpos: torch.Tensor, kpos: torch.Tensor, window: int | None) -> torch
     return seen if window is None else seen & (kpos > qpos - window)
 
 
-def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     mask: torch.Tensor | None, params: LayerAttention) -> torch.Tensor:
-    """softmax(cap(q.k * scale) | mask) v with GQA: q [B, Hq, Lq, D], k and v [B, Hkv, S, D],
-    mask broadcastable to [B, 1, Lq, S] (True = visible; None: causal over a square) ->
-    [B, Hq, Lq, D] in q's dtype. Without a soft-cap, torch's SDPA (fused on CPU, flash
-    on CUDA); SDPA has no soft-cap, so capped layers take the explicit fp32 form."""
-    if params.softcap is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                              scale=params.scale, enable_gqa=True)
-    rep = q.shape[1] // k.shape[1]
-    kf = k.float().repeat_interleave(rep, dim=1)  # [B, Hq, S, D]
-    vf = v.float().repeat_interleave(rep, dim=1)
+def add_scores(meta: AttentionMetadata, seq: int, layer: int, probs: torch.Tensor,
+               first: int = 0) -> None:
+    """Add probs [Hq, S] (a sequence's attention probabilities over the keys at positions
+    first .. first + S - 1, summed over its queries) into its accumulator, per KV head."""
+    acc = meta.scores[seq]  # [L, Hkv, slots]
+    hkv = acc.shape[1]
+    acc[layer, :, first:first + probs.shape[-1]] += probs.float().view(
+        hkv, -1, probs.shape[-1]).sum(1)
+
+
+def attention_logits(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None,
+                     params: LayerAttention) -> torch.Tensor:
+    """cap(q.k * scale), -inf where masked, in fp32 with GQA: q [B, Hq, Lq, D], k [B, Hkv,
+    S, D], mask broadcastable to [B, 1, Lq, S] (True = visible; None: causal over a square)
+    -> [B, Hq, Lq, S]."""
+    kf = k.float().repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # [B, Hq, S, D]
     s = q.float() @ kf.transpose(-1, -2) * params.scale  # [B, Hq, Lq, S]
-    s = params.softcap * torch.tanh(s / params.softcap)
+    if params.softcap is not None:
+        s = params.softcap * torch.tanh(s / params.softcap)
     if mask is None:
         n = s.shape[-1]
         mask = torch.ones(n, n, dtype=torch.bool, device=s.device).tril()
-    return (s.masked_fill(~mask, float("-inf")).softmax(-1) @ vf).to(q.dtype)
+    return s.masked_fill(~mask, float("-inf"))
+
+
+def attention_probs(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None,
+                    params: LayerAttention) -> torch.Tensor:
+    """softmax(attention_logits) [B, Hq, Lq, S] in fp32."""
+    return attention_logits(q, k, mask, params).softmax(-1)
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     mask: torch.Tensor | None, params: LayerAttention,
+                     probs: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(cap(q.k * scale) | mask) v with GQA: q [B, Hq, Lq, D], k and v [B, Hkv, S, D],
+    mask broadcastable to [B, 1, Lq, S] (True = visible; None: causal over a square) ->
+    [B, Hq, Lq, D] in q's dtype. Without a soft-cap, torch's SDPA (fused on CPU, flash
+    on CUDA); SDPA has no soft-cap, so capped layers take the explicit fp32 form, as do
+    rows whose ``probs`` (attention_probs) the caller already computed for their scores."""
+    if params.softcap is None and probs is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                              scale=params.scale, enable_gqa=True)
+    if probs is None:
+        probs = attention_probs(q, k, mask, params)
+    vf = v.float().repeat_interleave(q.shape[1] // v.shape[1], dim=1)  # [B, Hq, S, D]
+    return (probs @ vf).to(q.dtype)
 
 
 def get_backend(name: str, device: torch.device | str = "cpu") -> AttentionBackend:

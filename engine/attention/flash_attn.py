@@ -28,6 +28,7 @@ class FlashAttnBackend(AttentionBackend):
     name = "flash_attn"
 
     supports = frozenset({"window", "softcap"})
+    gives_scores = False  # flash-attn returns no probabilities (h2o is refused)
 
     @classmethod
     def available(cls, device: torch.device) -> str | None:

@@ -30,6 +30,10 @@ class AttentionMetadata:
     kv_quant: str | None = None
     """None: the KV cache holds K/V in the compute dtype; int8 | fp8_e4m3: quantized rows
     with their scales (engine/kv_cache/quant.py), quantized on write, dequantized on read."""
+    scores: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Sequence index -> its attention-score accumulator [L, Hkv, slots] fp32, for the
+    sequences whose KV policy evicts by attention (h2o): backends add into it
+    (engine/attention/base.py add_scores); empty for every other step."""
     scratch: dict[str, Any] = field(default_factory=dict)
     """Derived tensors a backend builds once per step and reuses in every layer."""
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.base import AttentionBackend, LayerAttention, first_key, gather_kv
+from engine.attention.base import (AttentionBackend, LayerAttention, add_scores, first_key,
+                                   gather_kv)
 from engine.attention.metadata import AttentionMetadata
 
 
@@ -21,7 +22,8 @@ class NaiveBackend(AttentionBackend):
     def attend(self, layer, q, kv, meta: AttentionMetadata, params: LayerAttention, out) -> None:
         start = 0
         rep = q.shape[1] // kv.shape[-2]
-        for qlen, slen, table in zip(meta.query_lens, meta.seq_lens, meta.block_tables):
+        for seq, (qlen, slen, table) in enumerate(zip(meta.query_lens, meta.seq_lens,
+                                                      meta.block_tables)):
             qs = q[start:start + qlen].float()  # [Lq, Hq, D]
             first = first_key(slen - qlen, params.window)  # (blocks before: maybe freed)
             ks, vs = gather_kv(layer, kv, table, slen, meta.kv_quant, torch.float32, first)
@@ -37,5 +39,7 @@ class NaiveBackend(AttentionBackend):
                 hidden |= kpos <= qpos - params.window
             scores = scores.masked_fill(hidden, float("-inf"))
             probs = scores.softmax(-1)
+            if seq in meta.scores:
+                add_scores(meta, seq, layer, probs.sum(1), first)
             out[start:start + qlen] = torch.einsum("hqk,khd->qhd", probs, vs).to(q.dtype)
             start += qlen

@@ -16,6 +16,11 @@ the machine's compiler (about 20 s, once per source version: engine/native.py).
 Above KERNEL_MAX_ROWS, and elsewhere (CUDA, an fp8 cache, or no compiler: said once in
 the log), it takes the gathered path: one batched attention over each row's visible
 blocks padded to the widest, a quantized cache dequantized as it is gathered.
+
+Scores (h2o): rows with ``score_rows[i] = j >= 0`` leave their scaled (capped) logits
+in ``logits[j]`` ([M, Hq, width] fp32, -inf where no key was read), the kernel's own
+scores copied out as it computes them; the gathered path computes them explicitly for
+those rows only, from the keys it gathered.
 """
 from __future__ import annotations
 
@@ -23,13 +28,15 @@ from pathlib import Path
 
 import torch
 
-from engine.attention.base import LayerAttention, gather_blocks, masked_attention, visible
+from engine.attention.base import (LayerAttention, attention_logits, gather_blocks,
+                                   masked_attention, visible)
 from engine.kv_cache.quant import rotation
 from engine.native import NativeKernel
 
 def _register_fakes() -> None:
     torch.library.register_fake("tandem::paged_decode")(
-        lambda q, kv, layer, tables, lens, scale, window=0, softcap=0.0: torch.empty_like(q))
+        lambda q, kv, layer, tables, lens, scale, window=0, softcap=0.0, score_rows=None,
+        logits=None: torch.empty_like(q))
 
 
 KERNEL = NativeKernel("paged_decode", Path(__file__).parent / "csrc" / "paged_decode.cpp",
@@ -49,23 +56,29 @@ tiles."""
 
 def paged_decode(q: torch.Tensor, kv: torch.Tensor, layer: int, tables: torch.Tensor,
                  lens: torch.Tensor, scale: float, kv_quant: str | None = None,
-                 window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                 window: int | None = None, softcap: float | None = None,
+                 score_rows: torch.Tensor | None = None, logits: torch.Tensor | None = None
+                 ) -> torch.Tensor:
     """q [N, Hq, D]; kv the whole cache; tables [N, maxb] long (padded with any block
     id; entries before a row's window are never read); lens [N] long; kv_quant None (kv
-    in q's dtype) or a quantized --kv-cache-dtype -> [N, Hq, D]."""
+    in q's dtype) or a quantized --kv-cache-dtype -> [N, Hq, D]. score_rows, logits: the
+    rows that leave their logits (module docstring), or None."""
+    args = (q, kv, layer, tables, lens, scale, kv_quant, window, softcap, score_rows, logits)
     if (kv.device.type == "cpu" and q.shape[0] <= KERNEL_MAX_ROWS
             and kv_quant in (None, "int8") and kernel_unavailable() is None):
-        return kernel_decode(q, kv, layer, tables, lens, scale, kv_quant, window, softcap)
-    return gathered_decode(q, kv, layer, tables, lens, scale, kv_quant, window, softcap)
+        return kernel_decode(*args)
+    return gathered_decode(*args)
 
 
 def kernel_decode(q: torch.Tensor, kv: torch.Tensor, layer: int, tables: torch.Tensor,
                   lens: torch.Tensor, scale: float, kv_quant: str | None = None,
-                  window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                  window: int | None = None, softcap: float | None = None,
+                  score_rows: torch.Tensor | None = None, logits: torch.Tensor | None = None
+                  ) -> torch.Tensor:
     """The in-place kernel (window 0 / softcap 0.0 mean none there). An int8 cache holds
     rotated rows (engine/kv_cache/quant.py): the kernel gets the rotated query (q . k is
     unchanged) and its output, a weighted sum of rotated values, is rotated back."""
-    extra = (window or 0, softcap or 0.0)
+    extra = (window or 0, softcap or 0.0, score_rows, logits)
     if kv_quant is None:
         return torch.ops.tandem.paged_decode(q.contiguous(), kv, layer, tables, lens, scale,
                                              *extra)
@@ -77,11 +90,12 @@ def kernel_decode(q: torch.Tensor, kv: torch.Tensor, layer: int, tables: torch.T
 
 def gathered_decode(q: torch.Tensor, kv: torch.Tensor, layer: int, tables: torch.Tensor,
                     lens: torch.Tensor, scale: float, kv_quant: str | None = None,
-                    window: int | None = None, softcap: float | None = None
+                    window: int | None = None, softcap: float | None = None,
+                    score_rows: torch.Tensor | None = None, logits: torch.Tensor | None = None
                     ) -> torch.Tensor:
     """The fallback: gather each row's blocks from the first its window reaches (padded to
     the widest row), one batched attention with a key mask (SDPA: faster on CPU than an
-    explicit matmul-softmax-matmul over the same gather)."""
+    explicit matmul-softmax-matmul over the same gather); the scored rows' logits apart."""
     n, bs = q.shape[0], kv.shape[3]
     first = torch.zeros_like(lens) if window is None else (lens - window).clamp(min=0) // bs
     width = int(((lens + bs - 1) // bs - first).max())
@@ -93,6 +107,11 @@ def gathered_decode(q: torch.Tensor, kv: torch.Tensor, layer: int, tables: torch
     vs = vs.view(n, -1, *vs.shape[-2:]).transpose(1, 2)
     kpos = first.unsqueeze(1) * bs + torch.arange(ks.shape[2], device=q.device)  # [N, S]
     mask = visible((lens - 1).view(n, 1, 1, 1), kpos[:, None, None, :], window)
-    out = masked_attention(q.unsqueeze(2), ks, vs, mask,
-                           LayerAttention(scale, window, softcap))  # [N, Hq, 1, D]
+    params = LayerAttention(scale, window, softcap)
+    out = masked_attention(q.unsqueeze(2), ks, vs, mask, params)  # [N, Hq, 1, D]
+    if score_rows is not None:
+        for i in (score_rows >= 0).nonzero().flatten().tolist():
+            lg = attention_logits(q[i:i + 1].unsqueeze(2), ks[i:i + 1], mask[i:i + 1], params)
+            s0, w = int(first[i]) * bs, min(ks.shape[2], logits.shape[-1] - int(first[i]) * bs)
+            logits[int(score_rows[i]), :, s0:s0 + w] = lg[0, :, 0, :w]
     return out.squeeze(2)

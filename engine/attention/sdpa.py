@@ -12,13 +12,19 @@ that reads K/V in place through the block tables, skipping keys before the windo
 gathered first, once per layer). A quantized cache: the prefill path dequantizes the
 gathered context to the compute dtype; the decode kernel dequantizes int8 rows as it
 reads them (fp8 takes the gathered path).
+
+Rows that owe attention scores (``meta.scores``, h2o): a prefill row takes the explicit
+fp32 form (its probabilities are the scores' source); decode rows get their scaled
+logits from the kernel as it computes them (no second read of the cache), then one
+softmax over those [Hq, len] logits.
 """
 from __future__ import annotations
 
 import torch
 
-from engine.attention.base import (AttentionBackend, LayerAttention, first_key, gather_kv,
-                                   masked_attention, visible)
+from engine.attention.base import (AttentionBackend, LayerAttention, add_scores,
+                                   attention_probs, first_key, gather_kv, masked_attention,
+                                   visible)
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.paged_decode import paged_decode
 
@@ -57,11 +63,34 @@ class SDPABackend(AttentionBackend):
             mask = None if plain else meta.cached(
                 f"pmask{i}:{params.window}",
                 lambda: _prefill_mask(qlen, slen, first, params.window, q.device))
-            o = masked_attention(qs, ks.transpose(0, 1).unsqueeze(0),
-                                 vs.transpose(0, 1).unsqueeze(0), mask, params)
+            ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)
+            probs = None
+            if i in meta.scores:
+                probs = attention_probs(qs, ks, mask, params)  # [1, Hq, Lq, S]
+                add_scores(meta, i, layer, probs[0].sum(1), first)
+            o = masked_attention(qs, ks, vs, mask, params, probs)
             out[start:start + qlen] = o[0].transpose(0, 1)
             start += qlen
         if meta.num_decodes:
-            bt, lens = meta.cached("decode", lambda: _decode_inputs(meta, q.device))
-            out[start:] = paged_decode(q[start:], kv, layer, bt, lens, params.scale, meta.kv_quant,
-                                       params.window, params.softcap)
+            self._decode(layer, q[start:], kv, meta, params, out[start:])
+
+    @staticmethod
+    def _decode(layer: int, q: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata,
+                params: LayerAttention, out: torch.Tensor) -> None:
+        p = meta.num_prefills
+        bt, lens = meta.cached("decode", lambda: _decode_inputs(meta, q.device))
+        scored = sorted(i for i in meta.scores if i >= p)
+        rows = logits = None
+        if scored:
+            rows = meta.cached("score_rows", lambda: torch.tensor(
+                [scored.index(i) if i in scored else -1 for i in range(p, len(meta.seq_lens))],
+                dtype=torch.long, device=q.device))
+            width = max(meta.seq_lens[i] for i in scored)
+            logits = torch.full((len(scored), q.shape[1], width), float("-inf"),
+                                device=q.device)
+        out[:] = paged_decode(q, kv, layer, bt, lens, params.scale, meta.kv_quant,
+                              params.window, params.softcap, rows, logits)
+        if scored:
+            probs = logits.softmax(-1)  # [M, Hq, width]
+            for j, i in enumerate(scored):
+                add_scores(meta, i, layer, probs[j, :, :meta.seq_lens[i]])

@@ -30,6 +30,8 @@ as one compact cache with positions within it, so dropping blocks moves every la
 block down: ``on_shift`` re-rotates their keys (the runner's ``shift_keys``) as they are
 dropped, before any later read or copy. A bounded request's blocks never enter the prefix
 cache and it adopts none (re-rotated keys are not the prompt's keys at its positions).
+Under h2o the table is the request's compacted slots (``kept_tokens`` of them computed):
+it never has a hole and never grows past the budget's blocks.
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ from typing import TYPE_CHECKING, Callable
 from core.kv.block_hash import BlockHash, hash_token_blocks
 from engine.kv_cache.block_pool import BlockPool
 from core.kv.layout import blocks_for
-from engine.kv_cache.policy import chunk_limit, live_bounds
+from engine.kv_cache.policy import chunk_limit, kept_tokens, live_bounds
 
 if TYPE_CHECKING:
     from engine.kv_cache.tiers.tiered import TieredCache
@@ -144,6 +146,11 @@ class KVCacheManager:
                                num_new_tokens)
         return 0, self.first_live_block(req.num_computed_tokens) if slide else 0
 
+    def _target(self, req: Request, num_new_tokens: int) -> int:
+        """Blocks req's table covers once num_new_tokens more are computed."""
+        return self.blocks_needed(kept_tokens(req.kv_policy, req.num_computed_tokens)
+                                  + num_new_tokens)
+
     def chunk_limit(self, req: Request, num_new_tokens: int) -> int:
         """The most of num_new_tokens one step may compute for req (a bounded policy
         stops a chunk where its kept blocks would change: engine/kv_cache/policy.py)."""
@@ -159,7 +166,7 @@ class KVCacheManager:
         table = self.tables.get(req.request_id, [])
         head, first = self._bounds(req, num_new_tokens, slide)
         start = max(len(table), len(cached))
-        target = self.blocks_needed(req.num_computed_tokens + num_new_tokens)
+        target = self._target(req, num_new_tokens)
         need = max(0, min(head, target) - start) + max(0, target - max(first, start))
         evictable_hits = sum(1 for b in cached[first:] if self.pool.blocks[b].ref_cnt == 0)
         if num_new_tokens and self._shared_write(req) is not None:
@@ -184,7 +191,7 @@ class KVCacheManager:
             self.pool.touch(cached[first:])
             table.extend([NULL_BLOCK] * min(first, len(cached)) + list(cached[first:]))
             self._num_cached[req.request_id] = len(cached)
-        target = self.blocks_needed(req.num_computed_tokens + num_new_tokens)
+        target = self._target(req, num_new_tokens)
         # a table rebuilt mid-context (swap-in, a load from elsewhere) has its hole too
         held = [i < head or i >= first for i in range(len(table), max(target, first))]
         fresh = iter(self.pool.allocate(sum(held)) or ())
@@ -262,7 +269,7 @@ class KVCacheManager:
         ``allocate(req, 0, slide=slide)`` rebuilds the table they are as many again."""
         head, first = self._bounds(req, 0, slide)
         self._drop(req.request_id, head, first, req.kv_policy is not None)
-        table = self.tables[req.request_id][: self.blocks_needed(req.num_computed_tokens)]
+        table = self.tables[req.request_id][: self._target(req, 0)]
         return [b for b in table if b != NULL_BLOCK]
 
     def first_held(self, request_id: str) -> int:

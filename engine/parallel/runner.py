@@ -59,9 +59,11 @@ class ShardedRunner(ModelRunner):
         return model
 
     def _run(self, inputs: StepInputs, should_stop: Callable[[], bool] | None = None,
-             adapters: list | None = None, owed: list = ()):
+             adapters: list | None = None, owed: list = (), scores: dict | None = None):
         if owed:  # LLMEngine.make_request refuses them first; the other ranks cannot follow
             raise ValueError("prompt_logprobs is not supported with --tensor-parallel-size > 1")
+        if scores:  # bounded KV is refused at start-up under TP
+            raise ValueError("h2o attention scores are not kept with --tensor-parallel-size > 1")
         if self.group is None:
             return super()._run(inputs)
         with self._group_op("a step"):

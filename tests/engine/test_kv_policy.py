@@ -66,14 +66,12 @@ class PlainStreaming:
     def generate(self, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
         """Greedy tokens and each one's logprob."""
         layers = self.cfg["num_hidden_layers"]
-        keys: list[list[torch.Tensor]] = [[] for _ in range(layers)]
-        vals: list[list[torch.Tensor]] = [[] for _ in range(layers)]
+        state = [self.new_state() for _ in range(layers)]
         toks, out, lps = list(prompt), [], []
         for p in range(len(prompt) + n - 1):
-            kept = self.kept(p)
             x = self.w["model.embed_tokens.weight"][toks[p]].unsqueeze(0)  # [1, H]
             for i in range(layers):
-                x = self.layer(i, x, kept, keys[i], vals[i])
+                x = self.layer(i, x, p, state[i])
             if p >= len(prompt) - 1:
                 logits = self.norm(x, "model.norm.weight") @ self.w["model.embed_tokens.weight"].T
                 toks.append(int(logits.argmax()))
@@ -81,21 +79,28 @@ class PlainStreaming:
                 lps.append(float(logits.log_softmax(-1)[0, toks[-1]]))
         return out, lps
 
-    def layer(self, i: int, x: torch.Tensor, kept: list[int], keys: list[torch.Tensor],
-              vals: list[torch.Tensor]) -> torch.Tensor:
-        pre = f"model.layers.{i}."
-        h = self.norm(x, pre + "input_layernorm.weight")
-        q = (h @ self.w[pre + "self_attn.q_proj.weight"].T).view(1, self.nh, self.d)
-        keys.append((h @ self.w[pre + "self_attn.k_proj.weight"].T).view(self.nkv, self.d))
-        vals.append((h @ self.w[pre + "self_attn.v_proj.weight"].T).view(self.nkv, self.d))
-        k = self.rope(torch.stack([keys[t] for t in kept]), torch.arange(len(kept)))
-        v = torch.stack([vals[t] for t in kept])  # [S, Hkv, D]
+    def new_state(self) -> dict:
+        """One layer's cache: every token's un-rotated K and its V."""
+        return {"keys": [], "vals": []}
+
+    def attend(self, q: torch.Tensor, p: int, st: dict) -> torch.Tensor:
+        """q [1, Hq, D] of the token at p -> its attention output [1, Hq * D]."""
+        kept = self.kept(p)
+        k = self.rope(torch.stack([st["keys"][t] for t in kept]), torch.arange(len(kept)))
+        v = torch.stack([st["vals"][t] for t in kept])  # [S, Hkv, D]
         q = self.rope(q, torch.tensor([len(kept) - 1]))
         rep = self.nh // self.nkv
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
         att = torch.einsum("qhd,khd->hqk", q, k) / self.d ** 0.5
-        o = torch.einsum("hqk,khd->qhd", att.softmax(-1), v).reshape(1, -1)
-        x = x + o @ self.w[pre + "self_attn.o_proj.weight"].T
+        return torch.einsum("hqk,khd->qhd", att.softmax(-1), v).reshape(1, -1)
+
+    def layer(self, i: int, x: torch.Tensor, p: int, st: dict) -> torch.Tensor:
+        pre = f"model.layers.{i}."
+        h = self.norm(x, pre + "input_layernorm.weight")
+        q = (h @ self.w[pre + "self_attn.q_proj.weight"].T).view(1, self.nh, self.d)
+        st["keys"].append((h @ self.w[pre + "self_attn.k_proj.weight"].T).view(self.nkv, self.d))
+        st["vals"].append((h @ self.w[pre + "self_attn.v_proj.weight"].T).view(self.nkv, self.d))
+        x = x + self.attend(q, p, st) @ self.w[pre + "self_attn.o_proj.weight"].T
         h = self.norm(x, pre + "post_attention_layernorm.weight")
         g = torch.nn.functional.silu(h @ self.w[pre + "mlp.gate_proj.weight"].T)
         return x + (g * (h @ self.w[pre + "mlp.up_proj.weight"].T)) \
@@ -112,6 +117,20 @@ def _run(eng: LLMEngine, prompt: list[int], n: int, policy: str | None = None
             toks += out.new_token_ids
             lps += [lp.logprob for lp in out.logprobs]
     return toks, lps
+
+
+def run_together(eng: LLMEngine, jobs: list[tuple[list[int], str | None]], n: int
+                 ) -> list[list[int]]:
+    """(prompt, kv_policy) requests added at once (priority i % 3), run to the end: each
+    one's greedy tokens."""
+    reqs = []
+    for i, (prompt, policy) in enumerate(jobs):
+        rid = eng.add_request(prompt, SamplingParams(max_tokens=n, **GREEDY), priority=i % 3,
+                              kv_policy=policy)
+        reqs.append(eng.requests[rid])
+    while eng.has_unfinished():
+        eng.step()
+    return [r.output_token_ids for r in reqs]
 
 
 @pytest.fixture(scope="module")
@@ -189,14 +208,9 @@ def test_preemption_resumes_exactly(sharp_model, mode) -> None:
     alone = [_run(alone_eng, p, 60)[0] for p in prompts]
     eng = _engine(sharp_model, block_size=4, kv_policy=policy, num_kv_blocks=14,
                   preemption_mode=mode, max_model_len=64)
-    reqs = []
-    for i, p in enumerate(prompts):
-        rid = eng.add_request(p, SamplingParams(max_tokens=60, **GREEDY), priority=i % 3)
-        reqs.append(eng.requests[rid])
-    while eng.has_unfinished():
-        eng.step()
+    got = run_together(eng, [(p, None) for p in prompts], 60)
     assert sum(eng.stats.preemptions.values()) > 0
-    assert [r.output_token_ids for r in reqs] == alone
+    assert got == alone
     eng.leak_check()
 
 
@@ -241,10 +255,12 @@ def test_a_speculating_engine_runs_bounded_requests_plainly(sharp_model) -> None
 @pytest.mark.parametrize("policy,words", [
     ("streaming:sinks=4,window=8", "smaller than one KV block"),
     ("streaming:sinks=20,window=10", "fill all"),
-    ("streaming:sinks=4", "needs sinks=S and window=W"),
+    ("streaming:sinks=4", "needs sinks and window"),
     ("streaming:sinks=4,window=x", "is not streaming"),
-    ("h2o:heavy=64,recent=64", "h2o"),
-    ("lru", "must be full or streaming"),
+    ("h2o:heavy=4,recent=4", "the budget heavy + recent = 8 tokens is smaller than one KV"),
+    ("h2o:heavy=0,recent=64", "heavy >= 1"),
+    ("h2o:heavy=8,sinks=64", "is not h2o:heavy=H,recent=R"),
+    ("lru", "must be full, streaming:sinks=S,window=W or h2o:heavy=H,recent=R"),
     ("streaming:sinks=4,window=1000", "exceeds the context window"),
 ])
 def test_bad_policies_name_the_flag_and_the_field(tiny_model_dir, policy, words) -> None:

@@ -23,6 +23,10 @@
 // tokens (and so blocks) before that are never read, their table entries never looked
 // at. A soft-cap (softcap > 0) maps each tile's scaled scores s to c * tanh(s / c)
 // before the online softmax.
+// Scores (h2o): a row with score_rows[i] = j >= 0 also leaves its scaled (capped)
+// scores in logits[j] ([M, Hq, W] fp32, column = token position), copied from the tile
+// as the online softmax takes it; the caller normalises them (no second pass over the
+// cache). Other rows write nothing.
 // An int8 cache (--kv-cache-dtype int8) is never multiplied by its scale element-wise:
 // a row is D int8 codes then its bfloat16 scale s, and s is folded into the per-token
 // scalars instead: score_t = s_t * (q . codes_t), and V's weight p_t * s_t, so
@@ -44,6 +48,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -254,7 +259,7 @@ struct Scratch {
 template <typename KV>
 void head_tile(const KV* const* krows, const KV* const* vrows, int n, int64_t group,
                int64_t d, int64_t dp, const float* q, float* acc, float* m, float* l,
-               float softcap, Scratch& s) {
+               float softcap, float* sout, int64_t sstride, Scratch& s) {
   float ks[kTile] = {}, vs[kTile] = {};  // int8 row scales (0 past the tile's rows)
   if constexpr (kQuant<KV>)
     for (int t = 0; t < n; ++t) vs[t] = row_scale(vrows[t], d);
@@ -264,6 +269,7 @@ void head_tile(const KV* const* krows, const KV* const* vrows, int n, int64_t gr
     tile_scores(q + g * dp, s.kt.data(), dp, sc);
     if constexpr (kQuant<KV>) scale_tile(sc, ks);
     if (softcap > 0.f) cap_tile(sc, softcap);
+    if (sout) std::copy(sc, sc + n, sout + g * sstride);  // head g's scores, this tile
     const float alpha = softmax_step(sc, n, m[g], l[g]);
     if (alpha != 1.f)
       for (int64_t c = 0; c < dp; ++c) acc[g * dp + c] *= alpha;
@@ -279,7 +285,7 @@ void head_tile(const KV* const* krows, const KV* const* vrows, int n, int64_t gr
 template <typename KV>
 void decode_task(const RowMap<KV>& map, int64_t t_begin, int64_t t_end, int64_t hkv,
                  int64_t group, int64_t d, int64_t dp, int64_t rd, float softcap,
-                 Scratch& s) {
+                 float* srow, int64_t sstride, Scratch& s) {
   std::fill(s.acc.begin(), s.acc.end(), 0.f);
   std::fill(s.m.begin(), s.m.end(), -std::numeric_limits<float>::infinity());
   std::fill(s.l.begin(), s.l.end(), 0.f);
@@ -308,7 +314,8 @@ void decode_task(const RowMap<KV>& map, int64_t t_begin, int64_t t_end, int64_t 
       }
       const int64_t q0 = h * group;
       head_tile(krows, vrows, n, group, d, dp, s.q.data() + q0 * dp, s.acc.data() + q0 * dp,
-                s.m.data() + q0, s.l.data() + q0, softcap, s);
+                s.m.data() + q0, s.l.data() + q0, softcap,
+                srow ? srow + q0 * sstride + t0 : nullptr, sstride, s);
     }
   }
 }
@@ -344,7 +351,8 @@ void decode_kernel(const T* q, const KV* kv, const int64_t* tables, const int64_
                    int64_t n_seq, int64_t hq, int64_t hkv, int64_t d, int64_t block_size,
                    int64_t max_blocks, int64_t layer_stride, int64_t block_stride,
                    int64_t layer, double scale_d, int64_t rd, int64_t window,
-                   double softcap, int64_t num_blocks) {
+                   double softcap, int64_t num_blocks, const int64_t* score_rows,
+                   float* logits, int64_t lwidth) {
   const int64_t group = hq / hkv, dp = (d + kW - 1) / kW * kW, stride = 2 + dp;
   const float scale = static_cast<float>(scale_d);
   const int64_t row = hkv * rd;  // one token's K (or V) at one layer
@@ -378,8 +386,10 @@ void decode_kernel(const T* q, const KV* kv, const int64_t* tables, const int64_
           s.q[h * dp + c] = c < d ? static_cast<float>(q[(seq * hq + h) * d + c]) * scale : 0.f;
       const RowMap<KV> map{kv + layer * layer_stride, tables + seq * max_blocks, block_size,
                            block_stride, row, block_size * row};
+      float* srow = score_rows && score_rows[seq] >= 0
+                        ? logits + score_rows[seq] * hq * lwidth : nullptr;
       decode_task(map, std::min(len, b + part * chunk), std::min(len, b + (part + 1) * chunk),
-                  hkv, group, d, dp, rd, static_cast<float>(softcap), s);
+                  hkv, group, d, dp, rd, static_cast<float>(softcap), srow, lwidth, s);
       for (int64_t h = 0; h < hq; ++h) {
         float* st = state.data() + ((seq * hq + h) * splits + part) * stride;
         st[0] = s.m[h];
@@ -396,7 +406,9 @@ void decode_kernel(const T* q, const KV* kv, const int64_t* tables, const int64_
 
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv, int64_t layer,
                         const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                        double scale, int64_t window, double softcap) {
+                        double scale, int64_t window, double softcap,
+                        const std::optional<at::Tensor>& score_rows,
+                        const std::optional<at::Tensor>& logits) {
   TORCH_CHECK(q.dim() == 3 && kv.dim() == 6, "paged_decode: q [N, Hq, D], kv 6-D");
   TORCH_CHECK(q.is_contiguous() && kv.is_contiguous(), "paged_decode: contiguous inputs");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
@@ -410,26 +422,47 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv, int64_t layer
   auto tables = block_tables.contiguous();
   auto lens = seq_lens.contiguous();
   auto out = at::empty_like(q);
+  const int64_t* rows = nullptr;
+  float* lg = nullptr;
+  int64_t lwidth = 0;
+  at::Tensor rows_c;
+  if (score_rows.has_value() && score_rows->defined()) {
+    TORCH_CHECK(logits.has_value() && logits->scalar_type() == at::kFloat &&
+                    logits->is_contiguous() && logits->dim() == 3 && logits->size(1) == hq,
+                "paged_decode: logits [M, Hq, W] fp32 contiguous with score_rows");
+    rows_c = score_rows->contiguous();
+    TORCH_CHECK(rows_c.scalar_type() == at::kLong && rows_c.numel() == n,
+                "paged_decode: score_rows [N] int64");
+    rows = rows_c.data_ptr<int64_t>();
+    lwidth = logits->size(2);
+    for (int64_t i = 0; i < n; ++i)
+      TORCH_CHECK(rows[i] < logits->size(0) &&
+                      (rows[i] < 0 || lens.data_ptr<int64_t>()[i] <= lwidth),
+                  "paged_decode: row ", i, "'s logits do not fit");
+    lg = logits->data_ptr<float>();
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
     if (q8)
       decode_kernel<scalar_t, int8_t>(q.data_ptr<scalar_t>(), kv.data_ptr<int8_t>(),
                                       tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
                                       out.data_ptr<scalar_t>(), n, hq, hkv, d, block_size,
                                       tables.size(1), kv.stride(1), kv.stride(0), layer, scale,
-                                      rd, window, softcap, kv.size(0));
+                                      rd, window, softcap, kv.size(0), rows, lg, lwidth);
     else
       decode_kernel<scalar_t, scalar_t>(q.data_ptr<scalar_t>(), kv.data_ptr<scalar_t>(),
                                         tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
                                         out.data_ptr<scalar_t>(), n, hq, hkv, d, block_size,
                                         tables.size(1), kv.stride(1), kv.stride(0), layer,
-                                        scale, rd, window, softcap, kv.size(0));
+                                        scale, rd, window, softcap, kv.size(0), rows, lg,
+                                        lwidth);
   });
   return out;
 }
 
 TORCH_LIBRARY(tandem, m) {
   m.def("paged_decode(Tensor q, Tensor kv, int layer, Tensor block_tables, Tensor seq_lens, "
-        "float scale, int window=0, float softcap=0.) -> Tensor");
+        "float scale, int window=0, float softcap=0., Tensor? score_rows=None, "
+        "Tensor(a!)? logits=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tandem, CPU, m) { m.impl("paged_decode", &paged_decode); }

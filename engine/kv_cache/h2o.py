@@ -1,0 +1,88 @@
+"""H2O's heavy hitters (arXiv 2306.14048) over the paged cache, under
+``--kv-policy h2o:heavy=H,recent=R`` (core/kv/policy.py).
+
+Granularity: tokens, chosen per layer and per KV head, as in the paper. A request's
+table is its cache's slots, budget = H + R of them in ceil(budget / B) blocks (never
+more: the memory is the budget's blocks). Attention adds each key's probability,
+summed over the step's queries and over the KV head's group of query heads, into the
+request's scores [L, Hkv, budget] (engine/attention/base.py add_scores: the decode
+kernel copies out the scores it computes anyway; nothing is read twice). When a step's
+last token fills the last slot, every (layer, KV head) evicts the slot with the least
+accumulated score among the first H (the last R slots, the newest tokens with the
+current one, are never evicted); the slots after it move one down with their scores,
+their keys re-rotated by -1 (positions within the cache, as under streaming), and the
+next token is written into the freed last slot. So a query sees H + R tokens: itself,
+the R - 1 before it and H heavy hitters.
+
+Why per head and per token: heads disagree on which tokens matter (the paper's
+selection is per head), and in the block-major cache each (layer, head) row of a slot
+is its own row, so compacting per head is one gather along the slot axis with no extra
+memory. Evicting whole blocks would have to drop B tokens that score low together,
+which H2O's scores do not group (unlike streaming's fixed order).
+
+The scores live on the request (``Request.kv_scores``): they follow its slots through a
+swap, are rebuilt by a recompute (from its first token), and go with the request.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.kv_cache.policy import kept_tokens
+from engine.kv_cache.shift import rotated_keys
+
+if TYPE_CHECKING:
+    from engine.request import Request
+
+
+def step_scores(scored: list[tuple[Request, int, int]], layers: int, kv_heads: int,
+                device: torch.device) -> dict[int, torch.Tensor]:
+    """Sequence index -> a copy of its request's scores for this step to add into (a
+    step abandoned midway adds nothing: ``keep_scores`` takes the copies afterwards);
+    zeros for a request starting from its first token (new, or recomputed)."""
+    out = {}
+    for req, seq, _ in scored:
+        if req.kv_scores is None or req.num_computed_tokens == 0:
+            req.kv_scores = torch.zeros(layers, kv_heads, req.kv_policy.budget, device=device)
+        out[seq] = req.kv_scores.clone()
+    return out
+
+
+@torch.inference_mode()
+def keep_scores(scored: list[tuple[Request, int, int]], scores: dict[int, torch.Tensor],
+                tables: dict[int, list[int]], kv: torch.Tensor, model: torch.nn.Module,
+                kv_quant: str | None) -> None:
+    """After a step's forward: each scored request takes its scores, and one whose last
+    slot this step filled evicts (``evict``)."""
+    for req, seq, n in scored:
+        req.kv_scores = scores[seq]
+        if kept_tokens(req.kv_policy, req.num_computed_tokens) + n == req.kv_policy.budget:
+            evict(kv, model, tables[seq], req.kv_scores, req.kv_policy.heavy, kv_quant)
+
+
+def evict(kv: torch.Tensor, model: torch.nn.Module, table: list[int], scores: torch.Tensor,
+          heavy: int, kv_quant: str | None) -> None:
+    """In a full cache of slots = scores.shape[-1] tokens over ``table``'s blocks, drop per
+    (layer, KV head) the least-scored of the first ``heavy`` slots and move the later
+    ones down (keys re-rotated by -1); the last slot is then free (score 0)."""
+    layers, hkv, slots = scores.shape
+    victim = scores[:, :, :heavy].argmin(-1)  # [L, Hkv]
+    bs = kv.shape[3]
+    lo = int(victim.min()) // bs * bs  # slots before lo's block stay where they are
+    idx = torch.as_tensor(table[lo // bs: -(-slots // bs)], dtype=torch.long, device=kv.device)
+    x = kv.index_select(0, idx)  # [n, L, 2, B, Hkv, R]
+    n, row = x.shape[0], x.shape[-1]
+    x = x.permute(1, 2, 0, 3, 4, 5).reshape(layers, 2, n * bs, hkv, row)
+    j = torch.arange(lo, slots - 1, device=kv.device)  # the slots that may change
+    moved = j.view(1, 1, -1) >= victim.unsqueeze(-1)  # [L, Hkv, S']
+    src = j.view(1, 1, -1) + moved  # each slot takes the next one's token from the victim on
+    scores[:, :, lo:slots - 1] = scores.gather(-1, src)
+    scores[:, :, slots - 1] = 0
+    at = (src - lo).permute(0, 2, 1)  # [L, S', Hkv]
+    rows = x.gather(2, at[:, None, :, :, None].expand(layers, 2, -1, hkv, row))
+    keys = rows[:, 0]  # [L, S', Hkv, row]
+    rows[:, 0] = torch.where(moved.permute(0, 2, 1).unsqueeze(-1),
+                             rotated_keys(keys, model, -1, kv_quant, layer_dim=0), keys)
+    x[:, :, :slots - 1 - lo] = rows
+    kv[idx] = x.view(layers, 2, n, bs, hkv, row).permute(2, 0, 1, 3, 4, 5)

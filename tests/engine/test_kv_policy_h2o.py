@@ -1,0 +1,116 @@
+"""Bounded KV under ``h2o:heavy=H,recent=R`` (H2O's heavy hitters, engine/kv_cache/h2o.py):
+the tokens equal a plain reference written here (token by token, per layer and KV head:
+the R newest tokens and the H with the most accumulated attention, keys rotated at
+their index among the kept ones), for a prompt longer than the budget, through the
+prefill path, the decode kernel and the naive backend; the request holds exactly the
+budget's blocks; a swap resumes exactly; bad budgets and a backend without scores are
+refused naming their field or flag."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from core.errors import FieldError
+from core.sampling import SamplingParams
+from tests.engine.test_kv_policy import (GREEDY, PlainStreaming, _engine, _held, _run,
+                                         run_together)
+from tests.utils import make_tiny_llama
+
+
+class PlainH2O(PlainStreaming):
+    """The tiny Llama token by token in fp32, each layer's KV head keeping its own tokens:
+    the new one joins, the query attends, each kept token's score grows by its attention
+    probability summed over the head's group of query heads; a full cache (H + R tokens)
+    then drops, per head, the least-scored of its H oldest."""
+
+    def __init__(self, model_dir: Path, heavy: int, recent: int) -> None:
+        super().__init__(model_dir, 0, heavy + recent, block=heavy + recent)
+        self.heavy, self.budget = heavy, heavy + recent
+
+    def new_state(self) -> dict:
+        """Besides every token's K and V: per KV head, its kept tokens and their scores."""
+        return {"keys": [], "vals": [], "kept": [[] for _ in range(self.nkv)],
+                "score": [[] for _ in range(self.nkv)]}
+
+    def attend(self, q: torch.Tensor, p: int, st: dict) -> torch.Tensor:
+        rep = self.nh // self.nkv
+        o = torch.empty(self.nh, self.d)
+        for g in range(self.nkv):
+            kept, score = st["kept"][g], st["score"][g]
+            kept.append(p)
+            score.append(0.0)
+            s = len(kept)
+            k = self.rope(torch.stack([st["keys"][t][g] for t in kept]).unsqueeze(1),
+                          torch.arange(s))[:, 0]  # [S, D]
+            v = torch.stack([st["vals"][t][g] for t in kept])
+            qg = self.rope(q[:, g * rep:(g + 1) * rep], torch.tensor([s - 1]))[0]  # [rep, D]
+            att = (qg @ k.T / self.d ** 0.5).softmax(-1)  # [rep, S]
+            o[g * rep:(g + 1) * rep] = att @ v
+            score[:] = [a + b for a, b in zip(score, att.sum(0).tolist())]
+            if s == self.budget:
+                victim = min(range(self.heavy), key=lambda j: score[j])
+                del kept[victim], score[victim]
+        return o.reshape(1, -1)
+
+
+@pytest.fixture(scope="module")
+def sharp_model(tmp_path_factory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("sharp-llama"), scale=0.5, embed_scale=1.0)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "naive"])
+def test_h2o_equals_the_plain_reference(sharp_model, backend) -> None:
+    """Blocks of 4, heavy 6 + recent 10: a prompt of 37 (a first chunk of 16 through the
+    prefill path, then one token a step, each evicting), 80 tokens generated. Tokens
+    equal, logprobs within fp32 rounding; the request holds 4 blocks (the budget's) from
+    its first step on."""
+    ref = PlainH2O(sharp_model, heavy=6, recent=10)
+    prompt = [(7 * j + 3) % 300 + 1 for j in range(37)]
+    want, want_lp = ref.generate(prompt, 80)
+    eng = _engine(sharp_model, block_size=4, attention_backend=backend,
+                  kv_policy="h2o:heavy=6,recent=10")
+    eng.add_request(prompt, SamplingParams(max_tokens=80, logprobs=0, **GREEDY))
+    got, got_lp, held = [], [], []
+    while eng.has_unfinished():
+        for out in eng.step():
+            got += out.new_token_ids
+            got_lp += [lp.logprob for lp in out.logprobs]
+            held.append(_held(eng))
+    assert got == want
+    assert got_lp == pytest.approx(want_lp, abs=1e-4)
+    assert set(held[:-1]) == {4}
+    eng.leak_check()
+
+
+def test_batching_and_swapping_equal_alone(sharp_model) -> None:
+    """h2o, streaming and full requests in one batch (the decode kernel gives scores for
+    the h2o rows only), in a pool that seats two so they are swapped out and in (the
+    scores follow the request's slots): each one's tokens equal its run alone."""
+    jobs = [([(i * 11 + j) % 300 + 1 for j in range(10 + 9 * i)], policy) for i, policy in
+            enumerate(["h2o:heavy=6,recent=10", "full", "h2o:heavy=9,recent=7",
+                       "streaming:sinks=4,window=12", "h2o:heavy=6,recent=10"])]
+    alone_eng = _engine(sharp_model, block_size=4, allow_request_kv_policy=True, max_model_len=96)
+    alone = [_run(alone_eng, p, 50, policy)[0] for p, policy in jobs]
+    eng = _engine(sharp_model, block_size=4, allow_request_kv_policy=True, num_kv_blocks=24,
+                  preemption_mode="swap", max_model_len=96)
+    got = run_together(eng, jobs, 50)
+    assert sum(eng.stats.preemptions.values()) > 0
+    assert got == alone
+    eng.leak_check()
+
+
+def test_a_backend_without_scores_is_refused(tiny_model_dir, monkeypatch) -> None:
+    """h2o evicts by attention scores: a backend that gives none is refused at start-up
+    naming --kv-policy, and a request asking for h2o there naming kv_policy."""
+    from engine.attention.sdpa import SDPABackend
+
+    monkeypatch.setattr(SDPABackend, "gives_scores", False)
+    with pytest.raises(ValueError, match="--kv-policy: h2o needs attention scores") as e:
+        _engine(tiny_model_dir, kv_policy="h2o:heavy=32,recent=32")
+    assert "--attention-backend sdpa" in str(e.value)
+    eng = _engine(tiny_model_dir, allow_request_kv_policy=True)
+    with pytest.raises(FieldError, match="kv_policy: h2o needs attention scores") as e:
+        eng.make_request([1, 2, 3], SamplingParams(max_tokens=4), kv_policy="h2o:heavy=8,recent=8")
+    assert e.value.field == "kv_policy"
