@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, TypeVar
 
+import jinja2
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
@@ -179,20 +180,37 @@ class Reader:
         return tok.encode(prompt, add_special_tokens=add_special_tokens)
 
     def _chat_ids(self, body: ChatCompletionRequest, tools: ToolPlan | None) -> list[int]:
-        tok = self.state.tokenizer
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        kwargs = {k: v for k, v in (body.chat_template_kwargs or {}).items()
+                  if k not in ("messages", "add_generation_prompt", "tokenize", "bos_token",
+                               "eos_token")}
         try:
-            messages, extra = template_messages(messages, tools, tok.chat_template)
-            kwargs = {**(body.chat_template_kwargs or {}), **extra}
-            for reserved in ("messages", "add_generation_prompt", "tokenize", "bos_token",
-                             "eos_token"):
-                kwargs.pop(reserved, None)
-            text = tok.apply_chat_template(messages, body.add_generation_prompt, **kwargs)
-        except ValueError as e:
-            raise APIError(400, str(e), param="messages") from None
+            text = self._render(messages, tools, body.add_generation_prompt, kwargs)
         except RecursionError:
             raise APIError(400, "messages are nested too deeply", param="messages") from None
-        return tok.encode(text, add_special_tokens=body.add_special_tokens)
+        except (ValueError, jinja2.TemplateError) as e:
+            # A template that refuses only once the tools are in (Gemma 2's: no tools, no
+            # system turn to list them in) is refusing the tools: name them.
+            if tools is not None and self._renders(messages, body.add_generation_prompt, kwargs):
+                raise APIError(400, f"tools: this model's chat template cannot take tools "
+                                    f"({e})", param="tools") from None
+            raise APIError(400, str(e), param="messages") from None
+        return self.state.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
+
+    def _render(self, messages: list[dict], tools: ToolPlan | None, add_generation_prompt: bool,
+                kwargs: dict) -> str:
+        """The chat template's text; ValueError or jinja2.TemplateError (the template's
+        own raise_exception) where the template refuses the conversation."""
+        tok = self.state.tokenizer
+        messages, extra = template_messages(messages, tools, tok.chat_template)
+        return tok.apply_chat_template(messages, add_generation_prompt, **{**kwargs, **extra})
+
+    def _renders(self, messages: list[dict], add_generation_prompt: bool, kwargs: dict) -> bool:
+        try:
+            self._render(messages, None, add_generation_prompt, kwargs)
+        except (ValueError, jinja2.TemplateError, RecursionError):
+            return False
+        return True
 
     def _params(self, body, ids: list[int], logprobs: int | None,
                 constraint: Constraint) -> tuple[list[int], SamplingParams]:

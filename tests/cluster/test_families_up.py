@@ -1,43 +1,45 @@
-"""`tandem up --model DIR` serves a family's HF checkpoint (here Mistral, whose layers
-slide, on the default attention backend and KV memory that follows the window) through
-real router, prefill and decode processes: a chat completion answers with the tokens
-the in-process engine produces for the same rendered prompt."""
+"""`tandem up --model DIR` serves every family's HF checkpoint through real router,
+prefill and decode processes (KV over TCP, the default attention backend, KV memory
+that follows the window where layers slide): a chat completion answers with the
+tokens transformers generates for the same rendered prompt.
+
+One cluster per family, each stopped before the next starts. What one costs is process
+start-up (three Python processes importing torch, gRPC and FastAPI) and loading the
+tiny checkpoint; compilation is off in the suite (TANDEM_COMPILE=0, tests/conftest.py),
+and the pools are small. The request is short: 8 new tokens."""
 from __future__ import annotations
 
 import pytest
 
-from core.sampling import SamplingParams
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from core.tokenizer import Tokenizer
 from tests.cluster.launch import tandem_up
-from tests.models.families import build_checkpoint
+from tests.models.families import FAMILIES, WINDOW, build_checkpoint, hf_greedy, load_reference
 from tests.utils import write_chat_template
 
 pytestmark = pytest.mark.slow
-FAMILY = "mistral"
-FLAGS = {"dtype": "float32", "quantization": "none", "max_model_len": 256}
+NEW_TOKENS = 8
+MESSAGES = [{"role": "user", "content": "a prompt longer than the sliding window"}]
+ARGS = ["--kv-transfer", "tcp", "--kv-blocks", "64", "--dtype", "float32",
+        "--max-model-len", "256", "--local-prefill-threshold", "4",
+        "--worker-arg=--quantization=none"]
 
 
-def test_tandem_up_serves_a_family_checkpoint(tmp_path) -> None:
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_tandem_up_serves_a_family_checkpoint(tmp_path, family: str) -> None:
     openai = pytest.importorskip("openai")
     pytest.importorskip("transformers", reason="transformers builds the checkpoint")
-    path = build_checkpoint(tmp_path / FAMILY, FAMILY)
+    path = build_checkpoint(tmp_path / family, family)
     write_chat_template(path)
-    messages = [{"role": "user", "content": "a prompt longer than the sliding window"}]
+    tok = Tokenizer.load(path)
+    ids = tok.apply_chat_template(MESSAGES, tokenize=True)
+    assert len(ids) > WINDOW  # beyond the window: the sliding layers drop keys
+    want = hf_greedy(load_reference(path), ids, NEW_TOKENS)
 
-    eng = LLMEngine(EngineConfig.from_flat(model=str(path), num_kv_blocks=64, **FLAGS))
-    ids = eng.tokenizer.apply_chat_template(messages, tokenize=True)
-    assert len(ids) > 16  # beyond the window: the sliding layers drop keys
-    want = eng.generate([ids], SamplingParams(max_tokens=12, temperature=0.0,
-                                              ignore_eos=True))[0].token_ids
-
-    args = ["--kv-transfer", "tcp", "--kv-blocks", "64", "--dtype", "float32",
-            "--max-model-len", "256", "--local-prefill-threshold", "4",
-            "--worker-arg=--quantization=none"]
-    with tandem_up(path, args) as url:
+    with tandem_up(path, ARGS) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         model = client.models.list().data[0].id
-        got = client.chat.completions.create(model=model, messages=messages, max_tokens=12,
-                                             temperature=0, extra_body={"ignore_eos": True})
-    assert got.usage.prompt_tokens == len(ids) and got.usage.completion_tokens == 12
-    assert got.choices[0].message.content == eng.tokenizer.decode(want)
+        got = client.chat.completions.create(model=model, messages=MESSAGES,
+                                             max_tokens=NEW_TOKENS, temperature=0,
+                                             extra_body={"ignore_eos": True})
+    assert got.usage.prompt_tokens == len(ids) and got.usage.completion_tokens == NEW_TOKENS
+    assert got.choices[0].message.content == tok.decode(want), family
