@@ -122,3 +122,30 @@ def test_bad_offload_flags_name_the_flag() -> None:
         CacheConfig(kv_offload_cpu_gib=1 << 20)
     with pytest.raises(ValueError, match="--kv-offload-disk-gib"):
         CacheConfig(kv_offload_disk_gib=0)
+
+
+def test_a_full_disk_drops_counts_and_leaves_no_partial_file(tmp_path, monkeypatch) -> None:
+    """A write that fails (ENOSPC) drops that block, counts it (write_errors, which the
+    worker exports as tandem's lost-blocks metric) and leaves no temporary file; the
+    next write goes on."""
+    import errno
+
+    import engine.kv_cache.tiers.disk as disk_mod
+
+    disk = _disk(tmp_path, 8)
+    real_replace, fail = disk_mod.os.replace, [True]
+
+    def replace(src, dst) -> None:
+        if fail.pop() if fail else False:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(disk_mod.os, "replace", replace)
+    payload = bytes(FMT.block_bytes)
+    assert disk.put(_h(1), (1, 2, 3, 4), payload)
+    disk.drain()
+    assert disk.read(_h(1), (1, 2, 3, 4)) is None
+    assert disk.put(_h(2), (1, 2, 3, 4), payload)
+    disk.close()
+    assert (disk.stats.write_errors, disk.stats.written) == (1, 1)
+    assert [p.name for p in tmp_path.iterdir()] == [disk.path(_h(2)).name]

@@ -162,9 +162,13 @@ class DiskTier:
         self._make_room(len(data))
         final = self.path(block_hash)
         tmp = final.with_suffix(f".tmp{os.getpid()}")
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, final)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, final)
+        except OSError:  # a full disk: no partial file left to fill it further
+            tmp.unlink(missing_ok=True)
+            raise
         with self._lock:
             self.index[block_hash] = len(data)
             self.stats.written += 1
