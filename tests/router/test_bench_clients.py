@@ -2,8 +2,10 @@
 cluster: a prefill and a decode worker on the tiny model): guidellm's CLI runs one
 short sweep with its defaults (chat completions, streamed, with vLLM's
 continuous_usage_stats and ignore_eos), offline, its tokenizer loaded from the local
-model directory; every request completes with the token counts asked for, and the
-cluster holds nothing afterwards."""
+model directory; inference-perf (its own venv: it needs Python >= 3.12, the Makefile's
+perf-venv makes it) runs a sweep of two constant-rate stages with its defaults
+(completions, not streamed, its mock prompts). Every request completes with the token
+counts asked for, and the cluster holds nothing afterwards."""
 from __future__ import annotations
 
 import json
@@ -16,6 +18,7 @@ import httpx
 import pytest
 
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+INFERENCE_PERF = Path(__file__).resolve().parents[2] / ".venv-perf" / "bin" / "inference-perf"
 
 
 def _stream(api, path: str, body: dict) -> list[dict]:
@@ -80,4 +83,33 @@ def test_guidellm_sweep(api, tiny_model_dir, tmp_path) -> None:
         done = b["requests"]["successful"]
         assert [r["output_tokens"] for r in done] == [out_tokens] * requests
         assert all(r["prompt_tokens"] > 0 for r in done)
+    api.leak_check()
+
+
+@pytest.mark.skipif(not INFERENCE_PERF.exists(), reason="no .venv-perf: inference-perf needs "
+                    "Python >= 3.12, and `make perf-venv` found none")
+def test_inference_perf_sweep(api, tiny_model_dir, tmp_path) -> None:
+    stages = [(2, 2), (4, 2)]  # (requests per second, seconds)
+    config = {"server": {"type": "vllm", "base_url": api.url},
+              "tokenizer": {"pretrained_model_name_or_path": str(tiny_model_dir)},
+              "load": {"type": "constant",
+                       "stages": [{"rate": r, "duration": d} for r, d in stages]},
+              "storage": {"local_storage": {"path": str(tmp_path / "report")}}}
+    (tmp_path / "config.yaml").write_text(json.dumps(config))  # JSON is YAML
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # its own Python
+    run = subprocess.run([str(INFERENCE_PERF), "--config_file", str(tmp_path / "config.yaml")],
+                         cwd=tmp_path, env={**env, **OFFLINE}, timeout=300,
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    report = tmp_path / "report"
+    for i, (rate, secs) in enumerate(stages):
+        stage = json.loads((report / f"stage_{i}_lifecycle_metrics.json").read_text())
+        assert stage["successes"]["count"] == rate * secs, stage["successes"]
+        assert stage["failures"]["count"] == 0, stage["failures"]
+    done = json.loads((report / "summary_lifecycle_metrics.json").read_text())["successes"]
+    sent = sum(r * d for r, d in stages)
+    out = done["output_tokens"]  # the server's usage; its mock prompts ask for 30
+    assert done["count"] == sent and out["total"] == 30 * sent and out["min"] == 30
+    assert done["token_count_mismatches"] == 0
+    assert json.loads((report / "validation.json").read_text())["global"]["errors"] == []
     api.leak_check()
