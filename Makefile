@@ -6,8 +6,14 @@ VENV    ?= .venv
 VPY     := $(VENV)/bin/python
 TORCH   ?= torch==2.13.0
 STAMP   := $(VENV)/.tandem-installed
+# inference-perf needs Python >= 3.12 and pins its own transformers: it gets a venv of its
+# own, made with the first Python >= 3.12 found (pyenv's included); with none, its test skips.
+PERF_VENV ?= .venv-perf
+PERF_PY   ?= $(shell for p in python3.12 python3.13 $(HOME)/.pyenv/versions/3.1[2-9]*/bin/python3; \
+	do $$p -c 'import sys; assert sys.version_info >= (3, 12)' 2>/dev/null && echo $$p && break; done)
+PERF_STAMP := $(PERF_VENV)/.inference-perf-installed
 
-.PHONY: venv install model proto up test bench clean
+.PHONY: venv install model proto up test bench clean perf-venv
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -20,6 +26,14 @@ $(STAMP): $(VPY) pyproject.toml
 
 venv install: $(STAMP)
 
+$(PERF_STAMP):
+	@if [ -n "$(PERF_PY)" ]; then \
+		$(PERF_PY) -m venv $(PERF_VENV) && \
+		$(PERF_VENV)/bin/python -m pip install -q 'inference-perf>=0.7,<0.8' && touch $@; \
+	else echo "no Python >= 3.12 here: inference-perf not installed (its test skips)"; fi
+
+perf-venv: $(PERF_STAMP)
+
 model: $(STAMP)
 	$(VENV)/bin/tandem fetch-model
 
@@ -30,7 +44,7 @@ proto: $(STAMP)
 up: model proto
 	$(VENV)/bin/tandem up
 
-test: model proto
+test: model proto perf-venv
 	$(VPY) -m pytest -q -ra --durations=25
 
 bench: model proto
@@ -39,4 +53,4 @@ bench: model proto
 	$(VPY) bench/bench_handoff.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(PERF_VENV) build *.egg-info

@@ -51,6 +51,9 @@ class StreamOptions(_Strict):
     include_usage: bool = False
     include_obfuscation: bool = False
     """No effect: nothing is padded (the stream is not obfuscated)."""
+    continuous_usage_stats: bool = False
+    """vLLM's: with include_usage, every chunk carries the usage so far (benchmark
+    clients such as guidellm send it by default)."""
 
 
 class JSONSchemaFormat(_Strict):

@@ -47,7 +47,7 @@ FIELDS: tuple[RequestField, ...] = (
     _f("seed", BOTH, "OpenAI", IMPLEMENTED, "the request's own RNG stream"),
     _f("stop", BOTH, "OpenAI", IMPLEMENTED, "at most 32 strings of 256 characters"),
     _f("stream", BOTH, "OpenAI", IMPLEMENTED),
-    _f("stream_options", BOTH, "OpenAI", IMPLEMENTED, "include_usage; include_obfuscation has no effect"),
+    _f("stream_options", BOTH, "OpenAI", IMPLEMENTED, "include_usage; vLLM's continuous_usage_stats (with include_usage, every chunk carries the usage so far); include_obfuscation has no effect"),
     _f("logprobs", BOTH, "OpenAI", IMPLEMENTED, "chat: bool; completions: top N in [0, 20]"),
     _f("top_logprobs", CHAT, "OpenAI", IMPLEMENTED, "[0, 20]"),
     _f("n", BOTH, "OpenAI", IMPLEMENTED, "1 to 16 (MAX_CHOICES); one prefill, the choices fork the prompt's KV blocks copy-on-write; with a seed, choice j has its own reproducible stream (choice 0 equals n = 1); a batch of prompts numbers choice j of prompt i as i*n + j; not with streamed tool calls"),

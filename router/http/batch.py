@@ -43,7 +43,8 @@ class Endpoints(Protocol):
     async def start(self, stack: AsyncExitStack, intake: Intake, rid: str,
                     outcome: Outcome) -> AsyncIterator[Delta]: ...
 
-    def shape(self, intake: Intake, rid: str, index: int = 0) -> ResponseShape: ...
+    def shape(self, intake: Intake, rid: str, trace: Trace,
+              index: int = 0) -> ResponseShape: ...
 
 
 @dataclass
@@ -71,7 +72,8 @@ class _Batch:
         xrid = request.headers.get("x-request-id") or ""
         self.outcomes = [Outcome(Trace(rid if len(intakes) == 1 else f"{rid}-p{i}", xrid))
                          for i in range(len(intakes))]
-        self.choices = [_Choice(ep.shape(it, rid, i * self.seqs + j), i)
+        traces = [o.trace for o in self.outcomes]
+        self.choices = [_Choice(ep.shape(it, rid, traces[i], i * self.seqs + j), i)
                         for i, it in enumerate(intakes) for j in range(self.seqs)]
         self.queue: asyncio.Queue[tuple[int, Delta | Exception]] = asyncio.Queue()
         self.tasks = [asyncio.create_task(self._run(i)) for i in range(len(intakes))]

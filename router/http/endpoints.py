@@ -143,7 +143,7 @@ class Endpoints:
             deltas = await self.start(stack, intake, rid, outcome)
             first = await deltas.__anext__()
             self.state.metrics.ttft.observe(outcome.trace.ttft_seconds)
-            shape = self.shape(intake, rid)
+            shape = self.shape(intake, rid, outcome.trace)
             if intake.stream:
                 resp = OwnedStream(self._sse(first, deltas, shape, outcome), stack, headers)
                 stack = None  # the response owns it now
@@ -178,14 +178,16 @@ class Endpoints:
         stack.push_async_callback(deltas.aclose)
         return deltas
 
-    def shape(self, intake: Intake, rid: str, index: int = 0) -> ResponseShape:
+    def shape(self, intake: Intake, rid: str, trace: Trace, index: int = 0) -> ResponseShape:
+        """trace: the request's (its usage so far goes out with each chunk when asked)."""
         st = self.state
         return ResponseShape(rid, int(time.time()), intake.lora or st.model_name, intake.chat,
                              LogprobFormat(st.tokenizer, intake.chat, intake.tokens_as_ids)
                              if intake.logprobs is not None else None,
                              intake.include_usage, intake.tools,
                              intake.prompt_ids if intake.return_token_ids else None, index,
-                             PromptPart.of(st.tokenizer, intake))
+                             PromptPart.of(st.tokenizer, intake),
+                             trace if intake.continuous_usage else None)
 
     async def _sse(self, first: Delta, deltas: AsyncIterator[Delta], shape: ResponseShape,
                    outcome: Outcome) -> AsyncIterator[str]:

@@ -59,6 +59,9 @@ class Intake:
     """Choices returned (params.n sequences are generated: more with best_of)."""
     lora: str = ""
     """The LoRA adapter its model field names ("": the base model)."""
+    continuous_usage: bool = False
+    """vLLM's continuous_usage_stats (with include_usage): every chunk carries the usage
+    so far."""
 
 
 class Reader:
@@ -142,12 +145,13 @@ class Reader:
             echo = prompt if isinstance(prompt, str) and ids is given else \
                 await self.state.parsing.run(self.state.tokenizer.decode, ids, False)
         salt = request_salt(getattr(request.state, "api_key", None), body.cache_salt)
-        return Intake(ids, params, chat, logprobs, body.stream,
-                      bool(body.stream_options and body.stream_options.include_usage),
+        usage = body.stream_options is not None and body.stream_options.include_usage
+        return Intake(ids, params, chat, logprobs, body.stream, usage,
                       constraint.tools, request.state.priority, request.state.deadline, salt,
                       body.return_token_ids, body.return_tokens_as_token_ids, echo,
                       body.prompt_logprobs, body.n,
-                      body.model if body.model not in (None, self.state.model_name) else "")
+                      body.model if body.model not in (None, self.state.model_name) else "",
+                      usage and body.stream_options.continuous_usage_stats)
 
     # -- on the pools ------------------------------------------------------------------
     async def _constraint(self, body) -> Constraint:

@@ -83,6 +83,9 @@ class ResponseShape:
     """The choice's index (a batch of prompts: the prompt's)."""
     prompt: PromptPart | None = None
     """What of the prompt goes back (echo, prompt_logprobs); None: nothing."""
+    live_usage: Trace | None = None
+    """vLLM's continuous_usage_stats: the request's trace, whose usage so far every
+    chunk carries (the flow counts each delta's tokens before the chunk is made)."""
 
     def _logprobs(self, ids: list[int], lps: list[Logprob], d_prompt: list[Logprob] | None,
                   opening: bool) -> dict | None:
@@ -124,6 +127,8 @@ class ResponseShape:
 
     def _event(self, **fields) -> str:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
+        if self.live_usage is not None and "usage" not in fields:
+            fields["usage"] = usage(self.live_usage)
         body = {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 **fields}
         return f"data: {json.dumps(body)}\n\n"
