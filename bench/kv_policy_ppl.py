@@ -52,7 +52,7 @@ def run(eng: LLMEngine, ids: list[int], jobs: list[tuple[str, str]]) -> dict[str
     """Each config's NLL of prompt tokens 1 .. (its prompt's end) - 1, all run together."""
     reqs = {}
     for name, policy in jobs:
-        prompt = ids[:eng.max_model_len] if policy == "full" else ids
+        prompt = ids[:eng.max_model_len - 1] if policy == "full" else ids  # room for its 1 token
         rid = eng.add_request(prompt, SamplingParams(max_tokens=1, prompt_logprobs=0),
                               kv_policy=policy)
         reqs[name] = eng.requests[rid]

@@ -25,7 +25,7 @@ from engine.loader.gguf_loader import raw_rows
 from engine.compile.decode import CompiledDecode
 from engine.lora.slots import LoRASlots, lora_rows, warm_rows
 from engine.lora.layers import target_map
-from engine.models.base import CausalLM, ForwardContext, Segments, StepInterrupted
+from engine.models.base import CausalLM, ForwardContext, Segments, StepInterrupted, meta_skeleton
 from engine.quant.apply import QuantReport, kernel_fallbacks, quantize_model, select_paths
 from engine.quant.base import resolve_method
 from engine.models import MODELS
@@ -163,7 +163,7 @@ class ModelRunner:
         """The family's model with the checkpoint's weights. Every layer's attention is
         checked against the backend first: a window or soft-cap the backend would not
         compute is refused before anything loads, never run wrong."""
-        with torch.device("meta"):
+        with meta_skeleton():
             model = MODELS.load(ckpt.config.architecture)(ckpt.config, max_model_len)
         for params in model.attention_params():
             self.backend.check(params)

@@ -13,6 +13,7 @@ whose weights are its inputs) and ``last`` (the last layer's output and the fina
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Sequence
 
@@ -28,6 +29,33 @@ from engine.layers.decoder import DecoderLayer
 from engine.layers.linear import Linear, single
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.weights import checkpoint_map, load_tensors
+
+
+_INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_",
+                   "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_")
+
+
+@contextmanager
+def meta_skeleton() -> Iterator[None]:
+    """Modules built inside live on the meta device with no random init: every weight is
+    loaded afterwards (``to_empty`` then ``load_weights``). Plain ``torch.device("meta")``
+    is not enough: a meta tensor's ``normal_`` (nn.Embedding's init) runs torch's Python
+    reference, which imports torch._dynamo, 1.4 s of every worker's start-up even with
+    compilation off. torch.nn.init's functions are swapped for a no-op while the
+    skeleton is built (as transformers' ``no_init_weights`` does); built at start-up only."""
+    saved = {name: getattr(nn.init, name) for name in _INIT_FUNCTIONS}
+    try:
+        for name in saved:
+            setattr(nn.init, name, _no_init)
+        with torch.device("meta"):
+            yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
+
+
+def _no_init(tensor: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    return tensor
 
 
 @dataclass

@@ -22,7 +22,7 @@ from engine.cpu_limit import default_threads
 from engine.loader import LoadedCheckpoint
 from engine.model_runner import ModelRunner
 from engine.models import MODELS
-from engine.models.base import CausalLM
+from engine.models.base import CausalLM, meta_skeleton
 from engine.parallel.channel import config_to_tensor
 from engine.parallel.group import GroupFailed, TPGroup
 from engine.parallel.plan import Copies, Op, StepInputs
@@ -121,7 +121,7 @@ def make_runner(config: EngineConfig, ckpt: LoadedCheckpoint, max_model_len: int
     world = config.parallel.tensor_parallel_size
     if world == 1:
         return ModelRunner(config, ckpt, max_model_len)
-    with torch.device("meta"):
+    with meta_skeleton():
         check_shardable(MODELS.load(ckpt.config.architecture)(ckpt.config, max_model_len), world)
     if group is not None and group.world != world:
         raise ValueError(f"--tensor-parallel-size {world} on a group of {group.world} ranks")
