@@ -6,7 +6,8 @@ Disaggregated tokens equal colocated ones exactly under full, streaming and h2o,
 prompts longer than the budget (one ending mid-block, one on a block boundary, where
 the decode side's first step drops a block); the blocks pulled are the kept ones, not
 the prompt's; a decode request under another policy is refused naming
-kv_handle.kv_policy; nothing is left leased or held on either side."""
+kv_handle.kv_policy; under a server-wide --kv-policy, pools of one budget serve a
+longer prompt on both sides; nothing is left leased or held on either side."""
 from __future__ import annotations
 
 import asyncio
@@ -83,3 +84,24 @@ def test_kv_made_under_another_policy_is_refused_and_nothing_is_held(sharp_model
                 await ps.Abort(common_pb2.AbortRequest(request_id=rid))  # as the router does
             await leak_check(p, d)
     asyncio.run(body())
+
+
+def test_workers_whose_pools_hold_only_the_budget_serve_a_longer_prompt(sharp_model) -> None:
+    """Under a server-wide --kv-policy a pool of one budget (4 blocks, 64 tokens) is enough
+    on both sides for a 70-token prompt (5 blocks in full): the decode worker counts the
+    budget, not the prompt, before admitting it (it refused it before as needing 5)."""
+    policy = "streaming:sinks=4,window=44"
+    server = {"kv_policy": policy, "max_model_len": 128}
+
+    async def body():
+        async with services(sharp_model, prefill_engine=server, decode_engine=server,
+                            kv_blocks=4) as (p, d, ps, ds):
+            prompt = PROMPTS["mid-block"]
+            first = await _prefill(ps, "small", prompt, "")
+            disagg, trace = await _generate(ds, "small", prompt, "", first)
+            colocated, _ = await _generate(ds, "small-colocated", prompt, "")
+            await leak_check(p, d)
+            return first.kv_handle.kv_policy, disagg, colocated, trace.blocks_pulled
+
+    made, disagg, colocated, pulled = asyncio.run(body())
+    assert (made, pulled) == (policy, 3) and disagg == colocated
