@@ -25,6 +25,7 @@ import logging
 import grpc
 
 from decode_svc.peers import KVPeerList, Peer, PeerCache
+from decode_svc.kv_policy import adopt_scores, entries_mismatch, policy_mismatch
 from engine.engine_thread import EngineWorker
 from core.kv import blocks_for
 from core.states import FallbackReason
@@ -83,6 +84,8 @@ class DecodeService(WorkerBase, pb_grpc.DecodeServicer):
         req = await self.request_from(context, request, request.prompt_token_ids)
         info = self.engine.info
         need = blocks_for(len(req.token_ids) + 1, info.block_size)
+        if req.kv_policy is not None:  # it never holds more than its budget
+            need = min(need, req.kv_policy.budget_blocks(info.block_size))
         if need > info.num_blocks:
             return await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -109,6 +112,10 @@ class DecodeService(WorkerBase, pb_grpc.DecodeServicer):
         count only means something between compatible caches."""
         handle = blocks_from_proto(request.kv_handle)
         await _refuse_other_weights(req, request, context)
+        mc = self.engine.info.model_config
+        unfit = policy_mismatch(req, request.kv_handle)
+        if unfit is not None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, unfit)
         async with contextlib.AsyncExitStack() as stack:
             peer: Peer | None = None
             if not self.kv_peers.allows(handle.endpoint):
@@ -118,13 +125,13 @@ class DecodeService(WorkerBase, pb_grpc.DecodeServicer):
                 self._fallback(trace, FallbackReason.UNKNOWN_PEER)
             else:
                 peer = await self._connect(stack, handle, req, trace, context)
-            want = blocks_for(handle.num_tokens, self.engine.info.block_size)
-            if not 0 < handle.num_tokens < len(req.token_ids) or len(handle.block_ids) != want:
-                await context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"kv_handle: {len(handle.block_ids)} block_ids for num_tokens "
-                    f"{handle.num_tokens} (expected {want}, and num_tokens below the "
-                    f"request's {len(req.token_ids)} tokens)")
+            bad = (entries_mismatch(handle, self.engine.info.block_size)
+                   or adopt_scores(req, request.kv_handle, mc.num_layers, mc.num_kv_heads))
+            if not 0 < handle.num_tokens < len(req.token_ids):
+                bad = (f"kv_handle: num_tokens {handle.num_tokens} must be below the "
+                       f"request's {len(req.token_ids)} tokens")
+            if bad is not None:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bad)
             return await self._reserve_and_pull(req, request, handle, peer, trace, context)
 
     async def _connect(self, stack: contextlib.AsyncExitStack, handle: SourceBlocks,
@@ -180,12 +187,16 @@ class DecodeService(WorkerBase, pb_grpc.DecodeServicer):
                     trace: pb.KVTrace) -> bool:
         """Pull the missing blocks and release the lease. True when the KV arrived.
         Cancelled: waits for the read to stop before re-raising."""
-        if not res.fill:  # everything was cached here: only the lease to drop
+        source = handle.entries()  # a bounded policy's handle lists only kept blocks
+        if not res.fill or any(i not in source for i, _ in res.fill):
             trace.lease_ended = await _quiet_release(peer, handle)
-            return True
-        plan = ReadPlan(handle.request_id, handle.epoch,
-                        [handle.block_ids[i] for i, _ in res.fill], [b for _, b in res.fill],
-                        handle.lease_token)
+            if not res.fill:  # everything was cached here: only the lease to drop
+                return True
+            log.warning("kv handle of %s lacks blocks this worker keeps; recomputing",
+                        handle.request_id)
+            return self._fallback(trace, FallbackReason.TRANSFER_FAILED)
+        plan = ReadPlan(handle.request_id, handle.epoch, [source[i] for i, _ in res.fill],
+                        [b for _, b in res.fill], handle.lease_token)
         task = asyncio.ensure_future(peer.client.pull(self.reader, peer.peer_id, plan,
                                                       self.config.kv.transfer_timeout_s))
         try:

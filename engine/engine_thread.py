@@ -109,7 +109,7 @@ class EngineWorker:
     async def make_request(self, prompt_ids: Sequence[int], params: SamplingParams,
                            request_id: str, priority: int = 0,
                            output_token_ids: Sequence[int] = (), cache_salt: bytes = b"",
-                           lora: str = "") -> Request:
+                           lora: str = "", kv_policy: str | None = None) -> Request:
         """Validate and build a request (ValueError naming the field). Reads only fixed
         configuration, so it runs off the engine thread: here for a plain request (its
         cost is bounded by the context window), on the build pool when it has a
@@ -121,7 +121,7 @@ class EngineWorker:
 
         def build() -> Request:
             return engine.make_request(list(prompt_ids), params, request_id, priority,
-                                       list(output_token_ids), cache_salt, lora)
+                                       list(output_token_ids), cache_salt, lora, kv_policy)
         if params.guided is None and not output_token_ids:
             return build()
         return await asyncio.get_running_loop().run_in_executor(self._builders, build)

@@ -101,9 +101,6 @@ class LLMEngine:
             self.kv_policy.check(config.cache.block_size, self.max_model_len, "--kv-policy")
             if self.kv_policy.scored:
                 check_scores(self.runner, "--kv-policy")
-        if connector is not None and (self.kv_policy or config.cache.allow_request_kv_policy):
-            raise ValueError("--kv-policy / --allow-request-kv-policy: bounded KV is not yet "
-                             "moved by a KV connector (disaggregated serving); run it colocated")
         self.kv = self._kv_cache(config.cache, colocated=connector is None)
         self.kv.on_shift = self.runner.shift_keys
         slots = HostSlots(self.runner.num_host_slots)

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from core.states import PreemptionMode
 from engine.config import SchedulerConfig
 from engine.kv_cache.manager import NULL_BLOCK, KVCacheManager
+from engine.kv_cache.policy import kept_tokens
 from engine.kv_cache.swap import SwapPool
 from engine.kv_connector import ExternalKV, KVConnector
 from engine.request import Request, RequestStatus
@@ -331,6 +332,11 @@ class Scheduler:
         # wholly before its window are neither allocated nor loaded
         req.num_computed_tokens = ext.num_tokens
         need = len(req.token_ids) - ext.num_tokens
+        if req.kv_policy is not None:
+            # the table as the other engine's last query left it (a bounded policy's drops
+            # re-rotate the kept keys, so its hole must be where that engine's was); the
+            # next step here drops what the next query cannot see, as it would there
+            req.num_computed_tokens, need = ext.num_tokens - 1, 1
         if not self._allocate_or_preempt(req, need, hit, batch, ext.may_preempt):
             req.num_computed_tokens = 0
             return False
@@ -340,7 +346,7 @@ class Scheduler:
         req.status = RequestStatus.WAITING_FOR_KV
         self.loading[req.request_id] = req
         table = self.kv.table(req.request_id)
-        last = self.kv.blocks_needed(ext.num_tokens)
+        last = self.kv.blocks_needed(kept_tokens(req.kv_policy, ext.num_tokens))
         self.connector.blocks_allocated(req, req.num_computed_tokens, [
             (i, table[i]) for i in range(len(hit), last) if table[i] != NULL_BLOCK])
         return True

@@ -230,6 +230,13 @@ class SourceBlocks:
     num_tokens: int
     lease_token: str = field(default="", repr=False)
     """The lease's secret; reads and the release must present it."""
+    block_index: tuple[int, ...] = ()
+    """Under a bounded KV policy, the table entry of each of block_ids (the others were
+    dropped before the handoff); empty: block_ids[i] is entry i."""
+
+    def entries(self) -> dict[int, int]:
+        """Table entry -> source block id, for every block the source kept."""
+        return dict(zip(self.block_index or range(len(self.block_ids)), self.block_ids))
 
 
 @dataclass(frozen=True)

@@ -84,13 +84,13 @@ def blocks_to_proto(b: SourceBlocks) -> pb.KVHandle:
     return pb.KVHandle(worker_id=b.worker_id, transfer_endpoint=b.endpoint,
                        request_id=b.request_id, block_ids=b.block_ids, lease_epoch=b.epoch,
                        lease_deadline_unix_ms=b.deadline_unix_ms, num_tokens=b.num_tokens,
-                       lease_token=b.lease_token)
+                       lease_token=b.lease_token, block_index=b.block_index)
 
 
 def blocks_from_proto(m: pb.KVHandle) -> SourceBlocks:
     return SourceBlocks(m.worker_id, m.transfer_endpoint, m.request_id, m.lease_epoch,
                         tuple(m.block_ids), m.lease_deadline_unix_ms, m.num_tokens,
-                        m.lease_token)
+                        m.lease_token, tuple(m.block_index))
 
 
 class KVLinkServicer(pb_grpc.KVLinkServicer):

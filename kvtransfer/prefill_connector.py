@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.engine_thread import EngineWorker
+from engine.kv_cache.manager import NULL_BLOCK
 from engine.kv_connector import KVConnector
 from engine.request import Request
 from kvtransfer.lease import LeaseTable
@@ -51,7 +52,8 @@ class PrefillConnector(KVConnector):
         if not isinstance(req.kv_transfer, PrefillOnly) or req.finish_reason is not None:
             return False
         self.held[req.request_id] = table
-        self.leases.grant(req.request_id, list(table), self.ttl_s)
+        # a bounded policy dropped some entries (NULL_BLOCK): only the kept blocks move
+        self.leases.grant(req.request_id, [b for b in table if b != NULL_BLOCK], self.ttl_s)
         return True
 
     def owns(self, request_id: str) -> bool:

@@ -18,8 +18,10 @@ import logging
 import time
 
 import grpc
+import torch
 
-from engine.request import FinishReason
+from engine.kv_cache.manager import NULL_BLOCK
+from engine.request import FinishReason, Request
 from proto.convert import prompt_logprobs_to_proto, top_to_proto
 from engine.engine_thread import EngineWorker
 from kvtransfer.base import SourceBlocks, get_backend
@@ -105,11 +107,12 @@ class PrefillService(WorkerBase, pb_grpc.PrefillServicer):
         handle = None
         if out.kept_blocks is not None:
             handle = self._handle(rid, out.kept_blocks,
-                                  len(request.token_ids) + len(request.output_token_ids))
+                                  len(request.token_ids) + len(request.output_token_ids),
+                                  req.kv_policy is not None)
             if handle is None:  # an Abort freed the blocks before this handler woke
                 out.finish_reason, out.kept_blocks = FinishReason.ABORT, None
-            elif req.lora is not None:  # the decode side adopts it under this adapter only
-                handle.lora_identity = req.lora.identity
+            else:
+                _bind(handle, req)
         if out.error:
             await context.abort(grpc.StatusCode.INTERNAL, out.error)
         return self._reply(request, out, handle, time.monotonic() - t0)
@@ -139,15 +142,19 @@ class PrefillService(WorkerBase, pb_grpc.PrefillServicer):
         worker_spans.prefill_done(out, seconds, handle, request.lora_name)
         return reply
 
-    def _handle(self, rid: str, blocks: list[int], num_tokens: int):
-        """The KVHandle of the lease the engine granted with the hold of these blocks;
-        None when that hold has ended already."""
+    def _handle(self, rid: str, table: list[int], num_tokens: int, bounded: bool):
+        """The KVHandle of the lease the engine granted with the hold of this table (its
+        kept blocks: a bounded policy dropped the NULL_BLOCK entries, and its handle
+        says which entries the kept ones are); None when that hold has ended already."""
+        index = [i for i, b in enumerate(table) if b != NULL_BLOCK]
+        kept = [table[i] for i in index]
         lease = self.leases.get(rid)
-        if lease is None or list(lease.block_ids) != blocks:
+        if lease is None or list(lease.block_ids) != kept:
             return None
         return blocks_to_proto(SourceBlocks(
-            self.worker_id, self.endpoint, rid, lease.epoch,
-            tuple(blocks), lease.deadline_unix_ms, num_tokens, lease.token))
+            self.worker_id, self.endpoint, rid, lease.epoch, tuple(kept),
+            lease.deadline_unix_ms, num_tokens, lease.token,
+            tuple(index) if bounded else ()))
 
     def _drop(self, rid: str) -> None:
         """End rid's lease (if any) and free its held blocks (or abort it running)."""
@@ -158,3 +165,16 @@ class PrefillService(WorkerBase, pb_grpc.PrefillServicer):
         rid = request.request_id
         self.leases.drop(rid)  # unreadable at once; the engine then frees the blocks
         return common.AbortReply(aborted=await self.engine.abort(rid, owner=True))
+
+
+def _bind(handle: kv_link_pb2.KVHandle, req: Request) -> None:
+    """What the decode side must run the KV under: the adapter (it adopts KV of these
+    weights only), the KV policy (kept blocks sit at positions within the cache) and,
+    under h2o, the scores its next evictions follow. The request finished on the engine
+    thread before its output came here, so its scores no longer change."""
+    if req.lora is not None:
+        handle.lora_identity = req.lora.identity
+    if req.kv_policy is not None:
+        handle.kv_policy = req.kv_policy.spec()
+    if req.kv_scores is not None:
+        handle.kv_scores = req.kv_scores.to("cpu", torch.float32).numpy().tobytes()

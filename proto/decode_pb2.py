@@ -26,27 +26,27 @@ from proto import common_pb2 as proto_dot_common__pb2
 from proto import kv_link_pb2 as proto_dot_kv__link__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12proto/decode.proto\x12\rtandem.decode\x1a\x12proto/common.proto\x1a\x13proto/kv_link.proto\"7\n\x07KVPeers\x12\x11\n\trouter_id\x18\x01 \x01(\t\x12\x19\n\x11prefill_endpoints\x18\x02 \x03(\t\"!\n\x0cKVPeersReply\x12\x11\n\tnum_peers\x18\x01 \x01(\r\"\x8f\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x18\n\x10output_token_ids\x18\x03 \x03(\r\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.tandem.common.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12*\n\tkv_handle\x18\x06 \x01(\x0b\x32\x17.tandem.kvlink.KVHandle\x12\x1e\n\x16preempt_lower_priority\x18\x07 \x01(\x08\x12\x12\n\ncache_salt\x18\x08 \x01(\x0c\x12\x11\n\tlora_name\x18\t \x01(\t\"\x8e\x02\n\x07KVTrace\x12\x1b\n\x13local_cached_tokens\x18\x01 \x01(\r\x12\x15\n\rblocks_pulled\x18\x02 \x01(\r\x12\x14\n\x0c\x62ytes_pulled\x18\x03 \x01(\x04\x12\x18\n\x10transfer_seconds\x18\x04 \x01(\x01\x12/\n\x08\x66\x61llback\x18\x08 \x01(\x0e\x32\x1d.tandem.decode.FallbackReason\x12\x0f\n\x07\x62\x61\x63kend\x18\x06 \x01(\t\x12\x13\n\x0blease_ended\x18\x07 \x01(\x08\x12 \n\x18local_host_cached_tokens\x18\t \x01(\r\x12 \n\x18local_disk_cached_tokens\x18\n \x01(\rJ\x04\x08\x05\x10\x06\"\xdb\x02\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08\x66inished\x18\x02 \x01(\x08\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\x12\x19\n\x11num_output_tokens\x18\x05 \x01(\r\x12%\n\x05trace\x18\x06 \x01(\x0b\x32\x16.tandem.decode.KVTrace\x12\x10\n\x08logprobs\x18\x07 \x03(\x02\x12\x30\n\x0ctop_logprobs\x18\x08 \x03(\x0b\x32\x1a.tandem.common.TopLogprobs\x12&\n\x04spec\x18\t \x01(\x0b\x32\x18.tandem.decode.SpecTrace\x12\x36\n\x0fprompt_logprobs\x18\n \x01(\x0b\x32\x1d.tandem.common.PromptLogprobs\x12\r\n\x05index\x18\x0b \x01(\r\"T\n\tSpecTrace\x12\x17\n\x0fproposed_tokens\x18\x01 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x02 \x01(\r\x12\x15\n\rverifications\x18\x03 \x01(\r*\xc8\x01\n\x0e\x46\x61llbackReason\x12\x1f\n\x1b\x46\x41LLBACK_REASON_UNSPECIFIED\x10\x00\x12\x1a\n\x16\x46\x41LLBACK_LEASE_EXPIRED\x10\x01\x12\x1d\n\x19\x46\x41LLBACK_PEER_UNREACHABLE\x10\x02\x12\x1c\n\x18\x46\x41LLBACK_TRANSFER_FAILED\x10\x03\x12\x19\n\x15\x46\x41LLBACK_UNKNOWN_PEER\x10\x04\x12!\n\x1d\x46\x41LLBACK_UNAUTHENTICATED_PEER\x10\x05\x32\x89\x04\n\x06\x44\x65\x63ode\x12J\n\x08Generate\x12\x1e.tandem.decode.GenerateRequest\x1a\x1c.tandem.decode.GenerateChunk0\x01\x12?\n\x05\x41\x62ort\x12\x1b.tandem.common.AbortRequest\x1a\x19.tandem.common.AbortReply\x12O\n\x0eStreamKVEvents\x12\x1e.tandem.common.KVEventsRequest\x1a\x1b.tandem.common.KVEventBatch0\x01\x12@\n\x07GetLoad\x12\x1a.tandem.common.LoadRequest\x1a\x19.tandem.common.WorkerLoad\x12\x41\n\nSetKVPeers\x12\x16.tandem.decode.KVPeers\x1a\x1b.tandem.decode.KVPeersReply\x12K\n\x0fLoadLoRAAdapter\x12\x1e.tandem.common.LoadLoRARequest\x1a\x18.tandem.common.LoRAReply\x12O\n\x11UnloadLoRAAdapter\x12 .tandem.common.UnloadLoRARequest\x1a\x18.tandem.common.LoRAReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12proto/decode.proto\x12\rtandem.decode\x1a\x12proto/common.proto\x1a\x13proto/kv_link.proto\"7\n\x07KVPeers\x12\x11\n\trouter_id\x18\x01 \x01(\t\x12\x19\n\x11prefill_endpoints\x18\x02 \x03(\t\"!\n\x0cKVPeersReply\x12\x11\n\tnum_peers\x18\x01 \x01(\r\"\xa2\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x18\n\x10output_token_ids\x18\x03 \x03(\r\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.tandem.common.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12*\n\tkv_handle\x18\x06 \x01(\x0b\x32\x17.tandem.kvlink.KVHandle\x12\x1e\n\x16preempt_lower_priority\x18\x07 \x01(\x08\x12\x12\n\ncache_salt\x18\x08 \x01(\x0c\x12\x11\n\tlora_name\x18\t \x01(\t\x12\x11\n\tkv_policy\x18\n \x01(\t\"\x8e\x02\n\x07KVTrace\x12\x1b\n\x13local_cached_tokens\x18\x01 \x01(\r\x12\x15\n\rblocks_pulled\x18\x02 \x01(\r\x12\x14\n\x0c\x62ytes_pulled\x18\x03 \x01(\x04\x12\x18\n\x10transfer_seconds\x18\x04 \x01(\x01\x12/\n\x08\x66\x61llback\x18\x08 \x01(\x0e\x32\x1d.tandem.decode.FallbackReason\x12\x0f\n\x07\x62\x61\x63kend\x18\x06 \x01(\t\x12\x13\n\x0blease_ended\x18\x07 \x01(\x08\x12 \n\x18local_host_cached_tokens\x18\t \x01(\r\x12 \n\x18local_disk_cached_tokens\x18\n \x01(\rJ\x04\x08\x05\x10\x06\"\xdb\x02\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08\x66inished\x18\x02 \x01(\x08\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\x12\x19\n\x11num_output_tokens\x18\x05 \x01(\r\x12%\n\x05trace\x18\x06 \x01(\x0b\x32\x16.tandem.decode.KVTrace\x12\x10\n\x08logprobs\x18\x07 \x03(\x02\x12\x30\n\x0ctop_logprobs\x18\x08 \x03(\x0b\x32\x1a.tandem.common.TopLogprobs\x12&\n\x04spec\x18\t \x01(\x0b\x32\x18.tandem.decode.SpecTrace\x12\x36\n\x0fprompt_logprobs\x18\n \x01(\x0b\x32\x1d.tandem.common.PromptLogprobs\x12\r\n\x05index\x18\x0b \x01(\r\"T\n\tSpecTrace\x12\x17\n\x0fproposed_tokens\x18\x01 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x02 \x01(\r\x12\x15\n\rverifications\x18\x03 \x01(\r*\xc8\x01\n\x0e\x46\x61llbackReason\x12\x1f\n\x1b\x46\x41LLBACK_REASON_UNSPECIFIED\x10\x00\x12\x1a\n\x16\x46\x41LLBACK_LEASE_EXPIRED\x10\x01\x12\x1d\n\x19\x46\x41LLBACK_PEER_UNREACHABLE\x10\x02\x12\x1c\n\x18\x46\x41LLBACK_TRANSFER_FAILED\x10\x03\x12\x19\n\x15\x46\x41LLBACK_UNKNOWN_PEER\x10\x04\x12!\n\x1d\x46\x41LLBACK_UNAUTHENTICATED_PEER\x10\x05\x32\x89\x04\n\x06\x44\x65\x63ode\x12J\n\x08Generate\x12\x1e.tandem.decode.GenerateRequest\x1a\x1c.tandem.decode.GenerateChunk0\x01\x12?\n\x05\x41\x62ort\x12\x1b.tandem.common.AbortRequest\x1a\x19.tandem.common.AbortReply\x12O\n\x0eStreamKVEvents\x12\x1e.tandem.common.KVEventsRequest\x1a\x1b.tandem.common.KVEventBatch0\x01\x12@\n\x07GetLoad\x12\x1a.tandem.common.LoadRequest\x1a\x19.tandem.common.WorkerLoad\x12\x41\n\nSetKVPeers\x12\x16.tandem.decode.KVPeers\x1a\x1b.tandem.decode.KVPeersReply\x12K\n\x0fLoadLoRAAdapter\x12\x1e.tandem.common.LoadLoRARequest\x1a\x18.tandem.common.LoRAReply\x12O\n\x11UnloadLoRAAdapter\x12 .tandem.common.UnloadLoRARequest\x1a\x18.tandem.common.LoRAReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.decode_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FALLBACKREASON']._serialized_start=1154
-  _globals['_FALLBACKREASON']._serialized_end=1354
+  _globals['_FALLBACKREASON']._serialized_start=1173
+  _globals['_FALLBACKREASON']._serialized_end=1373
   _globals['_KVPEERS']._serialized_start=78
   _globals['_KVPEERS']._serialized_end=133
   _globals['_KVPEERSREPLY']._serialized_start=135
   _globals['_KVPEERSREPLY']._serialized_end=168
   _globals['_GENERATEREQUEST']._serialized_start=171
-  _globals['_GENERATEREQUEST']._serialized_end=442
-  _globals['_KVTRACE']._serialized_start=445
-  _globals['_KVTRACE']._serialized_end=715
-  _globals['_GENERATECHUNK']._serialized_start=718
-  _globals['_GENERATECHUNK']._serialized_end=1065
-  _globals['_SPECTRACE']._serialized_start=1067
-  _globals['_SPECTRACE']._serialized_end=1151
-  _globals['_DECODE']._serialized_start=1357
-  _globals['_DECODE']._serialized_end=1878
+  _globals['_GENERATEREQUEST']._serialized_end=461
+  _globals['_KVTRACE']._serialized_start=464
+  _globals['_KVTRACE']._serialized_end=734
+  _globals['_GENERATECHUNK']._serialized_start=737
+  _globals['_GENERATECHUNK']._serialized_end=1084
+  _globals['_SPECTRACE']._serialized_start=1086
+  _globals['_SPECTRACE']._serialized_end=1170
+  _globals['_DECODE']._serialized_start=1376
+  _globals['_DECODE']._serialized_end=1897
 # @@protoc_insertion_point(module_scope)

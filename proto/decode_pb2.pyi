@@ -39,7 +39,7 @@ class KVPeersReply(_message.Message):
     def __init__(self, num_peers: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling", "priority", "kv_handle", "preempt_lower_priority", "cache_salt", "lora_name")
+    __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling", "priority", "kv_handle", "preempt_lower_priority", "cache_salt", "lora_name", "kv_policy")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +49,7 @@ class GenerateRequest(_message.Message):
     PREEMPT_LOWER_PRIORITY_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    KV_POLICY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -58,7 +59,8 @@ class GenerateRequest(_message.Message):
     preempt_lower_priority: bool
     cache_salt: bytes
     lora_name: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., kv_handle: _Optional[_Union[_kv_link_pb2.KVHandle, _Mapping]] = ..., preempt_lower_priority: _Optional[bool] = ..., cache_salt: _Optional[bytes] = ..., lora_name: _Optional[str] = ...) -> None: ...
+    kv_policy: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., kv_handle: _Optional[_Union[_kv_link_pb2.KVHandle, _Mapping]] = ..., preempt_lower_priority: _Optional[bool] = ..., cache_salt: _Optional[bytes] = ..., lora_name: _Optional[str] = ..., kv_policy: _Optional[str] = ...) -> None: ...
 
 class KVTrace(_message.Message):
     __slots__ = ("local_cached_tokens", "blocks_pulled", "bytes_pulled", "transfer_seconds", "fallback", "backend", "lease_ended", "local_host_cached_tokens", "local_disk_cached_tokens")

@@ -60,7 +60,7 @@ class CompatRecord(_message.Message):
     def __init__(self, model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., kv_layout: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., kv_scale_layout: _Optional[str] = ...) -> None: ...
 
 class KVHandle(_message.Message):
-    __slots__ = ("worker_id", "transfer_endpoint", "request_id", "block_ids", "lease_epoch", "lease_deadline_unix_ms", "num_tokens", "lease_token", "lora_identity")
+    __slots__ = ("worker_id", "transfer_endpoint", "request_id", "block_ids", "lease_epoch", "lease_deadline_unix_ms", "num_tokens", "lease_token", "lora_identity", "block_index", "kv_policy", "kv_scores")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +70,9 @@ class KVHandle(_message.Message):
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     LORA_IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    KV_POLICY_FIELD_NUMBER: _ClassVar[int]
+    KV_SCORES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     transfer_endpoint: str
     request_id: str
@@ -79,7 +82,10 @@ class KVHandle(_message.Message):
     num_tokens: int
     lease_token: str
     lora_identity: bytes
-    def __init__(self, worker_id: _Optional[str] = ..., transfer_endpoint: _Optional[str] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., lease_epoch: _Optional[int] = ..., lease_deadline_unix_ms: _Optional[int] = ..., num_tokens: _Optional[int] = ..., lease_token: _Optional[str] = ..., lora_identity: _Optional[bytes] = ...) -> None: ...
+    block_index: _containers.RepeatedScalarFieldContainer[int]
+    kv_policy: str
+    kv_scores: bytes
+    def __init__(self, worker_id: _Optional[str] = ..., transfer_endpoint: _Optional[str] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., lease_epoch: _Optional[int] = ..., lease_deadline_unix_ms: _Optional[int] = ..., num_tokens: _Optional[int] = ..., lease_token: _Optional[str] = ..., lora_identity: _Optional[bytes] = ..., block_index: _Optional[_Iterable[int]] = ..., kv_policy: _Optional[str] = ..., kv_scores: _Optional[bytes] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
     __slots__ = ("compat", "reader_id", "backend", "challenge")

@@ -26,7 +26,7 @@ from proto import common_pb2 as proto_dot_common__pb2
 from proto import kv_link_pb2 as proto_dot_kv__link__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13proto/prefill.proto\x12\x0etandem.prefill\x1a\x12proto/common.proto\x1a\x13proto/kv_link.proto\"\xd5\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.tandem.common.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x05 \x01(\x04\x12\x18\n\x10output_token_ids\x18\x06 \x03(\r\x12\x12\n\ncache_salt\x18\x07 \x01(\x0c\x12\x11\n\tlora_name\x18\x08 \x01(\t\"\xa1\x03\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\r\x12*\n\tkv_handle\x18\x03 \x01(\x0b\x32\x17.tandem.kvlink.KVHandle\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\r\x12\x17\n\x0fprefill_seconds\x18\x07 \x01(\x01\x12\x1a\n\rfirst_logprob\x18\x08 \x01(\x02H\x00\x88\x01\x01\x12\x36\n\x12\x66irst_top_logprobs\x18\t \x01(\x0b\x32\x1a.tandem.common.TopLogprobs\x12\x36\n\x0fprompt_logprobs\x18\n \x01(\x0b\x32\x1d.tandem.common.PromptLogprobs\x12\x1e\n\x16num_host_cached_tokens\x18\x0b \x01(\r\x12\x1e\n\x16num_disk_cached_tokens\x18\x0c \x01(\rB\x10\n\x0e_first_logprob2\xc7\x03\n\x07Prefill\x12J\n\x07Prefill\x12\x1e.tandem.prefill.PrefillRequest\x1a\x1f.tandem.prefill.PrefillResponse\x12?\n\x05\x41\x62ort\x12\x1b.tandem.common.AbortRequest\x1a\x19.tandem.common.AbortReply\x12O\n\x0eStreamKVEvents\x12\x1e.tandem.common.KVEventsRequest\x1a\x1b.tandem.common.KVEventBatch0\x01\x12@\n\x07GetLoad\x12\x1a.tandem.common.LoadRequest\x1a\x19.tandem.common.WorkerLoad\x12K\n\x0fLoadLoRAAdapter\x12\x1e.tandem.common.LoadLoRARequest\x1a\x18.tandem.common.LoRAReply\x12O\n\x11UnloadLoRAAdapter\x12 .tandem.common.UnloadLoRARequest\x1a\x18.tandem.common.LoRAReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13proto/prefill.proto\x12\x0etandem.prefill\x1a\x12proto/common.proto\x1a\x13proto/kv_link.proto\"\xe8\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.tandem.common.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x05 \x01(\x04\x12\x18\n\x10output_token_ids\x18\x06 \x03(\r\x12\x12\n\ncache_salt\x18\x07 \x01(\x0c\x12\x11\n\tlora_name\x18\x08 \x01(\t\x12\x11\n\tkv_policy\x18\t \x01(\t\"\xa1\x03\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\r\x12*\n\tkv_handle\x18\x03 \x01(\x0b\x32\x17.tandem.kvlink.KVHandle\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\r\x12\x17\n\x0fprefill_seconds\x18\x07 \x01(\x01\x12\x1a\n\rfirst_logprob\x18\x08 \x01(\x02H\x00\x88\x01\x01\x12\x36\n\x12\x66irst_top_logprobs\x18\t \x01(\x0b\x32\x1a.tandem.common.TopLogprobs\x12\x36\n\x0fprompt_logprobs\x18\n \x01(\x0b\x32\x1d.tandem.common.PromptLogprobs\x12\x1e\n\x16num_host_cached_tokens\x18\x0b \x01(\r\x12\x1e\n\x16num_disk_cached_tokens\x18\x0c \x01(\rB\x10\n\x0e_first_logprob2\xc7\x03\n\x07Prefill\x12J\n\x07Prefill\x12\x1e.tandem.prefill.PrefillRequest\x1a\x1f.tandem.prefill.PrefillResponse\x12?\n\x05\x41\x62ort\x12\x1b.tandem.common.AbortRequest\x1a\x19.tandem.common.AbortReply\x12O\n\x0eStreamKVEvents\x12\x1e.tandem.common.KVEventsRequest\x1a\x1b.tandem.common.KVEventBatch0\x01\x12@\n\x07GetLoad\x12\x1a.tandem.common.LoadRequest\x1a\x19.tandem.common.WorkerLoad\x12K\n\x0fLoadLoRAAdapter\x12\x1e.tandem.common.LoadLoRARequest\x1a\x18.tandem.common.LoRAReply\x12O\n\x11UnloadLoRAAdapter\x12 .tandem.common.UnloadLoRARequest\x1a\x18.tandem.common.LoRAReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,9 +34,9 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.prefill_pb2', _global
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PREFILLREQUEST']._serialized_start=81
-  _globals['_PREFILLREQUEST']._serialized_end=294
-  _globals['_PREFILLRESPONSE']._serialized_start=297
-  _globals['_PREFILLRESPONSE']._serialized_end=714
-  _globals['_PREFILL']._serialized_start=717
-  _globals['_PREFILL']._serialized_end=1172
+  _globals['_PREFILLREQUEST']._serialized_end=313
+  _globals['_PREFILLRESPONSE']._serialized_start=316
+  _globals['_PREFILLRESPONSE']._serialized_end=733
+  _globals['_PREFILL']._serialized_start=736
+  _globals['_PREFILL']._serialized_end=1191
 # @@protoc_insertion_point(module_scope)

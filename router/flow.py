@@ -86,19 +86,20 @@ class RequestFlow:
 
     async def run(self, prompt_ids: list[int], params: SamplingParams, priority: int = 0,
                   request_id: str | None = None, trace: Trace | None = None,
-                  deadline: float | None = None, cache_salt: bytes = b"", lora: str = ""
-                  ) -> AsyncIterator[Delta]:
+                  deadline: float | None = None, cache_salt: bytes = b"", lora: str = "",
+                  kv_policy: str = "") -> AsyncIterator[Delta]:
         """The client's deltas. deadline (time.monotonic()): DeadlineExceeded once it
         passes; default now + request_timeout_s. cache_salt (router/cache_salt.py):
         the prefix cache its blocks belong to, on every worker and every attempt. lora:
         the LoRA adapter it runs under ("": the base model); only workers serving it
-        take it."""
+        take it. kv_policy: its KV policy, the same to both workers ("": theirs)."""
         rid = request_id or uuid.uuid4().hex
         trace = trace or Trace(rid)
         trace.prompt_tokens, trace.lora = len(prompt_ids), lora
         t0 = time.monotonic()
         req = _Request(rid, prompt_ids, params, priority,
-                       deadline or t0 + self.config.request_timeout_s, cache_salt, lora)
+                       deadline or t0 + self.config.request_timeout_s, cache_salt, lora,
+                       kv_policy=kv_policy)
         texts = [_TextStream(self.tokenizer, prompt_ids, params, accept)
                  for accept in await self._acceptors(params)]
         left = params.n
@@ -182,10 +183,10 @@ class RequestFlow:
                       and w.lora_identity(req.lora) == decode.lora_identity(req.lora)]
         gen = decode_pb2.GenerateRequest(request_id=wid, prompt_token_ids=req.prompt_ids,
                                          output_token_ids=req.generated,
-                                         sampling=req.sampling(),
-                                         priority=req.priority,
+                                         sampling=req.sampling(), priority=req.priority,
                                          preempt_lower_priority=self.config.priority_preemption,
-                                         cache_salt=req.cache_salt, lora_name=req.lora)
+                                         cache_salt=req.cache_salt, lora_name=req.lora,
+                                         kv_policy=req.kv_policy)
         threshold = self.config.local_prefill_threshold
         if threshold is not None and prefillers and len(context) - cached > threshold:
             trace.path = RequestPath.DISAGGREGATED
@@ -268,7 +269,8 @@ class RequestFlow:
             first = await w.stub.Prefill(prefill_pb2.PrefillRequest(
                 request_id=wid, token_ids=req.prompt_ids, output_token_ids=req.generated,
                 sampling=req.sampling(), priority=req.priority,
-                cache_salt=req.cache_salt, lora_name=req.lora), timeout=req.remaining())
+                cache_salt=req.cache_salt, lora_name=req.lora, kv_policy=req.kv_policy),
+                timeout=req.remaining())
         except grpc.aio.AioRpcError as e:
             raise _failure(w, e, req) from e
         finally:
@@ -295,6 +297,8 @@ class _Request:
     held: _Held = field(default_factory=lambda: _Held())
     prompt_logprobs: list[Logprob] | None = None
     """The prompt's logprobs once a worker returned them (params.prompt_logprobs)."""
+    kv_policy: str = ""
+    """Its KV policy as the client gave it ("": the workers' --kv-policy)."""
 
     def sampling(self) -> common.SamplingParams:
         """The params as the workers get them: a retry does not ask for the prompt's

@@ -116,6 +116,9 @@ class _Common(_Strict):
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     """vLLM's: only requests with the same salt (and API key's cache) share prefix-cache
     blocks (router/cache_salt.py)."""
+    kv_policy: str | None = Field(default=None, max_length=64)
+    """The request's KV policy (core/kv/policy.py; Tandem extension): checked here,
+    sent to both workers, which take it under --allow-request-kv-policy."""
     # OpenAI, implemented
     logit_bias: dict[int, float] | None = None
     """Token id (a JSON string key) -> bias in [-100, 100], added to the logits."""

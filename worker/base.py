@@ -153,13 +153,14 @@ class WorkerBase:
 
     async def request_from(self, context, message, prompt_ids: Sequence[int]) -> Request:
         """The engine request a Prefill or Generate message asks for (its sampling, priority,
-        outputs so far and cache salt over prompt_ids); a client's error aborts the call
+        outputs so far, cache salt, adapter and KV policy over prompt_ids); a client's error aborts the call
         with INVALID_ARGUMENT naming the field. Nothing is held yet either way."""
         try:
             params = sampling_from_proto(message.sampling)
             return await self.engine.make_request(prompt_ids, params, message.request_id,
                                                   message.priority, message.output_token_ids,
-                                                  message.cache_salt, message.lora_name)
+                                                  message.cache_salt, message.lora_name,
+                                                  message.kv_policy or None)
         except ValueError as e:
             await invalid_argument(context, e)
             raise  # abort raised already; for a context that does not

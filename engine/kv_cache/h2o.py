@@ -45,7 +45,7 @@ def step_scores(scored: list[tuple[Request, int, int]], layers: int, kv_heads: i
     for req, seq, _ in scored:
         if req.kv_scores is None or req.num_computed_tokens == 0:
             req.kv_scores = torch.zeros(layers, kv_heads, req.kv_policy.budget, device=device)
-        out[seq] = req.kv_scores.clone()
+        out[seq] = req.kv_scores.to(device, copy=True)  # from a P/D handoff: on the host
     return out
 
 

@@ -174,7 +174,8 @@ class Endpoints:
         st.metrics.in_flight.inc()
         stack.callback(st.metrics.in_flight.dec)
         deltas = st.flow.run(intake.prompt_ids, intake.params, intake.priority, rid,
-                             outcome.trace, intake.deadline, intake.cache_salt, intake.lora)
+                             outcome.trace, intake.deadline, intake.cache_salt, intake.lora,
+                             intake.kv_policy)
         stack.push_async_callback(deltas.aclose)
         return deltas
 

@@ -16,6 +16,8 @@ import jinja2
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
+from core.errors import FieldError
+from core.kv.policy import parse_kv_policy
 from core.limits import MAX_BATCH_PROMPTS, check_priority, check_prompt
 from core.sampling import SamplingParams
 from router.cache_salt import request_salt
@@ -62,6 +64,8 @@ class Intake:
     continuous_usage: bool = False
     """vLLM's continuous_usage_stats (with include_usage): every chunk carries the usage
     so far."""
+    kv_policy: str = ""
+    """Its kv_policy as given ("": the workers' --kv-policy)."""
 
 
 class Reader:
@@ -145,13 +149,18 @@ class Reader:
             echo = prompt if isinstance(prompt, str) and ids is given else \
                 await self.state.parsing.run(self.state.tokenizer.decode, ids, False)
         salt = request_salt(getattr(request.state, "api_key", None), body.cache_salt)
+        if body.kv_policy is not None:  # its form here; whether a worker takes it, there
+            try:
+                parse_kv_policy(body.kv_policy, "kv_policy")
+            except FieldError as e:
+                raise APIError.invalid(e) from None
         usage = body.stream_options is not None and body.stream_options.include_usage
         return Intake(ids, params, chat, logprobs, body.stream, usage,
                       constraint.tools, request.state.priority, request.state.deadline, salt,
                       body.return_token_ids, body.return_tokens_as_token_ids, echo,
                       body.prompt_logprobs, body.n,
                       body.model if body.model not in (None, self.state.model_name) else "",
-                      usage and body.stream_options.continuous_usage_stats)
+                      usage and body.stream_options.continuous_usage_stats, body.kv_policy or "")
 
     # -- on the pools ------------------------------------------------------------------
     async def _constraint(self, body) -> Constraint:

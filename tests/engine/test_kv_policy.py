@@ -326,10 +326,3 @@ def test_shifted_keys_equal_keys_rotated_there(tiny_model_dir, kv_dtype) -> None
         assert (k3 - k5).abs().max() < tol
         assert torch.equal(v3, v5)
 
-
-def test_a_p_d_worker_refuses_bounded_kv(tiny_model_dir) -> None:
-    """Not handed over between prefill and decode yet: refused at start-up, named."""
-    with pytest.raises(ValueError, match="--kv-policy"):
-        LLMEngine(EngineConfig.from_flat(model=str(tiny_model_dir), dtype="float32",
-                                         num_kv_blocks=64, kv_policy="streaming:sinks=4,window=60"),
-                  connector=object())

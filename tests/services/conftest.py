@@ -101,6 +101,22 @@ async def generate(dstub, rid: str, prompt: list[int], outputs: list[int], sp,
     return toks, chunks
 
 
+async def generate_after(dstub, rid: str, prompt: list[int], max_tokens: int, first=None,
+                         **fields) -> tuple[list[int], object]:
+    """(tokens, the first chunk's trace) of a greedy Generate; first: the Prefill reply
+    whose first token and handle it continues from (None: colocated); fields: the
+    GenerateRequest's others (lora_name, kv_policy)."""
+    req = decode_pb2.GenerateRequest(request_id=rid, prompt_token_ids=prompt,
+                                     sampling=sampling(max_tokens), **fields)
+    toks = []
+    if first is not None:
+        req.output_token_ids.append(first.first_token)
+        req.kv_handle.CopyFrom(first.kv_handle)
+        toks.append(first.first_token)
+    chunks = [c async for c in dstub.Generate(req)]
+    return toks + [t for c in chunks for t in c.token_ids], chunks[0].trace
+
+
 async def disagg(pstub, dstub, rid: str, prompt: list[int], sp) -> tuple[list[int], list]:
     r = await pstub.Prefill(prefill_pb2.PrefillRequest(request_id=rid, token_ids=prompt,
                                                        sampling=sp))

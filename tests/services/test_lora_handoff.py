@@ -13,7 +13,7 @@ import pytest
 
 from proto import common_pb2, decode_pb2, prefill_pb2
 from tests.models.adapters import tiny_adapters
-from tests.services.conftest import leak_check, sampling, services
+from tests.services.conftest import generate_after, leak_check, sampling, services
 
 pytest.importorskip("peft", reason="PEFT makes the adapters")
 
@@ -36,15 +36,7 @@ async def _prefill(ps, rid: str, lora: str, max_tokens: int = 8):
 
 async def _generate(ds, rid: str, lora: str, first=None, max_tokens: int = 8):
     """(tokens, first chunk's trace); first: a Prefill reply whose handle to use."""
-    req = decode_pb2.GenerateRequest(request_id=rid, prompt_token_ids=PROMPT,
-                                     sampling=sampling(max_tokens), lora_name=lora)
-    toks = []
-    if first is not None:
-        req.output_token_ids.append(first.first_token)
-        req.kv_handle.CopyFrom(first.kv_handle)
-        toks.append(first.first_token)
-    chunks = [c async for c in ds.Generate(req)]
-    return toks + [t for c in chunks for t in c.token_ids], chunks[0].trace
+    return await generate_after(ds, rid, PROMPT, max_tokens, first, lora_name=lora)
 
 
 def test_disaggregated_equals_colocated_and_no_prefix_crosses_adapters(tiny_model_dir,
