@@ -33,7 +33,7 @@ def test_the_request_spans_figures_and_events(span_exporter) -> None:
     assert dict(pre.attributes) == {
         "tandem.prompt_tokens": 20, "tandem.cached_tokens": 0, "tandem.finish_reason": "handoff",
         "tandem.request_id": "r-0", "tandem.prefill_seconds": 0.25, "tandem.lease_blocks": 2,
-        "tandem.lease_epoch": 9}
+        "tandem.lease_epoch": 9, "tandem.lora": ""}  # the base model (docs/observability.md)
 
 
 class _Res:
