@@ -21,6 +21,7 @@ from core.guided.spec import JSON_OBJECT_SCHEMA, GuidedSpec
 from core.limits import MAX_GUIDED_CHARS
 from router.http.errors import APIError
 from router.openai_api import NamedToolChoice, ResponseFormat
+from router.tool_formats import tool_format
 from router.tools import ToolPlan
 
 
@@ -88,15 +89,16 @@ def _sources(body) -> list[tuple[str, GuidedSpec | None]]:
     return found
 
 
-def constraint_of(body) -> Constraint:
-    """The request's constraint (not compiled yet). APIError (400) naming the field."""
+def constraint_of(body, template: str | None = None) -> Constraint:
+    """The request's constraint (not compiled yet); template: the model's chat template,
+    whose tool-call form the calls follow. APIError (400) naming the field."""
     found = _sources(body)
     given = [(f, s) for f, s in found if s is not None]
     if len(given) > 1:
         raise _bad(given[1][0], f"only one output constraint may be given; {given[0][0]} "
                                 "is given too")
     field, spec = given[0] if given else ("", None)
-    plan = tool_plan(body)
+    plan = tool_plan(body, template)
     if plan is None:
         return Constraint(spec, field)
     if plan.mode == "auto" and spec is not None and spec.kind != "json_schema":
@@ -105,8 +107,9 @@ def constraint_of(body) -> Constraint:
     return Constraint(plan.spec(spec if plan.mode == "auto" else None), "tools", plan)
 
 
-def tool_plan(body) -> ToolPlan | None:
-    """The request's use of tools; None when the model may not call any."""
+def tool_plan(body, template: str | None = None) -> ToolPlan | None:
+    """The request's use of tools, written in the form ``template`` (the model's chat
+    template) teaches; None when the model may not call any."""
     tools = getattr(body, "tools", None) or []
     choice = getattr(body, "tool_choice", None) or ("auto" if tools else "none")
     if choice == "none":
@@ -132,8 +135,8 @@ def tool_plan(body) -> ToolPlan | None:
         if name not in names:
             raise _bad("tool_choice", f"names function {name!r}, which is not in tools "
                                       f"({', '.join(names)})")
-        return ToolPlan("named", (functions[names.index(name)],), parallel=False)
-    return ToolPlan(choice, tuple(functions), body.parallel_tool_calls)
+        return ToolPlan("named", (functions[names.index(name)],), False, tool_format(template))
+    return ToolPlan(choice, tuple(functions), body.parallel_tool_calls, tool_format(template))
 
 
 def _choice_name(choice) -> str:

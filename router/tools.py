@@ -1,13 +1,15 @@
 """Tool calling at the OpenAI edge: what the model is told, what it may write, and
 how its output becomes ``message.tool_calls``.
 
-The calls are written as ``<tool_call>[{"name": ..., "arguments": {...}}]</tool_call>``
-(SmolLM2's function-calling format) and constrained by a grammar built from the
-tools' parameter schemas:
+The calls are written in the form the model's chat template teaches
+(router/tool_formats.py: Qwen's ``<tool_call>`` blocks, Llama 3's JSON object, else
+``<tool_call>[{"name": ..., "arguments": {...}}]</tool_call>``, SmolLM2's) and
+constrained by a grammar built from the tools' parameter schemas:
 
 - ``required``: one or more calls of the offered tools (one when
   parallel_tool_calls is false); a named tool_choice: exactly one call of it;
-- ``auto``: either plain text (which then may not begin with "<") or calls;
+- ``auto``: either plain text (which then may not begin with the calls' first
+  character, "<" or "{") or calls;
 - ``none``: no constraint, and the tools are not shown to the model.
 
 How tools reach the model: a chat template that uses ``tools`` gets them (and
@@ -19,16 +21,16 @@ through the template as they are.
 from __future__ import annotations
 
 import json
-import uuid
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from core.errors import FieldError
 from core.guided.compiler import JSON_STYLE
 from core.guided.spec import GuidedSpec
+from router.tool_formats import ARRAY, ToolFormat
 
-TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
-NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
+TOOL_OPEN, TOOL_CLOSE = ARRAY.open, ARRAY.close
 SYSTEM_BLOCK = (
     "You may call functions. The functions you can call, as JSON Schemas:\n<tools>\n{tools}\n"
     "</tools>\nTo call functions, answer with only " + TOOL_OPEN + '[{{"name": <function name>, '
@@ -44,19 +46,25 @@ class ToolPlan:
     functions: tuple[dict[str, Any], ...]
     """The OpenAI function definitions the model may call (name, description, parameters)."""
     parallel: bool = True
+    format: ToolFormat = ARRAY
+    """How the model writes calls (its chat template's form)."""
 
     def spec(self, text: GuidedSpec | None = None) -> GuidedSpec:
         """The grammar of the output. text: what plain text must match under auto (a
         JSON response_format), None for free text."""
-        calls = json.dumps(_calls_schema(self.functions, self.parallel))
-        block = f"{json.dumps(TOOL_OPEN)} calls {json.dumps(TOOL_CLOSE)}"
+        calls = self.format.rules(self.functions, self.parallel)
         if self.mode != "auto":
-            return GuidedSpec("grammar", f"start: {block}\ncalls: %json {calls}\n")
+            return GuidedSpec("grammar", "start: calls\n" + calls)
         if text is None:
-            lark = f'start: TEXT | {block} | ""\nTEXT: /[^<](.|\\n)*/\n'
+            lead = re.escape(self.format.lead)
+            lark = f'start: TEXT | calls | ""\nTEXT: /[^{lead}](.|\\n)*/\n'
         else:
-            lark = f"start: text | {block}\ntext: %json {_styled(json.loads(text.text))}\n"
-        return GuidedSpec("grammar", lark + f"calls: %json {calls}\n")
+            lark = f"start: text | calls\ntext: %json {_styled(json.loads(text.text))}\n"
+        return GuidedSpec("grammar", lark + calls)
+
+    def parse(self, text: str) -> list[dict] | None:
+        """OpenAI tool_calls from a complete output, or None when it holds no calls."""
+        return self.format.parse(text)
 
     def system_block(self) -> str:
         return SYSTEM_BLOCK.format(tools=json.dumps(list(self.functions), indent=1))
@@ -66,17 +74,6 @@ def _styled(schema: dict) -> str:
     """A schema laid out like every other generated JSON (compiler.JSON_STYLE)."""
     return json.dumps({**schema, "x-guidance": {**JSON_STYLE, **schema.get("x-guidance", {})}})
 
-
-def _calls_schema(functions: tuple[dict[str, Any], ...], parallel: bool) -> dict:
-    items = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-              "properties": {"name": {"const": f["name"]},
-                             "arguments": f.get("parameters") or NO_ARGUMENTS}}
-             for f in functions]
-    schema = {"type": "array", "minItems": 1, "items": items[0] if len(items) == 1
-              else {"anyOf": items}, "x-guidance": JSON_STYLE}
-    if not parallel:
-        schema["maxItems"] = 1
-    return schema
 
 
 def template_messages(messages: list[dict], plan: ToolPlan | None, template: str | None
@@ -129,39 +126,29 @@ def _inline_calls(message: dict) -> dict:
     body = [{"name": c["function"].get("name"), "arguments": c["function"].get("arguments")}
             for c in calls]
     m = {k: v for k, v in message.items() if k != "tool_calls"}
-    m["content"] = (m.get("content") or "") + TOOL_OPEN + json.dumps(body) + TOOL_CLOSE
+    m["content"] = (m.get("content") or "") + ARRAY.write(body)
     return m
 
 
 def parse_calls(text: str) -> list[dict] | None:
-    """OpenAI tool_calls from a complete output, or None when it holds no calls."""
-    s = text.strip()
-    if not (s.startswith(TOOL_OPEN) and s.endswith(TOOL_CLOSE)):
-        return None
-    try:
-        calls = json.loads(s[len(TOOL_OPEN):-len(TOOL_CLOSE)])
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(calls, list) or not all(
-            isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls):
-        return None
-    return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-             "function": {"name": c["name"], "arguments": json.dumps(c.get("arguments", {}))}}
-            for c in calls]
+    """OpenAI tool_calls from a complete output in the fallback (array) form."""
+    return ARRAY.parse(text)
 
 
 class ToolCallText:
     """A tool-capable response's text as it streams: what may go out as content now,
     and at the end the calls. Under auto the first character decides (calls begin
-    with "<", plain text may not); otherwise everything is held for the calls."""
+    with the format's lead, plain text may not; a JSON text under Llama 3's format
+    shares its "{" and is held to the end); otherwise everything is held for the calls."""
 
     def __init__(self, plan: ToolPlan) -> None:
+        self._plan = plan
         self._content: bool | None = None if plan.mode == "auto" else False
         self._held: list[str] = []
 
     def feed(self, text: str) -> str:
         if self._content is None and text:
-            self._content = not text.startswith("<")
+            self._content = not text.startswith(self._plan.format.lead)
         if self._content:
             out, self._held = "".join(self._held) + text, []
             return out
@@ -171,5 +158,5 @@ class ToolCallText:
     def finish(self, reason: str | None) -> tuple[str, list[dict] | None]:
         """(content still owed, the calls or None); calls only from a complete output."""
         text, self._held = "".join(self._held), []
-        calls = parse_calls(text) if reason == "stop" and not self._content else None
+        calls = self._plan.parse(text) if reason == "stop" and not self._content else None
         return ("" if calls else text), calls

@@ -173,7 +173,7 @@ class Reader:
 
     def _checked_constraint(self, body, max_tokens: int) -> Constraint:
         try:
-            constraint = constraint_of(body)
+            constraint = constraint_of(body, self.state.tokenizer.chat_template)
             if constraint.spec is not None:  # the same check every worker makes
                 self.state.flow.guided.check(constraint.spec, max_tokens, constraint.field)
         except RecursionError:

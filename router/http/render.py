@@ -8,7 +8,7 @@ from core.tokenizer import Tokenizer
 from router.flow import Delta, Logprob
 from router.trace import Trace
 from router.http.echo import PromptPart
-from router.tools import ToolPlan, parse_calls
+from router.tools import ToolPlan
 
 
 class LogprobFormat:
@@ -108,7 +108,7 @@ class ResponseShape:
         text = self.prompt.text(text, True) if self.prompt is not None else text
         if self.chat:
             message: dict = {"role": "assistant", "content": text}
-            calls = parse_calls(text) if self.tools is not None and reason == "stop" else None
+            calls = self.tools.parse(text) if self.tools is not None and reason == "stop" else None
             if calls:
                 message, reason = {"role": "assistant", "content": None,
                                    "tool_calls": calls}, "tool_calls"

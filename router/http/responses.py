@@ -31,7 +31,7 @@ from router.http.render import cached_details
 from router.openai_api import ChatCompletionRequest
 from router.responses_api import CHAT_FIELD, ResponsesRequest
 from router.responses_store import ResponseStore
-from router.tools import ToolCallText, parse_calls
+from router.tools import ToolCallText
 from router.trace import Trace
 
 
@@ -166,7 +166,7 @@ async def serve_responses(ep: Endpoints, request: Request) -> Response:
         while not d.finished:
             d = await deltas.__anext__()
             text, reason = text + d.text, d.finish_reason
-        calls = parse_calls(text) if intake.tools is not None and reason == "stop" else None
+        calls = intake.tools.parse(text) if intake.tools is not None and reason == "stop" else None
         outcome.reason = "tool_calls" if calls else reason or "error"
         _store(ep, request, reply, text, calls)
         output = [_call(c) for c in calls] if calls else [_message(text)]

@@ -23,7 +23,7 @@ class TokenReader(Reader):
                                                body.add_special_tokens)
             return ids, body.return_token_strs
         try:
-            plan = tool_plan(body)
+            plan = tool_plan(body, self.state.tokenizer.chat_template)
         except ValueError as e:
             raise APIError.invalid(e) from None
         return await self.state.parsing.run(self._chat_ids, body, plan), body.return_token_strs

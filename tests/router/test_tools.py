@@ -9,6 +9,7 @@ import pytest
 
 from core.guided.compiler import GrammarCompiler
 from core.tokenizer import Tokenizer
+from router.tool_formats import HERMES, LLAMA3_JSON, tool_format
 from router.tools import TOOL_OPEN, ToolCallText, ToolPlan, parse_calls, template_messages
 
 WEATHER = {"name": "get_weather", "description": "Weather in a city", "parameters": {
@@ -107,3 +108,62 @@ def test_tools_reach_a_template_with_tool_support_as_transformers_passes_them() 
                                     "{% for t in tools %}{{ t }}{% endfor %}")
     assert extra == {"tools": [{"type": "function", "function": TIME}]}
     assert msgs[0]["tool_calls"][0]["function"]["arguments"] == {}  # an object, not text
+
+
+QWEN_TOOLS = ('{%- if tools %}{{- "<tools>" }}{%- for tool in tools %}{{ tool | tojson }}'
+              '{%- endfor %}{{- "</tools>\\nFor each function call, return a json object within '
+              '<tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, '
+              '\\"arguments\\": <args-json-object>}\\n</tool_call>" }}{%- endif %}')
+LLAMA3_TOOLS = ("{%- if tools is not none %}{{- 'Respond in the format {\"name\": function name, "
+                "\"parameters\": dictionary of argument name and its value}.' }}{%- endif %}")
+MISTRAL_TOOLS = "{%- if tools %}[AVAILABLE_TOOLS]{{ tools|tojson }}[/AVAILABLE_TOOLS]{% endif %}"
+
+
+@pytest.mark.parametrize("template,name", [
+    (QWEN_TOOLS, "hermes"), (LLAMA3_TOOLS, "llama3_json"), (MISTRAL_TOOLS, "array"),
+    ("{% for m in messages %}{{ m.content }}{% endfor %}", "array"), (None, "array")])
+def test_the_chat_template_picks_the_call_format(template, name) -> None:
+    assert tool_format(template).name == name
+
+
+def _hermes(*calls: dict) -> str:
+    return "\n".join(f"<tool_call>\n{json.dumps(c)}\n</tool_call>" for c in calls)
+
+
+def test_hermes_calls_are_one_block_each(compiler) -> None:
+    two = _hermes(_call("get_weather", {"city": "Oslo"}), _call("get_time", {}))
+    spec = ToolPlan("required", (WEATHER, TIME), format=HERMES).spec()
+    assert compiler.accepts(spec, two)
+    assert not compiler.accepts(spec, _text(_call("get_time", {})))  # not the array form
+    single = ToolPlan("required", (WEATHER, TIME), parallel=False, format=HERMES).spec()
+    assert not compiler.accepts(single, two)
+    assert compiler.accepts(single, _hermes(_call("get_time", {})))
+    auto = ToolPlan("auto", (WEATHER,), format=HERMES).spec()
+    assert compiler.accepts(auto, "Sunny.") and not compiler.accepts(auto, "<b>x</b>")
+    calls = HERMES.parse(two)
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Oslo"}), ("get_time", {})]
+    assert HERMES.parse(two + " and more") is None and HERMES.parse("Sunny.") is None
+    assert HERMES.parse("<tool_call>\n{broken\n</tool_call>") is None
+
+
+def test_llama3_calls_are_one_object_with_parameters(compiler) -> None:
+    call = json.dumps({"name": "get_weather", "parameters": {"city": "Rome"}})
+    spec = ToolPlan("required", (WEATHER, TIME), format=LLAMA3_JSON).spec()
+    assert compiler.accepts(spec, call)
+    assert not compiler.accepts(spec, json.dumps(_call("get_weather", {"city": "Rome"})))
+    assert not compiler.accepts(spec, call + "\n" + call)
+    auto = ToolPlan("auto", (WEATHER,), format=LLAMA3_JSON).spec()
+    assert compiler.accepts(auto, "Rain.") and not compiler.accepts(auto, '{"a": 1}')
+    (parsed,) = LLAMA3_JSON.parse(call)
+    assert json.loads(parsed["function"]["arguments"]) == {"city": "Rome"}
+
+
+def test_streamed_hermes_text() -> None:
+    text = _hermes(_call("get_time", {}))
+    held = ToolCallText(ToolPlan("auto", (TIME,), format=HERMES))
+    assert held.feed(text[:3]) == "" and held.feed(text[3:]) == ""
+    owed, calls = held.finish("stop")
+    assert owed == "" and [c["function"]["name"] for c in calls] == ["get_time"]
+    plain = ToolCallText(ToolPlan("auto", (TIME,), format=LLAMA3_JSON))
+    assert plain.feed("It is") == "It is" and plain.finish("stop") == ("", None)
