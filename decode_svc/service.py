@@ -63,7 +63,7 @@ class DecodeService(WorkerBase, pb_grpc.DecodeServicer):
         await self.start_engine()
         backend = get_backend(self.config.kv.backend)
         self.reader = backend.reader()
-        self.reader.register(self.engine.kv_tensor, self.compat())
+        self.reader.register(self.transfer_kv(), self.compat())
         self.peers = PeerCache(self.reader, self.compat, self.worker_id, backend.name,
                                self.secret, lambda: self.kv_peers.current())
         self.backend_name = backend.name

@@ -124,19 +124,30 @@ class CompatRecord:
     kv_scale_layout: str = ""
     """Where quantized rows keep their scales (layout.SCALE_LAYOUT) or ``none``; empty
     means the layout kv_cache_dtype implies."""
+    tensor_parallel_size: int = 1
+    """The sender's group size. Not compared: num_kv_heads is the model's total and a
+    block on the wire carries every head whatever either side's TP (kvtransfer/group_kv.py)."""
+    rank_kv_heads: tuple[int, ...] = ()
+    """Which KV heads each rank holds, rank after rank (empty: one rank holds all)."""
+
+    GROUP_FIELDS: ClassVar[frozenset[str]] = frozenset({"tensor_parallel_size", "rank_kv_heads"})
+    """The fields that describe one side's group, not the KV: never required equal."""
 
     def __post_init__(self) -> None:
         if not self.kv_cache_dtype:
             object.__setattr__(self, "kv_cache_dtype", self.dtype)
         if not self.kv_scale_layout:
             object.__setattr__(self, "kv_scale_layout", scale_layout(self.kv_cache_dtype))
+        object.__setattr__(self, "tensor_parallel_size", self.tensor_parallel_size or 1)
+        object.__setattr__(self, "rank_kv_heads", tuple(self.rank_kv_heads))
 
     @classmethod
     def from_kv(cls, kv: torch.Tensor, model_fingerprint: str, kv_cache_dtype: str = "",
-                dtype: str = "") -> CompatRecord:
+                dtype: str = "", head_map: Sequence[Sequence[int]] = ()) -> CompatRecord:
         """The record of a block-major KV tensor ``[N, L, 2, B, Hkv, row]``. A quantized
         cache (kv_cache_dtype int8 | fp8_e4m3) must say so and give its compute dtype;
-        otherwise both are the tensor's dtype."""
+        otherwise both are the tensor's dtype. ``head_map``: rank 0's tensor of a
+        tensor-parallel group holds its own heads only; each rank's heads, in rank order."""
         if kv.dim() != 6 or kv.shape[2] != 2:
             raise ValueError(f"kv must be [num_blocks, num_layers, 2, block_size, "
                              f"num_kv_heads, head_dim], got shape {tuple(kv.shape)}")
@@ -144,8 +155,31 @@ class CompatRecord:
         stored = str(kv.dtype).removeprefix("torch.")
         kv_cache_dtype = kv_cache_dtype or stored
         head_dim = row - SCALE_BYTES if is_quantized(kv_cache_dtype) else row
+        group = {}
+        if len(head_map) > 1:
+            if any(len(h) != heads for h in head_map):
+                raise ValueError(f"head map {head_map} does not give each rank {heads} heads")
+            heads = len({h for rank in head_map for h in rank})
+            group = {"tensor_parallel_size": len(head_map),
+                     "rank_kv_heads": tuple(h for rank in head_map for h in rank)}
         return cls(model_fingerprint, dtype or stored, block_size, layers, heads, head_dim,
-                   KV_LAYOUT, kv_cache_dtype)
+                   KV_LAYOUT, kv_cache_dtype, **group)
+
+    def head_map(self) -> list[tuple[int, ...]]:
+        """Each rank's KV heads, in rank order (one rank: every head)."""
+        if self.tensor_parallel_size == 1 or not self.rank_kv_heads:
+            return [tuple(range(self.num_kv_heads))]
+        n = len(self.rank_kv_heads) // self.tensor_parallel_size
+        return [self.rank_kv_heads[r * n:(r + 1) * n] for r in range(self.tensor_parallel_size)]
+
+    def describe_heads(self) -> str:
+        """The head layout in words: ``4 KV heads x head_dim 16 over TP 2 (ranks hold
+        [0, 1] [2, 3])``."""
+        text = f"{self.num_kv_heads} KV heads x head_dim {self.head_dim}"
+        if self.tensor_parallel_size == 1:
+            return text + " on one rank"
+        ranks = " ".join(str(list(h)) for h in self.head_map())
+        return text + f" over TP {self.tensor_parallel_size} (ranks hold {ranks})"
 
     @property
     def block_bytes(self) -> int:
@@ -156,14 +190,21 @@ class CompatRecord:
         """Raise KVCompatError naming every field that differs, with both values
         (``block_size: local 16 != remote 32``); return None when they match."""
         diffs = [f"{f.name}: local {getattr(self, f.name)!r} != remote {getattr(remote, f.name)!r}"
-                 for f in fields(self) if getattr(self, f.name) != getattr(remote, f.name)]
+                 for f in fields(self) if f.name not in self.GROUP_FIELDS
+                 and getattr(self, f.name) != getattr(remote, f.name)]
         if self.kv_cache_dtype != remote.kv_cache_dtype:
             diffs.append("start prefill and decode workers with the same --kv-cache-dtype")
+        if (self.num_kv_heads, self.head_dim) != (remote.num_kv_heads, remote.head_dim):
+            diffs.append(f"head layouts cannot be mapped: local {self.describe_heads()}, "
+                         f"remote {remote.describe_heads()}")
         if diffs:
             raise KVCompatError("incompatible KV caches: " + "; ".join(diffs))
 
     def check_tensor(self, kv: torch.Tensor) -> None:
         """Raise ValueError unless ``kv`` is a contiguous tensor this record describes."""
+        if not isinstance(kv, torch.Tensor):  # a GroupKV (kvtransfer/group_kv.py)
+            raise ValueError("this KV transfer backend moves one tensor's blocks; a tensor-"
+                             "parallel group's KV moves over --kv-transfer tcp only")
         if not kv.is_contiguous():
             raise ValueError("kv must be contiguous (block b is one region of block_bytes)")
         quantized = is_quantized(self.kv_cache_dtype)
@@ -172,7 +213,7 @@ class CompatRecord:
                              f"cache is stored as int8 bytes, got {kv.dtype}")
         mine = CompatRecord.from_kv(kv, self.model_fingerprint,
                                     self.kv_cache_dtype if quantized else "",
-                                    self.dtype if quantized else "")
+                                    self.dtype if quantized else "", self.head_map())
         if mine != self:
             raise ValueError(f"kv tensor does not match its compat record: {mine} vs {self}")
 

@@ -43,13 +43,15 @@ def compat_to_proto(c: CompatRecord) -> pb.CompatRecord:
     return pb.CompatRecord(model_fingerprint=c.model_fingerprint, dtype=c.dtype,
                            block_size=c.block_size, num_layers=c.num_layers,
                            num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, kv_layout=c.kv_layout,
-                           kv_cache_dtype=c.kv_cache_dtype, kv_scale_layout=c.kv_scale_layout)
+                           kv_cache_dtype=c.kv_cache_dtype, kv_scale_layout=c.kv_scale_layout,
+                           tensor_parallel_size=c.tensor_parallel_size,
+                           rank_kv_heads=c.rank_kv_heads)
 
 
 def compat_from_proto(m: pb.CompatRecord) -> CompatRecord:
     return CompatRecord(m.model_fingerprint, m.dtype, m.block_size, m.num_layers,
                         m.num_kv_heads, m.head_dim, m.kv_layout, m.kv_cache_dtype,
-                        m.kv_scale_layout)
+                        m.kv_scale_layout, m.tensor_parallel_size, tuple(m.rank_kv_heads))
 
 
 def info_to_proto(i: SourceInfo) -> pb.HandshakeReply:

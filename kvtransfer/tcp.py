@@ -28,9 +28,10 @@ import torch
 from google.protobuf.message import DecodeError, Message
 
 from kvtransfer.base import (Backend, CompatRecord, KVReader, KVTransferError, LeaseError, PeerId,
-                             ReadHandle, ReadPlan, SourceInfo, TransferState, block_view,
+                             ReadHandle, ReadPlan, SourceInfo, TransferState,
                              contiguous_runs)
 from kvtransfer.copy_source import CopySource
+from kvtransfer.group_kv import GroupKV, registered
 from kvtransfer.in_flight import InFlightReads
 from proto import kv_link_pb2 as pb
 
@@ -122,10 +123,10 @@ class TcpSource(CopySource):
         self._accept_thread.start()
 
     def handshake_info(self, worker_id: str) -> SourceInfo:
-        assert self._blocks is not None and self._compat is not None and self._listener
+        assert self._compat is not None and self._listener
         host, port = self._listener.getsockname()[:2]
-        return SourceInfo(worker_id, "tcp", self._compat, self._blocks.shape[0],
-                          self._blocks.shape[1], data_host=self._advertise_host or host,
+        return SourceInfo(worker_id, "tcp", self._compat, *self._shape,
+                          data_host=self._advertise_host or host,
                           data_port=port)
 
     def close(self) -> None:
@@ -202,8 +203,8 @@ class TcpSource(CopySource):
 
     def _validate(self, req: pb.ReadRequest) -> tuple[int, str] | None:
         """(status, reason) when ``req`` must be refused, else None."""
-        assert self._blocks is not None and self._lease_check is not None
-        num_blocks, block_bytes = self._blocks.shape
+        assert self._lease_check is not None
+        num_blocks, block_bytes = self._shape
         if req.block_bytes != block_bytes:
             return (pb.READ_MALFORMED,
                     f"block_bytes: request {req.block_bytes} != source {block_bytes}")
@@ -226,16 +227,14 @@ class TcpSource(CopySource):
         return None
 
     def _serve_one(self, conn: socket.socket, req: pb.ReadRequest) -> None:
-        assert self._blocks is not None
         refusal = self._validate(req)
         if refusal is not None:
             self._refuse(conn, *refusal)
             return
         send_frame(conn, pb.ReadHeader(status=pb.READ_OK, num_blocks=len(req.block_ids),
-                                       block_bytes=self._blocks.shape[1]))
-        for _, first, n in contiguous_runs(list(req.block_ids)):
-            run = self._blocks[first:first + n]
-            conn.sendall(_flat(run if run.device.type == "cpu" else run.cpu()))
+                                       block_bytes=self._shape[1]))
+        for piece in self._pieces(req.block_ids):
+            conn.sendall(_flat(piece))
         refusal = self._check_lease(req)  # bytes sent while the lease was gone are stale
         status, error = refusal if refusal is not None else (pb.READ_OK, "")
         send_frame(conn, pb.ReadTrailer(status=status, error=error))
@@ -272,16 +271,19 @@ class TcpReader(KVReader):
         self._io_timeout_s = io_timeout_s
         self._pool = cf.ThreadPoolExecutor(max_parallel_reads, thread_name_prefix="kv-tcp-read")
         self._blocks: torch.Tensor | None = None
+        self._group: GroupKV | None = None
+        """Registered instead of a tensor by rank 0 of a tensor-parallel group."""
+        self._shape: tuple[int, int] = (0, 0)
         self._compat: CompatRecord | None = None
         self._reads: InFlightReads[_Address] = InFlightReads(self._peers)
         """A read is ended by its pool thread, or by ``abort`` when it never started."""
 
-    def register(self, kv: torch.Tensor, compat: CompatRecord) -> None:
-        compat.check_tensor(kv)
-        self._blocks, self._compat = block_view(kv), compat
+    def register(self, kv: torch.Tensor | GroupKV, compat: CompatRecord) -> None:
+        self._blocks, self._group, self._shape = registered(kv, compat)
+        self._compat = compat
 
     def connect(self, info: SourceInfo) -> PeerId:
-        assert self._compat is not None and self._blocks is not None, "register before connect"
+        assert self._compat is not None, "register before connect"
         info.check_reader(self._compat, "tcp", reachable=bool(info.data_port))
         peer = PeerId(info.worker_id)
         with self._lock:
@@ -289,11 +291,11 @@ class TcpReader(KVReader):
         return peer
 
     def start_read(self, peer: PeerId, plan: ReadPlan) -> ReadHandle:
-        assert self._blocks is not None, "register before start_read"
+        assert self._compat is not None, "register before start_read"
         with self._lock:
             address = self._peers[peer]
-            plan.check_bounds(address.num_blocks, self._blocks.shape[0])
-            handle = self._reads.start(peer, plan, self._blocks.shape[1], impl=_TcpRead())
+            plan.check_bounds(address.num_blocks, self._shape[0])
+            handle = self._reads.start(peer, plan, self._shape[1], impl=_TcpRead())
         handle.impl.future = self._pool.submit(self._run, handle, address.host, address.port)
         return handle
 
@@ -358,8 +360,7 @@ class TcpReader(KVReader):
         self._end(handle, state, error)
 
     def _exchange(self, sock: socket.socket, plan: ReadPlan) -> tuple[TransferState, Exception | None]:
-        assert self._blocks is not None
-        block_bytes = self._blocks.shape[1]
+        block_bytes = self._shape[1]
         send_frame(sock, pb.ReadRequest(request_id=plan.request_id, epoch=plan.epoch,
                                         block_ids=plan.remote_block_ids, block_bytes=block_bytes,
                                         lease_token=plan.lease_token))
@@ -370,6 +371,21 @@ class TcpReader(KVReader):
             return TransferState.FAILED, KVTransferError(
                 f"source announced {header.num_blocks} x {header.block_bytes} B, "
                 f"expected {plan.num_blocks} x {block_bytes} B")
+        staged = self._receive(sock, plan)
+        trailer = recv_frame(sock, pb.ReadTrailer)
+        if trailer.status != pb.READ_OK:
+            return _refused(trailer.status, trailer.error)
+        if staged is not None:  # confirmed: now each rank of the group takes its heads
+            self._group.write(plan.local_block_ids, staged)
+        return TransferState.DONE, None
+
+    def _receive(self, sock: socket.socket, plan: ReadPlan) -> torch.Tensor | None:
+        """The blocks' bytes, straight into the tensor's blocks (None), or, for a
+        group, into a staging tensor returned for the scatter."""
+        if self._group is not None:
+            staged = torch.empty(plan.num_blocks, self._shape[1], dtype=torch.uint8)
+            recv_exact(sock, _flat(staged))
+            return staged
         for _, first, n in contiguous_runs(plan.local_block_ids):
             dst = self._blocks[first:first + n]
             if dst.device.type == "cpu":
@@ -378,10 +394,7 @@ class TcpReader(KVReader):
                 staging = torch.empty(dst.shape, dtype=torch.uint8)
                 recv_exact(sock, _flat(staging))
                 dst.copy_(staging)
-        trailer = recv_frame(sock, pb.ReadTrailer)
-        if trailer.status != pb.READ_OK:
-            return _refused(trailer.status, trailer.error)
-        return TransferState.DONE, None
+        return None
 
 
 def _refused(status: int, error: str) -> tuple[TransferState, Exception]:

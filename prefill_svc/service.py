@@ -57,7 +57,7 @@ class PrefillService(WorkerBase, pb_grpc.PrefillServicer):
         await self.start_engine()
         backend = get_backend(self.config.kv.backend)
         self.source = backend.source(advertise_host=self.config.public_host)
-        self.source.register(self.engine.kv_tensor, self.compat(), self.leases.check_readable)
+        self.source.register(self.transfer_kv(), self.compat(), self.leases.check_readable)
         self.source.serve(self.config.host)
         self.link = KVLinkServicer(self.source, self.leases, self._lease_ended, self.worker_id,
                                    self.secret)

@@ -38,7 +38,7 @@ READ_LEASE: ReadStatus
 READ_INTERNAL: ReadStatus
 
 class CompatRecord(_message.Message):
-    __slots__ = ("model_fingerprint", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "kv_layout", "kv_cache_dtype", "kv_scale_layout")
+    __slots__ = ("model_fingerprint", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "kv_layout", "kv_cache_dtype", "kv_scale_layout", "tensor_parallel_size", "rank_kv_heads")
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +48,8 @@ class CompatRecord(_message.Message):
     KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     KV_SCALE_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RANK_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     model_fingerprint: str
     dtype: str
     block_size: int
@@ -57,7 +59,9 @@ class CompatRecord(_message.Message):
     kv_layout: str
     kv_cache_dtype: str
     kv_scale_layout: str
-    def __init__(self, model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., kv_layout: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., kv_scale_layout: _Optional[str] = ...) -> None: ...
+    tensor_parallel_size: int
+    rank_kv_heads: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., kv_layout: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., kv_scale_layout: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., rank_kv_heads: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVHandle(_message.Message):
     __slots__ = ("worker_id", "transfer_endpoint", "request_id", "block_ids", "lease_epoch", "lease_deadline_unix_ms", "num_tokens", "lease_token", "lora_identity", "block_index", "kv_policy", "kv_scores")

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import grpc
+import torch
 
 from auth.grpc_auth import ServerAuth
 from auth.secret import load_cluster_secret
@@ -20,7 +21,9 @@ from engine.kv_cache.tiers.events import TierEvent
 from engine.kv_connector import KVConnector
 from engine.llm_engine import LLMEngine
 from engine.request import Request, RequestOutput
+from engine.parallel.shard import kv_head_map
 from kvtransfer.base import CompatRecord
+from kvtransfer.group_kv import GroupKV
 from proto import common_pb2 as common
 from worker.config import WorkerConfig
 from proto.convert import field_error_trailer, sampling_from_proto
@@ -33,6 +36,9 @@ from tracing import provider as tracing
 
 log = logging.getLogger(__name__)
 
+ENGINE_CALL_S = 60.0
+"""Most a KV transfer's I/O thread waits for the engine thread to gather or scatter a
+group's heads (it runs them between steps; a dead engine never answers)."""
 SNAPSHOT_CHUNK = 32768
 """Block hashes per snapshot batch (about 1.3 MB, under gRPC's 4 MB default)."""
 
@@ -103,9 +109,31 @@ class WorkerBase:
         return EngineEventBridge(self.kv_events)
 
     def compat(self) -> CompatRecord:
+        """This worker's KV layout record: at TP > 1, every head of the model, and which
+        rank holds which (kvtransfer/group_kv.py)."""
         info = self.engine.info
+        heads = kv_head_map(info.model_config.num_kv_heads,
+                            self.config.engine.parallel.tensor_parallel_size)
         return CompatRecord.from_kv(self.engine.kv_tensor, info.fingerprint, info.kv_cache_dtype,
-                                    info.dtype)
+                                    info.dtype, heads)
+
+    def transfer_kv(self) -> torch.Tensor | GroupKV:
+        """What the KV transfer backend registers: the engine's KV tensor, or, at TP > 1,
+        the group's KV, whose reads gather every rank's heads and whose writes scatter
+        them, on the engine thread (a backend's I/O threads call them; never the loop)."""
+        compat = self.compat()
+        if compat.tensor_parallel_size == 1:
+            return self.engine.kv_tensor
+        loop = asyncio.get_running_loop()
+
+        def on_engine(fn: Callable[[LLMEngine], Any]) -> Any:
+            call = asyncio.run_coroutine_threadsafe(self.engine.run(fn), loop)
+            return call.result(timeout=ENGINE_CALL_S)
+
+        return GroupKV(self.engine.kv_tensor, compat,
+                       gather=lambda ids: on_engine(lambda e: e.runner.export_kv(ids)),
+                       scatter=lambda ids, blocks: on_engine(
+                           lambda e: e.runner.import_kv(ids, blocks)))
 
     async def start_server(self, service_names: list[str]) -> None:
         self.health = grpc_server.add_health_and_reflection(self.server, service_names)

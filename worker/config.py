@@ -90,7 +90,7 @@ class WorkerConfig:
         if self.otlp_traces_endpoint is not None:
             traces_url(self.otlp_traces_endpoint)
         tp = self.engine.parallel.tensor_parallel_size
-        if tp > 1:  # the handoff would move rank 0's KV heads only (docs/tensor-parallel.md)
-            raise ValueError(f"--tensor-parallel-size {tp}: prefill and decode workers run "
-                             f"at 1 only (their KV handoff moves one rank's KV heads); "
-                             f"tandem generate runs at any size")
+        if tp > 1 and self.kv.backend != "tcp":  # a group's blocks are gathered per read
+            raise ValueError(f"--kv-transfer {self.kv.backend} is not supported with "
+                             f"--tensor-parallel-size {tp} (a group's KV moves over "
+                             f"--kv-transfer tcp; docs/tensor-parallel.md)")

@@ -71,6 +71,12 @@ class TPGroup:
         """The other ranks' process ids (rank 1 first)."""
         return [p.pid for p in self._procs]
 
+    @property
+    def control(self):
+        """The process group rank 0's commands, and the KV moves that follow some of
+        them (engine/parallel/kv_heads.py), run on."""
+        return self._control
+
     def send(self, op: Op, payload: torch.Tensor | None = None) -> None:
         """Rank 0's command to every other rank: GroupFailed once the group has failed."""
         self.raise_if_failed()

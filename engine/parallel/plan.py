@@ -24,6 +24,11 @@ class Op(enum.IntEnum):
     """Drop the runner (its weights and KV pool); the rank waits for the next BUILD."""
     EXIT = 5
     """Leave the group and end the process."""
+    GATHER_KV = 6
+    """Send rank 0 this rank's KV heads of some blocks: the payload is the block ids
+    (engine/parallel/kv_heads.py)."""
+    SCATTER_KV = 7
+    """Take this rank's KV heads of some blocks from rank 0: the payload is the block ids."""
 
 
 @dataclass

@@ -26,7 +26,8 @@ from engine.models.base import CausalLM, meta_skeleton
 from engine.parallel.channel import config_to_tensor
 from engine.parallel.group import GroupFailed, TPGroup
 from engine.parallel.plan import Copies, Op, StepInputs
-from engine.parallel.shard import check_shardable, local_kv_heads, shard_model
+from engine.parallel.kv_heads import gather_heads, scatter_heads
+from engine.parallel.shard import check_shardable, kv_head_map, local_kv_heads, shard_model
 
 
 def rank_config(config: EngineConfig) -> EngineConfig:
@@ -80,6 +81,33 @@ class ShardedRunner(ModelRunner):
         with self._group_op("a swap"):
             self.group.send(Op.COPY, Copies.of(swap_out, swap_in, copies).encode())
             return super().copy_blocks(swap_out, swap_in, copies)
+
+    @property
+    def head_map(self) -> list[list[int]]:
+        """Each rank's KV heads, in rank order."""
+        return kv_head_map(self.model_config.num_kv_heads, self.world)
+
+    def export_kv(self, ids: list[int]) -> torch.Tensor:
+        """Rank 0: blocks ``ids`` with every KV head, gathered from the ranks that hold
+        them: ``[n, block bytes of all heads]`` uint8 on the CPU (what a KV transfer
+        sends; engine/parallel/kv_heads.py)."""
+        with self._group_op("a KV gather"):
+            self.group.send(Op.GATHER_KV, torch.tensor(ids, dtype=torch.int64))
+            return gather_heads(self.kv, ids, self.head_map, self.group.control)
+
+    def import_kv(self, ids: list[int], blocks: torch.Tensor) -> None:
+        """Rank 0: write ``blocks`` (every KV head, as export_kv gives them) into blocks
+        ``ids``, each rank its heads."""
+        with self._group_op("a KV scatter"):
+            self.group.send(Op.SCATTER_KV, torch.tensor(ids, dtype=torch.int64))
+            scatter_heads(self.kv, ids, self.head_map, self.group.control, blocks)
+
+    def follow_kv(self, op: Op, ids: list[int], control) -> None:
+        """Another rank's part of export_kv / import_kv."""
+        if op is Op.GATHER_KV:
+            gather_heads(self.kv, ids, None, control)
+        else:
+            scatter_heads(self.kv, ids, None, control)
 
     def raise_if_broken(self) -> None:
         if self.group is not None:

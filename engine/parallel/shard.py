@@ -58,6 +58,14 @@ def local_kv_heads(num_kv_heads: int, world: int) -> int:
     return max(1, num_kv_heads // world)
 
 
+def kv_head_map(num_kv_heads: int, world: int) -> list[list[int]]:
+    """Each rank's KV heads, in rank order: a share each, or, where there are fewer KV
+    heads than ranks, the one head its query heads read."""
+    n = local_kv_heads(num_kv_heads, world)
+    firsts = [r * n if num_kv_heads >= world else r * num_kv_heads // world for r in range(world)]
+    return [list(range(first, first + n)) for first in firsts]
+
+
 def shard_model(model: CausalLM, rank: int, world: int) -> None:
     """Keep rank's share of every split weight (in place) and hook the collectives in."""
     check_shardable(model, world)
@@ -97,7 +105,7 @@ def _row_split(linear: nn.Linear, start: int, n: int, rank: int) -> None:
 
 def _shard_attention(attn: Attention, rank: int, world: int) -> None:
     d, hq, hkv = attn.d, attn.hq // world, local_kv_heads(attn.hkv, world)
-    first_kv = rank * hkv if attn.hkv >= world else rank * attn.hkv // world
+    first_kv = kv_head_map(attn.hkv, world)[rank][0]
     k0, v0 = attn.hq * d, (attn.hq + attn.hkv) * d
     _column_split(attn.qkv_proj, [(rank * hq * d, hq * d), (k0 + first_kv * d, hkv * d),
                                   (v0 + first_kv * d, hkv * d)])

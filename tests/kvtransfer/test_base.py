@@ -8,7 +8,7 @@ import torch
 
 from kvtransfer.base import (CompatRecord, KVBackendUnavailable, KVCompatError, ReadPlan,
                              SourceBlocks, contiguous_runs, get_backend)
-from tests.kvtransfer.utils import make_kv
+from tests.kvtransfer.utils import SHAPE, make_kv
 
 
 def test_compat_check_names_field_and_both_values() -> None:
@@ -22,6 +22,34 @@ def test_compat_check_names_field_and_both_values() -> None:
     assert "model_fingerprint: local 'm' != remote 'other'" in str(err.value)
     assert "dtype: local 'float32' != remote 'bfloat16'" in str(err.value)
     local.check(CompatRecord.from_kv(make_kv(torch.float32, 5), "m"))
+
+
+def test_compat_names_the_head_layout_and_maps_any_tp_with_the_same_heads() -> None:
+    """Rank 0 of a TP-2 group holds half the KV heads; its record names the model's
+    total and each rank's heads, and is interchangeable with a TP-1 record of the same
+    heads (a block on the wire carries all of them). Other total heads are refused,
+    naming both layouts; the record survives the wire."""
+    from kvtransfer.link import compat_from_proto, compat_to_proto
+
+    assert SHAPE["num_kv_heads"] == 2
+    full = make_kv(torch.float32, 0)
+    half = full[..., :1, :].contiguous()
+    one = CompatRecord.from_kv(full, "m")
+    two = CompatRecord.from_kv(half, "m", head_map=[[0], [1]])
+    assert (two.num_kv_heads, two.tensor_parallel_size, two.rank_kv_heads) == (2, 2, (0, 1))
+    assert two.block_bytes == one.block_bytes and two.head_map() == [(0,), (1,)]
+    one.check(two)
+    two.check(one)
+    two.check_tensor(half)
+    assert compat_from_proto(compat_to_proto(two)) == two
+    assert compat_from_proto(compat_to_proto(one)) == one
+    fewer = CompatRecord.from_kv(half, "m")
+    with pytest.raises(KVCompatError) as err:
+        fewer.check(two)
+    assert "num_kv_heads: local 1 != remote 2" in str(err.value)
+    assert ("head layouts cannot be mapped: local 1 KV heads x head_dim "
+            f"{SHAPE['head_dim']} on one rank, remote 2 KV heads x head_dim "
+            f"{SHAPE['head_dim']} over TP 2 (ranks hold [0] [1])") in str(err.value)
 
 
 def test_compat_block_bytes_and_tensor_check() -> None:

@@ -18,6 +18,7 @@ from core.sampling import SamplingParams
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.parallel.group import TPGroup
+from kvtransfer.base import block_view
 from tests.models.families import FAMILIES, build_checkpoint, prompts
 
 NEW_TOKENS = 32
@@ -144,11 +145,46 @@ def test_tandem_generate_at_tp2_prints_tp1_text_and_leaves_no_rank(checkpoint) -
     assert _ranks_of(proc.pid) == []
 
 
-def test_workers_refuse_tp_above_one() -> None:
-    from worker.config import WorkerConfig
+@pytest.mark.parametrize("backend", ["nixl", "local"])
+def test_workers_at_tp2_refuse_a_kv_transfer_that_cannot_gather_heads(backend: str) -> None:
+    from worker.config import KVTransferConfig, WorkerConfig
 
-    with pytest.raises(ValueError, match="--tensor-parallel-size 2: prefill and decode workers"):
-        WorkerConfig(EngineConfig.from_flat(tensor_parallel_size=2))
+    with pytest.raises(ValueError, match=f"--kv-transfer {backend} is not supported with "
+                                         f"--tensor-parallel-size 2"):
+        WorkerConfig(EngineConfig.from_flat(tensor_parallel_size=2), KVTransferConfig(backend))
+    WorkerConfig(EngineConfig.from_flat(tensor_parallel_size=2), KVTransferConfig("tcp"))
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1])
+def test_a_group_exports_and_imports_every_kv_head_of_its_blocks(tmp_path, checkpoint, group,
+                                                                 kv_heads: int) -> None:
+    """export_kv gathers a prompt's blocks from both ranks with every KV head, as TP 1
+    holds them (values within 1e-4: the ranks compute them in other sums); import_kv
+    scatters them into other blocks, each rank its heads, and exporting those gives the
+    same bytes. With one KV head both ranks hold a copy: the export carries it once."""
+    path = (checkpoint("llama") if kv_heads == 2
+            else build_checkpoint(tmp_path, "llama", num_key_value_heads=1))
+    one = LLMEngine(config(path, 1))
+    two = LLMEngine(config(path, 2), tp_group=group)
+    try:
+        ids = prompts(1, seed=4, low=24, high=25)[0]  # 3 whole blocks of 8
+        tables = [eng.kv.pool.allocate(3) for eng in (one, two)]
+        for eng, table in zip((one, two), tables):
+            eng.runner.prompt_logits(ids, table)
+        want = block_view(one.runner.kv)[tables[0]]
+        got = two.runner.export_kv(tables[1])
+        assert got.shape == want.shape == (3, one.runner.block_bytes)
+        assert two.runner.block_bytes * (2 if kv_heads == 2 else 1) == one.runner.block_bytes
+        assert torch.allclose(got.view(torch.float32), want.view(torch.float32), atol=LOGIT_ATOL)
+        spare = two.kv.pool.allocate(3)
+        two.runner.import_kv(spare, want)
+        assert torch.equal(two.runner.export_kv(spare), want)
+        for eng, table in ((one, tables[0]), (two, tables[1]), (two, spare)):
+            eng.kv.pool.free(table)
+        one.leak_check()
+        two.leak_check()
+    finally:
+        two.close()
 
 
 def test_swap_preemption_and_int8_kv_per_rank(checkpoint, group) -> None:
