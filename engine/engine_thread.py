@@ -280,6 +280,11 @@ class EngineWorker:
                 result, error = fn(engine), None
             except Exception as e:  # noqa: BLE001 - the caller gets it
                 result, error = None, e
+            except BaseException as e:  # the thread dies of it (GroupFailed): its caller
+                # was taken off the queue, so _die cannot reach it; settle it here
+                dead = EngineDead(f"the engine thread died: {type(e).__name__}: {e}")
+                self._loop.call_soon_threadsafe(_settle, fut, None, dead)
+                raise
             self._loop.call_soon_threadsafe(_settle, fut, result, error)
             try:
                 item = self._commands.get_nowait()

@@ -238,3 +238,22 @@ def test_a_dead_engine_thread_fails_every_waiter(tiny_model_dir, monkeypatch) ->
         worker.stop()
     asyncio.run(asyncio.wait_for(body(), 60))
     assert len(deaths) == 1 and isinstance(deaths[0], SystemError)
+
+
+def test_a_command_that_kills_the_thread_fails_its_own_caller(tiny_model_dir) -> None:
+    """A command that raises a BaseException (a tensor-parallel group's GroupFailed in a KV
+    export) ends the engine thread; its caller, already off the command queue, gets
+    EngineDead at once instead of waiting forever."""
+    from engine.parallel.group import GroupFailed
+
+    async def body():
+        worker = EngineWorker(lambda: _engine(tiny_model_dir))
+        await worker.start()
+
+        def fail(engine):
+            raise GroupFailed("injected: rank 1 is gone")
+        with pytest.raises(EngineDead, match="GroupFailed: injected"):
+            await asyncio.wait_for(worker.run(fail), 10)
+        assert not worker.alive
+        worker.stop()
+    asyncio.run(asyncio.wait_for(body(), 60))
