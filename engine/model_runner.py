@@ -123,6 +123,7 @@ class ModelRunner:
                          "them)", threads)
         t0 = time.perf_counter()
         self.backend = get_backend(config.load.attention_backend, self.device)
+        self._load_decode_kernel()
         model = self._build(ckpt, max_model_len)
         self.lora_targets = target_map(model)  # before quantization swaps the Linears
         self.quant = self._quantize(model, ckpt)
@@ -206,6 +207,19 @@ class ModelRunner:
                  report.packed_bytes / 1e6, report.dense_bytes / 1e6)
         return report
 
+    def _load_decode_kernel(self) -> None:
+        """Build or load the paged decode kernel now, where the CPU SDPA backend will run
+        it: a first build takes 14-25 s, which belongs to start-up, not to a first step
+        (nor to a metrics scrape: ``fallbacks`` never builds)."""
+        if self.device.type != "cpu" or getattr(self.backend, "name", "") != "sdpa":
+            return
+        from engine.attention.paged_decode import kernel_unavailable
+
+        t0 = time.perf_counter()
+        reason = kernel_unavailable()  # its own warning says why, when it cannot load
+        if reason is None:
+            log.info("paged decode kernel loaded in %.1fs", time.perf_counter() - t0)
+
     def fallbacks(self) -> dict[str, list[str]]:
         """Every speed path that is not running, and why: for logs and /metrics (a gauge
         per kind, e.g. tandem:engine_fallbacks{kind="compile"} = len(reasons)).
@@ -214,7 +228,7 @@ class ModelRunner:
         start-up (the model declares it uncompilable, or compiling failed) or after a
         failed step; paged_decode: the in-place decode attention kernel;
         block_mm, int4_mm: the weight kernels (engine/quant/apply.py kernel_fallbacks)."""
-        from engine.attention.paged_decode import kernel_unavailable
+        from engine.attention.paged_decode import KERNEL
 
         out: dict[str, list[str]] = {"quantization": list(self.quant.fallbacks) if self.quant else [],
                                      "compile": [], "paged_decode": [],
@@ -222,7 +236,7 @@ class ModelRunner:
         if self.compiled is not None and self.compiled.disabled:
             out["compile"].append(self.compiled.disabled)
         if self.device.type == "cpu" and getattr(self.backend, "name", "") == "sdpa":
-            reason = kernel_unavailable()
+            reason = KERNEL.known_reason()  # loaded at start-up; never built from here
             if reason:
                 out["paged_decode"].append(reason)
         return out

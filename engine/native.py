@@ -1,8 +1,11 @@
 """C++ kernels built on first use with the machine's compiler (torch's cpp_extension and
 ninja): the paged decode attention kernel (engine/attention/csrc) and the small-batch
-int4 matmul (engine/quant/csrc). Each is built once per source version, in torch's
-extension directory (~/.cache/torch_extensions/tandem/<name>_<source hash>/), so two
-versions never rebuild over each other, and registers its ops under ``torch.ops.tandem``.
+int4 matmul (engine/quant/csrc). Each is built once per source version and checkout, in
+torch's extension directory (~/.cache/torch_extensions/tandem/<name>_<hash>/, the hash of
+the source and of its directory: ninja's build file holds the source's absolute path, so
+two checkouts sharing one directory rebuilt it for each other, about 20 s a start), and
+registers its ops under ``torch.ops.tandem``. An engine loads the kernels it runs at
+start-up (engine/model_runner.py); metrics read ``known_reason``, which never builds.
 
 Builders take an flock first (the kernel drops it when a builder dies), so a process
 killed mid-build cannot leave torch's own lock file behind to hang every later start.
@@ -56,10 +59,18 @@ class NativeKernel:
                                 self.without)
             return self._reason
 
+    def known_reason(self) -> str | None:
+        """Why the kernel is not running, as far as known, without building it or waiting
+        for a build (metrics ask this): None once loaded, a reason before it was tried."""
+        if not self._tried:  # _reason is set before _tried (unavailable)
+            return "not loaded: nothing has run it yet"
+        return self._reason
+
     def build_directory(self) -> Path:
         from torch.utils.cpp_extension import get_default_build_root
 
-        digest = hashlib.sha256(self.source.read_bytes()).hexdigest()[:12]
+        where = str(self.source.resolve().parent).encode()  # build.ninja's absolute paths
+        digest = hashlib.sha256(self.source.read_bytes() + b"\0" + where).hexdigest()[:12]
         root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
         cap = f"_{cpu_capability()}" if cpu_capability() else ""  # a capped build apart
         return Path(root) / "tandem" / f"tandem_{self.name}_{digest}{cap}"

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from core.kv.policy import parse_kv_policy
 from router.discovery.base import DISCOVERY
 from tracing.provider import traces_url
 
@@ -45,6 +46,12 @@ class RouterConfig:
     """Block hash seed; must match the workers."""
     max_model_len: int = 8192
     """Context window of the workers (prompt + output); requests beyond it get 400."""
+    kv_policy: str = "full"
+    """The workers' --kv-policy (must match them): a request naming no kv_policy runs
+    under it, so a bounded one's length is checked against --max-stream-len instead."""
+    max_stream_len: int = 1 << 20
+    """The workers' --max-stream-len: most tokens (prompt + output) of a request under a
+    bounded kv_policy, which may run past --max-model-len; requests beyond it get 400."""
     default_max_tokens: int = 256
     """max_tokens when a request gives none."""
     request_timeout_s: float = 600.0
@@ -101,6 +108,9 @@ class RouterConfig:
             raise ValueError(f"--metrics-port must be in [0, 65535] and not --port "
                              f"({self.port}), got {self.metrics_port}")
         DISCOVERY.check(self.discovery)
+        parse_kv_policy(self.kv_policy, "--kv-policy")
+        if self.max_stream_len < 2:
+            raise ValueError(f"--max-stream-len must be >= 2, got {self.max_stream_len}")
         if self.otlp_traces_endpoint is not None:
             traces_url(self.otlp_traces_endpoint)
         if self.routing not in ("prefix", "round_robin"):

@@ -82,12 +82,13 @@ class Reader:
             raise APIError(400, f"prompt: 1 to {MAX_BATCH_PROMPTS} prompts, got {len(prompts)}",
                            param="prompt")
         constraint = await self._constraint(body)
+        window, _ = self._length_limit(body)
         intakes = []
         for i, prompt in enumerate(prompts):
             try:
                 if isinstance(prompt, str):
                     ids = await self.state.parsing.run(self._encode, prompt,
-                                                       body.add_special_tokens)
+                                                       body.add_special_tokens, window)
                 else:
                     ids = list(prompt)
                 intakes.append(await self._intake(request, body, ids, False, body.logprobs,
@@ -149,11 +150,6 @@ class Reader:
             echo = prompt if isinstance(prompt, str) and ids is given else \
                 await self.state.parsing.run(self.state.tokenizer.decode, ids, False)
         salt = request_salt(getattr(request.state, "api_key", None), body.cache_salt)
-        if body.kv_policy is not None:  # its form here; whether a worker takes it, there
-            try:
-                parse_kv_policy(body.kv_policy, "kv_policy")
-            except FieldError as e:
-                raise APIError.invalid(e) from None
         usage = body.stream_options is not None and body.stream_options.include_usage
         return Intake(ids, params, chat, logprobs, body.stream, usage,
                       constraint.tools, request.state.priority, request.state.deadline, salt,
@@ -183,14 +179,30 @@ class Reader:
             raise APIError.invalid(e) from None
         return constraint
 
-    def _encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
-        """The prompt's tokens; a prompt too long for any tokenization to fit the context
-        window is refused before it is tokenized (its size budget)."""
-        tok, window = self.state.tokenizer, self.state.config.max_model_len
+    def _encode(self, prompt: str, add_special_tokens: bool, window: int) -> list[int]:
+        """The prompt's tokens; a prompt too long for any tokenization to fit ``window``
+        tokens (``_length_limit``) is refused before it is tokenized (its size budget)."""
+        tok = self.state.tokenizer
         if len(prompt) > window * tok.longest_token_chars:
-            raise APIError(400, f"prompt: {len(prompt)} characters cannot fit the context "
-                                f"window of {window} tokens (max_model_len)", param="prompt")
+            raise APIError(400, f"prompt: {len(prompt)} characters cannot fit the request's "
+                                f"{window} tokens", param="prompt")
         return tok.encode(prompt, add_special_tokens=add_special_tokens)
+
+    def _length_limit(self, body) -> tuple[int, str]:
+        """(most tokens, prompt and output, the request may have; what that limit is), as
+        its worker counts them (engine/llm_engine.py make_request): the context window,
+        or --max-stream-len under a bounded kv_policy (its own, else the workers'
+        --kv-policy), which generates past the window. Whether a worker takes the policy
+        is the worker's to say; a malformed one is a 400 naming kv_policy here."""
+        cfg = self.state.config
+        try:
+            policy = parse_kv_policy(body.kv_policy or cfg.kv_policy,
+                                     "kv_policy" if body.kv_policy else "--kv-policy")
+        except FieldError as e:
+            raise APIError.invalid(e) from None
+        if policy is None:
+            return cfg.max_model_len, "the context window (max_model_len)"
+        return cfg.max_stream_len, "a bounded kv_policy's length (max_stream_len)"
 
     def _chat_ids(self, body: ChatCompletionRequest, tools: ToolPlan | None) -> list[int]:
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
@@ -230,11 +242,12 @@ class Reader:
         """The prompt (truncated as the body asks) and SamplingParams for the request;
         APIError (400) naming the field otherwise."""
         st = self.state
+        window, limit = self._length_limit(body)
         try:
             ids = truncated(ids, body.truncate_prompt_tokens, st.config.max_model_len,
                             body.max_tokens)
-            check_prompt(ids, st.tokenizer.vocab_size, st.config.max_model_len,
-                         max_tokens=body.max_tokens)
+            check_prompt(ids, st.tokenizer.vocab_size, window, max_tokens=body.max_tokens,
+                         limit=limit)
             params = body.sampling(st.config.default_max_tokens, logprobs, constraint.spec,
                                    bad_words_ids(st.tokenizer, body.bad_words or ()))
             params.check_vocab(st.tokenizer.vocab_size)

@@ -11,7 +11,10 @@ from pathlib import Path
 import pytest
 
 from engine.attention import paged_decode
-from engine.native import build_lock
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.native import NativeKernel, build_lock
+from worker.metrics import WorkerMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
 PROBE = ("import logging, sys; logging.basicConfig(level=logging.WARNING)\n"
@@ -41,3 +44,36 @@ def test_a_live_builder_is_waited_for_then_given_up_on(tmp_path) -> None:
         assert (tmp_path / "lock").exists()  # a live builder's lock is left alone
     with build_lock(tmp_path, wait_s=0.5):
         assert not (tmp_path / "lock").exists()
+
+
+def test_the_same_source_in_another_checkout_builds_apart(tmp_path) -> None:
+    """ninja's build file names the source by its absolute path, so checkouts in two
+    directories sharing one build directory rebuilt it for each other (about 20 s a
+    start): the directory is keyed by the source's directory too."""
+    copy = tmp_path / "csrc" / paged_decode.KERNEL.source.name
+    copy.parent.mkdir()
+    copy.write_bytes(paged_decode.KERNEL.source.read_bytes())
+    other = NativeKernel("paged_decode", copy, lambda: None, without="")
+    assert other.build_directory().parent == paged_decode.build_directory().parent
+    assert other.build_directory() != paged_decode.build_directory()
+
+
+def test_an_engine_loads_the_kernel_at_start_up_and_metrics_never_build(tiny_model_dir,
+                                                                       monkeypatch) -> None:
+    """The engine loads the decode kernel while it starts (a first build takes 14-25 s);
+    a metrics observation reads what is known and never builds, even for a kernel not
+    loaded yet (it used to build on the worker's first observed step)."""
+    builds = []
+    kernel = paged_decode.KERNEL
+    monkeypatch.setattr(kernel, "_tried", False)
+    monkeypatch.setattr(kernel, "_build", lambda: builds.append(1) or "test: not built")
+    eng = LLMEngine(EngineConfig.from_flat(model=str(tiny_model_dir), dtype="float32",
+                                           max_model_len=128, num_kv_blocks=16))
+    assert builds == [1]
+    monkeypatch.setattr(kernel, "_tried", False)  # as if nothing had loaded it
+    metrics = WorkerMetrics("decode", "w0")
+    metrics.observe_engine(eng, 0)
+    assert builds == [1]
+    reasons = [s for m in metrics.registry.collect() for s in m.samples
+               if s.labels.get("kind") == "paged_decode"]
+    assert [s.value for s in reasons] == [1.0]  # "not loaded", counted as a fallback

@@ -2,7 +2,10 @@
 decode workers (tests/services/test_kv_policy_handoff.py runs the handoff itself): it
 goes to both halves, so the disaggregated completion equals the decode worker's
 colocated tokens; a malformed policy is a 400 naming kv_policy at the router, and one a
-worker refuses (a budget past its context window) is a 400 naming kv_policy too."""
+worker refuses (a budget past its context window) is a 400 naming kv_policy too. A
+bounded request's length is checked against --max-stream-len, as its workers check it:
+one past the context window goes through, one past the stream length is a 400 naming
+the field, at the router."""
 from __future__ import annotations
 
 import asyncio
@@ -25,10 +28,13 @@ from tests.services.test_kv_policy_handoff import (MAX_TOKENS, PROMPTS, SERVER, 
                                                    sharp_model)  # noqa: F401 - a fixture
 
 STREAMING = "streaming:sinks=4,window=44"
+STREAM_LEN = 160
+WORKERS = {**SERVER, "max_stream_len": STREAM_LEN}  # a context window of 128
 
 
 def _app(model_dir, workers: list[Worker]):
-    cfg = RouterConfig(model=str(model_dir), decode=("127.0.0.1:1",), local_prefill_threshold=0)
+    cfg = RouterConfig(model=str(model_dir), decode=("127.0.0.1:1",), local_prefill_threshold=0,
+                       max_model_len=SERVER["max_model_len"], max_stream_len=STREAM_LEN)
     app = create_app(cfg)
     tok = Tokenizer.load(model_dir)
     pool = FakePool(workers)
@@ -39,15 +45,17 @@ def _app(model_dir, workers: list[Worker]):
 
 def test_kv_policy_goes_to_both_halves_and_bad_ones_are_400s(sharp_model) -> None:  # noqa: F811
     prompt = PROMPTS["mid-block"]
+    long = [(i * 37) % 300 + 3 for i in range(130)]  # past the context window
 
-    async def post(c, policy: str) -> httpx.Response:
+    async def post(c, policy: str, ids: list[int] = prompt, n: int = MAX_TOKENS
+                   ) -> httpx.Response:
         return await c.post("/v1/completions", json={
-            "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+            "prompt": ids, "max_tokens": n, "temperature": 0, "ignore_eos": True,
             "return_token_ids": True, "kv_policy": policy})
 
     async def body():
-        async with services(sharp_model, prefill_engine=SERVER,
-                            decode_engine=SERVER) as (p, d, _, ds):
+        async with services(sharp_model, prefill_engine=WORKERS,
+                            decode_engine=WORKERS) as (p, d, _, ds):
             colocated, _ = await _generate(ds, "colocated", prompt, STREAMING)
             pch = auth_channel(f"127.0.0.1:{p.port}", p.secret)
             dch = auth_channel(f"127.0.0.1:{d.port}", d.secret)
@@ -60,6 +68,10 @@ def test_kv_policy_goes_to_both_halves_and_bad_ones_are_400s(sharp_model) -> Non
                         app=_app(sharp_model, workers)), base_url="http://router") as c:
                     replies = [await post(c, policy) for policy in (
                         STREAMING, "streaming:sinks=4", "streaming:sinks=4,window=200")]
+                    replies += [await post(c, STREAMING, long, 20),  # 150 tokens
+                                await post(c, STREAMING, prompt, STREAM_LEN - 69),
+                                await post(c, STREAMING, long * 2, 1),
+                                await post(c, "full", prompt, 59)]
             finally:
                 await pch.close()
                 await dch.close()
@@ -68,12 +80,20 @@ def test_kv_policy_goes_to_both_halves_and_bad_ones_are_400s(sharp_model) -> Non
             await leak_check(p, d)
             return colocated, replies, pulled
 
-    colocated, (ok, malformed, too_big), pulled = asyncio.run(body())
+    colocated, replies, pulled = asyncio.run(body())
+    ok, malformed, too_big, past_window, past_stream, long_prompt, full = replies
     assert ok.status_code == 200, ok.text
     assert ok.json()["choices"][0]["token_ids"] == colocated
-    assert pulled == 3  # the kept blocks of the 70-token prompt: it went disaggregated
-    for r, words in ((malformed, "needs sinks and window"),
-                     (too_big, "exceeds the context window")):
+    assert past_window.status_code == 200, past_window.text
+    assert len(past_window.json()["choices"][0]["token_ids"]) == 20
+    assert pulled == 3 + 3  # the kept blocks of the 70- and 130-token prompts: disaggregated
+    for r, param, words in ((malformed, "kv_policy", "needs sinks and window"),
+                            (too_big, "kv_policy", "exceeds the context window"),
+                            (past_stream, "max_tokens", "exceed a bounded kv_policy's length "
+                                                        "(max_stream_len), 160"),
+                            (long_prompt, "prompt", "prompt has 260 tokens; a bounded"),
+                            (full, "max_tokens", "exceed the context window (max_model_len), "
+                                                 "128")):
         assert r.status_code == 400, r.text
         err = r.json()["error"]
-        assert err["param"] == "kv_policy" and words in err["message"], err
+        assert err["param"] == param and words in err["message"], err
