@@ -12,6 +12,9 @@ PERF_VENV ?= .venv-perf
 PERF_PY   ?= $(shell for p in python3.12 python3.13 $(HOME)/.pyenv/versions/3.1[2-9]*/bin/python3; \
 	do $$p -c 'import sys; assert sys.version_info >= (3, 12)' 2>/dev/null && echo $$p && break; done)
 PERF_STAMP := $(PERF_VENV)/.inference-perf-installed
+# pip byte-compiles every installed module by default (for .venv-perf, 48 of its ~85 s on a
+# 2-core box); Python compiles a module on its first import instead, and only those used.
+PIP_INSTALL := -m pip install -q --no-compile
 
 .PHONY: venv install model proto up test bench clean perf-venv
 
@@ -20,8 +23,8 @@ $(VPY):
 	$(VPY) -m pip install -q --upgrade pip
 
 $(STAMP): $(VPY) pyproject.toml
-	@$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install -q $(TORCH)
-	$(VPY) -m pip install -q -e '.[dev]'
+	@$(VPY) -c "import torch" 2>/dev/null || $(VPY) $(PIP_INSTALL) $(TORCH)
+	$(VPY) $(PIP_INSTALL) -e '.[dev]'
 	@touch $(STAMP)
 
 venv install: $(STAMP)
@@ -29,7 +32,7 @@ venv install: $(STAMP)
 $(PERF_STAMP):
 	@if [ -n "$(PERF_PY)" ]; then \
 		$(PERF_PY) -m venv $(PERF_VENV) && \
-		$(PERF_VENV)/bin/python -m pip install -q 'inference-perf>=0.7,<0.8' && touch $@; \
+		$(PERF_VENV)/bin/python $(PIP_INSTALL) 'inference-perf>=0.7,<0.8' && touch $@; \
 	else echo "no Python >= 3.12 here: inference-perf not installed (its test skips)"; fi
 
 perf-venv: $(PERF_STAMP)
@@ -44,6 +47,11 @@ proto: $(STAMP)
 up: model proto
 	$(VENV)/bin/tandem up
 
+# The C++ kernels (engine/native.py) are built in this checkout's own directory: torch's
+# shared one keys a build by name, and its build.ninja names this checkout's source path,
+# so two checkouts testing at once rebuilt each other's kernels (~20 s each time, every
+# process that needs the kernel waiting): 49 rebuilds of one kernel in a day here.
+test: export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/build/torch_extensions
 test: model proto perf-venv
 	$(VPY) -m pytest -q -ra --durations=25
 

@@ -15,7 +15,11 @@ from tests.cluster.launch import cluster
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 8
-FP32 = ["--dtype", "float32", "--max-model-len", "1024", "--kv-blocks", "512"]
+# The kernel crossover is fixed (not timed at each start, ~17 s a worker on this box):
+# which GEMM runs at how many rows is not what these tests are about.
+PACKED_ROWS = 8
+FP32 = ["--dtype", "float32", "--max-model-len", "1024", "--kv-blocks", "512",
+        "--quant-packed-max-rows", str(PACKED_ROWS)]
 
 TOPICS = ["the history of the printing press", "how bees find flowers", "a recipe for bread",
           "the rules of chess", "why the sky is blue", "the life of a lighthouse keeper",
@@ -36,13 +40,21 @@ def prompts() -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def colocated(model_path) -> list[list[int]]:
-    eng = LLMEngine(EngineConfig.from_flat(model=str(model_path), dtype="float32", max_model_len=1024,
-                                           num_kv_blocks=1024))
+def colocated_engine(model_path) -> LLMEngine:
+    return LLMEngine(EngineConfig.from_flat(model=str(model_path), dtype="float32", max_model_len=1024,
+                                            num_kv_blocks=1024, quant_packed_max_rows=PACKED_ROWS))
+
+
+def _greedy(eng: LLMEngine, batch: list[str]) -> list[list[int]]:
     toks = [c.token_ids for c in eng.generate(
-        prompts(), SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))]
+        batch, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))]
     eng.leak_check()
     return toks
+
+
+@pytest.fixture(scope="module")
+def colocated(colocated_engine) -> list[list[int]]:
+    return _greedy(colocated_engine, prompts())
 
 
 def _complete(url: str, prompt: str) -> dict:
@@ -63,7 +75,8 @@ def _metric(text: str, name: str) -> float:
 
 @pytest.fixture(scope="module", params=["nixl", "tcp"])
 def disagg_cluster(request, model_path):
-    """One cluster per backend, shared by the tests below (it is the slow part)."""
+    """One cluster per backend, shared by the tests below (it is the slow part); the last
+    test kills its prefill worker."""
     if request.param == "nixl":
         pytest.importorskip("nixl_cu12")
     with cluster(model_path, request.param, worker_args=FP32,
@@ -111,28 +124,32 @@ def test_second_request_moves_only_the_blocks_decode_lacks(model_path, disagg_cl
     c.leak_check()
 
 
-def test_killed_prefill_after_handle_makes_decode_recompute(model_path, colocated) -> None:
-    """Kill the prefill process once it has returned a handle: decode recomputes."""
+def test_killed_prefill_after_handle_makes_decode_recompute(model_path, colocated_engine,
+                                                            disagg_cluster) -> None:
+    """Kill the prefill process once it has returned a handle: decode recomputes. Last in
+    the module: the cluster keeps no prefill worker after it."""
 
     from proto import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
     from core.tokenizer import Tokenizer
 
     tok = Tokenizer.load(model_path)
-    ids = tok.encode(prompts()[0])
+    # a prompt no other test sent: the decode worker caches none of its blocks
+    prompt = "The keeper of the lighthouse wrote in his log that night: " * 3
+    ids = tok.encode(prompt)
     sp = common_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-    with cluster(model_path, "tcp", worker_args=FP32) as c:
-        with c.channel(c.prefill[0]) as ch:
-            first = prefill_pb2_grpc.PrefillStub(ch).Prefill(prefill_pb2.PrefillRequest(
-                request_id="k", token_ids=ids, sampling=sp), timeout=60)
-        c.prefill[0].kill()
-        with c.channel(c.decode[0]) as ch:
-            chunks = list(decode_pb2_grpc.DecodeStub(ch).Generate(decode_pb2.GenerateRequest(
-                request_id="k", prompt_token_ids=ids, output_token_ids=[first.first_token],
-                sampling=sp, kv_handle=first.kv_handle), timeout=60))
-        toks = [first.first_token] + [t for ch_ in chunks for t in ch_.token_ids]
-        assert chunks[0].trace.fallback in (decode_pb2.FALLBACK_PEER_UNREACHABLE,
-                                            decode_pb2.FALLBACK_TRANSFER_FAILED)
-        assert chunks[-1].finished and toks == colocated[0]
-        assert re.search(r'tandem:kv_transfer_fallbacks_total\{[^}]*reason="(peer_unreachable|'
-                         r'transfer_failed)"[^}]*\} 1\.0', c.metrics(c.decode[0]))
-        c.leak_check()
+    c = disagg_cluster
+    with c.channel(c.prefill[0]) as ch:
+        first = prefill_pb2_grpc.PrefillStub(ch).Prefill(prefill_pb2.PrefillRequest(
+            request_id="k", token_ids=ids, sampling=sp), timeout=60)
+    c.prefill[0].kill()
+    with c.channel(c.decode[0]) as ch:
+        chunks = list(decode_pb2_grpc.DecodeStub(ch).Generate(decode_pb2.GenerateRequest(
+            request_id="k", prompt_token_ids=ids, output_token_ids=[first.first_token],
+            sampling=sp, kv_handle=first.kv_handle), timeout=60))
+    toks = [first.first_token] + [t for ch_ in chunks for t in ch_.token_ids]
+    assert chunks[0].trace.fallback in (decode_pb2.FALLBACK_PEER_UNREACHABLE,
+                                        decode_pb2.FALLBACK_TRANSFER_FAILED)
+    assert chunks[-1].finished and toks == _greedy(colocated_engine, [prompt])[0]
+    assert re.search(r'tandem:kv_transfer_fallbacks_total\{[^}]*reason="(peer_unreachable|'
+                     r'transfer_failed)"[^}]*\} 1\.0', c.metrics(c.decode[0]))
+    c.leak_check()
