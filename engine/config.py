@@ -24,6 +24,8 @@ from core.states import PreemptionMode
 
 PREEMPTION_MODES = ("auto", *(m.value for m in PreemptionMode))
 """--preemption-mode's choices: auto, or a PreemptionMode forced."""
+ACTIVATION_QUANTS = ("none", "int8")
+"""--activation-quant: how packed weights see the activations (QuantConfig)."""
 
 
 def at_least(flag: str, value: float | None, low: float) -> None:
@@ -320,12 +322,21 @@ class QuantConfig:
     quant_packed_max_rows: int | None = None
     """Steps of at most this many tokens use the packed int kernels, larger ones the dense
     weights; None = measured at start-up per weight shape (0 = always dense)."""
+    activation_quant: str = "none"
+    """none (packed weights multiply the activations as they are: the file's exact
+    product) or int8: quantize each activation row to int8 per block of 32 (one fp32 scale
+    each), as llama.cpp does, and multiply the packed blocks with integer dot products
+    (AVX2; lossy, so only on request)."""
 
     def __post_init__(self) -> None:
         from engine.quant.base import METHODS  # torch-only module; keeps config import light
         one_of("--quantization", self.quantization, METHODS)
         one_of("--quant-group-size", self.quant_group_size, (32, 64, 128, 256))
         at_least("--quant-packed-max-rows", self.quant_packed_max_rows, 0)
+        one_of("--activation-quant", self.activation_quant, ACTIVATION_QUANTS)
+        if self.activation_quant != "none" and self.quantization == "none":
+            raise ValueError(f"--activation-quant {self.activation_quant} multiplies packed "
+                             "weights, and --quantization none packs none; drop one of them")
 
 
 @dataclass(frozen=True)
@@ -458,7 +469,8 @@ class EngineConfig:
         "quantization", "quant_group_size", "quant_packed_max_rows", "compile",
         "compile_max_batch", "speculative_method", "speculative_model",
         "num_speculative_tokens", "speculative_max_batch", "enable_lora", "lora_modules",
-        "max_loras", "max_lora_rank", "max_cpu_loras", "tensor_parallel_size")
+        "max_loras", "max_lora_rank", "max_cpu_loras", "tensor_parallel_size",
+        "activation_quant")
     """Every group's fields in the order --help lists their flags: that of the flat config
     the groups replaced, so the help users know reads unchanged."""
 

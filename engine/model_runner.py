@@ -129,7 +129,8 @@ class ModelRunner:
         self.quant = self._quantize(model, ckpt)
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         if self.quant is not None:
-            select_paths(self.model, self.quant, config.quant.quant_packed_max_rows)
+            select_paths(self.model, self.quant, config.quant.quant_packed_max_rows,
+                         config.quant.activation_quant)
         lora = config.lora
         self.lora = (LoRASlots(self.model, self.lora_targets, lora.max_loras, lora.max_lora_rank)
                      if lora.enabled else None)
@@ -190,6 +191,10 @@ class ModelRunner:
         """Pack the linear weights per --quantization (None: dense, as loaded)."""
         method = resolve_method(self.config.quant.quantization, ckpt.reader is not None)
         if method == "none":
+            if self.config.quant.activation_quant != "none":
+                log.warning("--activation-quant %s has no effect: this checkpoint's linears "
+                            "are not packed (--quantization resolves to none)",
+                            self.config.quant.activation_quant)
             return None
         lookup = (raw_rows(ckpt.reader, ckpt.config, ckpt.path) if ckpt.reader is not None
                   else lambda name: None)
@@ -224,13 +229,16 @@ class ModelRunner:
         """Every speed path that is not running, and why: for logs and /metrics (a gauge
         per kind, e.g. tandem:engine_fallbacks{kind="compile"} = len(reasons)).
 
-        quantization: linears left dense; compile: the compiled decode step, disabled at
+        quantization: linears left dense; activation_quant: --activation-quant int8 not
+        running (its kernel cannot run here); compile: the compiled decode step, disabled at
         start-up (the model declares it uncompilable, or compiling failed) or after a
         failed step; paged_decode: the in-place decode attention kernel;
         block_mm, int4_mm: the weight kernels (engine/quant/apply.py kernel_fallbacks)."""
         from engine.attention.paged_decode import KERNEL
 
         out: dict[str, list[str]] = {"quantization": list(self.quant.fallbacks) if self.quant else [],
+                                     "activation_quant": list(self.quant.activation_fallbacks)
+                                     if self.quant else [],
                                      "compile": [], "paged_decode": [],
                                      **kernel_fallbacks(self.model, self.dtype, self.device)}
         if self.compiled is not None and self.compiled.disabled:

@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from engine.quant.base import QuantMethod, Source, get_method
-from engine.quant.blocks import kernel_path
+from engine.native import simd_flags
+from engine.quant.blocks import BLOCK_KERNEL, kernel_path
 from engine.quant.linear import QuantLinear
 from engine.quant.packed import UnpackableWeight
 from engine.quant.select import choose_paths
@@ -33,6 +34,8 @@ class QuantReport:
     dense_bytes: int = 0
     paths: dict[tuple, tuple] = field(default_factory=dict)
     """Measured {shape key: (packed_max_rows, [(rows, packed us, dense us)])}."""
+    activation_fallbacks: list[str] = field(default_factory=list)
+    """Why --activation-quant int8 is not running (its kernel cannot run on this CPU)."""
 
 
 def quantize_model(model: nn.Module, method_name: str, dtype: torch.dtype,
@@ -79,9 +82,13 @@ def quantize_model(model: nn.Module, method_name: str, dtype: torch.dtype,
     return report
 
 
-def select_paths(model: nn.Module, report: QuantReport, forced: int | None) -> None:
-    """After the model is in its final dtype and device: pick each layer's kernel by rows."""
+def select_paths(model: nn.Module, report: QuantReport, forced: int | None,
+                 activation_quant: str = "none") -> None:
+    """After the model is in its final dtype and device: choose how the packed weights see
+    the activations (--activation-quant), then pick each layer's kernel by rows."""
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    if activation_quant == "int8":
+        set_int8_activations(layers, report)
     report.paths = choose_paths(layers, forced)
     for (kind, n, k, g, dt, dev, layout), (rows, table) in report.paths.items():
         if not table:
@@ -89,8 +96,30 @@ def select_paths(model: nn.Module, report: QuantReport, forced: int | None) -> N
                      "for this dtype on %s)", kind, n, k, dt, dev)
             continue
         cells = " ".join(f"M{m}:{tp:.0f}/{td:.0f}" for m, tp, td in table)
-        log.info("quant %s [%d,%d] %s: %s kernel up to %d rows (us packed/dense %s)",
-                 kind, n, k, dt, layout, rows, cells)
+        int8 = any(m.activations == "int8" for m in layers if (m.out_features, m.in_features,
+                                                                m.layout) == (n, k, layout))
+        log.info("quant %s [%d,%d] %s: %s%s kernel up to %d rows (us packed/dense %s)", kind,
+                 n, k, dt, layout, " x int8 activations" if int8 else "", rows, cells)
+
+
+def set_int8_activations(layers: list[QuantLinear], report: QuantReport) -> None:
+    """--activation-quant int8: the blocks-layout layers multiply activations quantized
+    per 32 (tandem::block_mm_i8), where its kernel runs on this CPU; else every layer stays
+    exact, with a warning and the reason in ``report.activation_fallbacks``."""
+    blocks = [m for m in layers if m.layout == "blocks"]
+    reason = BLOCK_KERNEL.unavailable() or (
+        None if blocks else "no packed weight is in the blocks layout (GGUF blocks or "
+                            "int8/int4 on a CPU without AVX-512 or in float32)")
+    if reason is not None:
+        report.activation_fallbacks.append(reason)
+        log.warning("--activation-quant int8 unavailable (%s); packed weights multiply the "
+                    "activations as they are (exact)", reason)
+        return
+    for m in blocks:
+        m.activations = "int8"
+    log.info("--activation-quant int8: %d of %d packed linears multiply activations quantized "
+             "to int8 per 32 with AVX2 integer dot products (as llama.cpp does; CPU SIMD flags: "
+             "%s)", len(blocks), len(layers), " ".join(simd_flags()))
 
 
 def kernel_fallbacks(model: nn.Module, dtype: torch.dtype, device: torch.device

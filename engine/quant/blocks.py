@@ -10,7 +10,9 @@ their int16 bits):
 * ``--quantization int8`` (per channel, the group is the whole row) and ``int4``
   (asymmetric groups) store their codes the same way, their scales rounded to fp16.
 
-The kernel (csrc/block_mm.cpp) needs AVX2, FMA and F16C; ``BLOCK_KERNEL.unavailable()``
+``--activation-quant int8`` multiplies the same blocks by activations quantized to int8
+per 32 (``tandem::block_mm_i8``, same source), as llama.cpp does: lossy, on request only.
+The kernels (csrc/block_mm.cpp) need AVX2, FMA and F16C; ``BLOCK_KERNEL.unavailable()``
 says why not where it cannot run (a CPU without them, no compiler).
 """
 from __future__ import annotations
@@ -33,8 +35,9 @@ BLOCK_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 
 
 def _register_fakes() -> None:
-    torch.library.register_fake("tandem::block_mm")(
-        lambda x, codes, sm, group_size: x.new_empty((x.shape[0], codes.shape[0])))
+    for op in ("tandem::block_mm", "tandem::block_mm_i8"):
+        torch.library.register_fake(op)(
+            lambda x, codes, sm, group_size: x.new_empty((x.shape[0], codes.shape[0])))
 
 
 BLOCK_KERNEL = NativeKernel("block_mm", Path(__file__).parent / "csrc" / "block_mm.cpp",

@@ -31,7 +31,7 @@ class QuantLinear(nn.Module):
         self.weight = dense.weight  # [N, K]; shared with a tied embedding
         self.bias = dense.bias  # [N] or None; the model's .to(dtype) casts it with the weight
         self.kind, self.group_size, self.label = packed.kind, packed.group_size, label
-        self.layout = packed.layout
+        self.layout, self.activations = packed.layout, packed.activations
         self.register_buffer("qdata", packed.data, persistent=False)
         self.register_buffer("qscales", packed.scales, persistent=False)
         self.packed_max_rows = 0
@@ -40,7 +40,7 @@ class QuantLinear(nn.Module):
     @property
     def packed(self) -> PackedWeight:
         return PackedWeight(self.kind, self.qdata, self.qscales, self.out_features,
-                            self.in_features, self.group_size, self.layout)
+                            self.in_features, self.group_size, self.layout, self.activations)
 
     def packed_forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
         y = self.packed.matmul(x)

@@ -9,6 +9,8 @@ PyTorch kernel reads directly, with the kernel call next to it:
   the vectorised path (fp32 activations, or no AVX-512 for aten's bf16 kernels), of
   every other packed weight: GGUF Q4 blocks, ``--quantization int8`` (one group per
   row) and ``int4``.
+  With ``--activation-quant int8`` the same layout multiplies activations quantized to
+  int8 per 32 with integer dot products (``tandem::block_mm_i8``, as llama.cpp does).
 * ``int8``: per-output-channel symmetric int8 [N, K] plus scales [N];
   ``aten._weight_int8pack_mm`` (CPU and CUDA).
 * ``int4``: 4-bit codes in groups of ``group_size`` along K, asymmetric:
@@ -29,6 +31,7 @@ CPU int8 kernel segfaults when K is not a multiple of 16).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +44,7 @@ from engine.quant.blocks import BLOCK, BLOCK_KERNEL, pack_blocks
 
 PackedKind = Literal["int8", "int4"]
 Layout = Literal["aten", "tiles", "blocks"]
+ActivationQuant = Literal["none", "int8"]
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 INT4_AMX_MIN_ROWS = 3
 """From this many rows tandem::int4_mm multiplies on AMX tiles (where the CPU has them);
@@ -97,11 +101,16 @@ class PackedWeight:
     group_size: int = 0
     layout: Layout = "aten"
     """Whose kernel reads ``data`` (above)."""
+    activations: ActivationQuant = "none"
+    """blocks only: ``int8`` multiplies activations quantized per 32 (tandem::block_mm_i8,
+    --activation-quant int8); ``none`` the activations as they are (exact)."""
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] -> x @ W^T [M, N], in x's dtype."""
         if self.layout == "blocks":
-            return torch.ops.tandem.block_mm(x, self.data, self.scales, self.group_size)
+            mm = torch.ops.tandem.block_mm_i8 if self.activations == "int8" else \
+                torch.ops.tandem.block_mm
+            return mm(x, self.data, self.scales, self.group_size)
         if self.kind == "int8":
             return torch.ops.aten._weight_int8pack_mm(x, self.data, self.scales)
         if self.layout == "tiles":
@@ -117,10 +126,11 @@ class PackedWeight:
             self.scales.numel() * self.scales.element_size()
 
     def dequantize(self) -> torch.Tensor:
-        """[N, K] in the scales' dtype (blocks: fp32): the weights this kernel multiplies by."""
+        """[N, K] in the scales' dtype (blocks: fp32): the weights this kernel multiplies by
+        (with int8 activations too: they quantize x, not W)."""
         dtype = torch.float32 if self.layout == "blocks" else self.scales.dtype
         eye = torch.eye(self.in_features, dtype=dtype, device=self.scales.device)
-        return self.matmul(eye).t().contiguous()
+        return dataclasses.replace(self, activations="none").matmul(eye).t().contiguous()
 
 
 def blocks_layout(dtype: torch.dtype, device: torch.device) -> bool:
