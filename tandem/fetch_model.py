@@ -18,6 +18,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from core.cache_home import cache_home
+
 
 @dataclass(frozen=True)
 class EmbeddedModel:
@@ -35,12 +37,7 @@ DEFAULT_MODEL = EmbeddedModel()
 
 def cache_dir(override: str | os.PathLike[str] | None = None) -> Path:
     """The model cache: --cache-dir, else $TANDEM_CACHE, else $XDG_CACHE_HOME/tandem."""
-    if override:
-        return Path(override).expanduser()
-    if os.environ.get("TANDEM_CACHE"):
-        return Path(os.environ["TANDEM_CACHE"]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(xdg) / "tandem"
+    return Path(override).expanduser() if override else cache_home()
 
 
 def default_model_path(override: str | os.PathLike[str] | None = None) -> Path:

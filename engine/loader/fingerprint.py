@@ -17,14 +17,14 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+from core.cache_home import cache_home
+
 log = logging.getLogger(__name__)
 CHUNK = 8 << 20
 
 
 def _cache_path() -> Path:
-    base = os.environ.get("TANDEM_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tandem")
-    return Path(base) / "fingerprints.json"
+    return cache_home() / "fingerprints.json"
 
 
 def file_digest(path: Path) -> str:

@@ -13,7 +13,7 @@ from engine.native import simd_flags
 from engine.quant.blocks import BLOCK_KERNEL, kernel_path
 from engine.quant.linear import QuantLinear
 from engine.quant.packed import UnpackableWeight
-from engine.quant.select import choose_paths
+from engine.quant.select import choose_paths, default_cache
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ def select_paths(model: nn.Module, report: QuantReport, forced: int | None,
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
     if activation_quant == "int8":
         set_int8_activations(layers, report)
-    report.paths = choose_paths(layers, forced)
+    report.paths = choose_paths(layers, forced, default_cache())
     for (kind, n, k, g, dt, dev, layout), (rows, table) in report.paths.items():
         if not table:
             log.info("quant %s [%d,%d] %s: dense, not timed (no vectorised packed kernel "

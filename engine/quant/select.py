@@ -13,13 +13,31 @@ embedded model, 30 layers of each shape) the packed kernels keep winning to abou
 twice the rows. In fp32 aten's CPU int kernels have no vectorised path and lose 8-10x at
 every size, so weights in aten's layout run dense in fp32 without being timed, unless
 ``quant_packed_max_rows`` forces the packed kernels; the blocks kernel (blocks.py) is timed.
+
+The timing costs a start (17 of 27 s of a worker's on the embedded GGUF, 2 cores), and
+its answer depends only on the machine, so it is kept in $TANDEM_CACHE/kernel_paths.json,
+keyed by the shape, the layer count, the CPU (model name, SIMD flags, threads), torch's
+version and the kernels' source: a restart on the same machine reads it. Delete the file
+to time again (after a measurement disturbed by another process, say), or fix the choice
+with --quant-packed-max-rows.
 """
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+
 import torch
 
+from core.cache_home import cache_home
+from engine.native import simd_flags
 from engine.quant.linear import QuantLinear
 from engine.timing import best_pair
+
+log = logging.getLogger(__name__)
+CSRC = Path(__file__).parent / "csrc"
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)
 CLEAR_LOSS = 1.5
@@ -62,8 +80,10 @@ def _unvectorised(dtype: torch.dtype, device: str, layout: str) -> bool:
     return dtype == torch.float32 and device == "cpu" and layout == "aten"
 
 
-def choose_paths(layers: list[QuantLinear], forced: int | None) -> dict[tuple, tuple]:
-    """Set every layer's packed_max_rows; returns {shape key: (rows, table)} measured."""
+def choose_paths(layers: list[QuantLinear], forced: int | None,
+                 cache: Path | None = None) -> dict[tuple, tuple]:
+    """Set every layer's packed_max_rows; returns {shape key: (rows, table)} measured, or
+    read from cache (a JSON file, see the module's docstring) where it holds the shape."""
     if forced is not None:
         for layer in layers:
             layer.packed_max_rows = forced
@@ -73,9 +93,62 @@ def choose_paths(layers: list[QuantLinear], forced: int | None) -> dict[tuple, t
         key = (layer.kind, layer.out_features, layer.in_features, layer.group_size,
                layer.weight.dtype, layer.weight.device.type, layer.layout)
         groups.setdefault(key, []).append(layer)
-    measured = {key: (0, []) if _unvectorised(*key[4:]) else measure(group)
-                for key, group in groups.items()}
+    known, fresh, measured, hits = _read(cache), {}, {}, 0
+    for key, group in groups.items():
+        name = _entry(key, group)
+        if _unvectorised(*key[4:]):
+            measured[key] = (0, [])
+        elif name in known:
+            measured[key] = (known[name][0], [tuple(row) for row in known[name][1]])
+            hits += 1
+        else:
+            measured[key] = fresh[name] = measure(group)
+    if cache is not None and fresh:  # merged with what workers beside this one wrote
+        _write(cache, {**_read(cache), **fresh})
+    if hits:
+        log.info("kernel choice per row count for %d weight shape(s) read from %s (delete "
+                 "it to time again)", hits, cache)
     for key, group in groups.items():
         for layer in group:
             layer.packed_max_rows = measured[key][0]
     return measured
+
+
+def default_cache() -> Path:
+    return cache_home() / "kernel_paths.json"
+
+
+def _entry(key: tuple, group: list[QuantLinear]) -> str:
+    """What the timing depends on: the shape and how many layers a pass runs, the
+    activations' form, the CPU and its threads, torch, and the kernels' source."""
+    kernels = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(CSRC.glob("*.cpp"))))
+    where = (torch.cuda.get_device_name() if key[5] == "cuda"
+             else f"{_cpu_model()} {' '.join(simd_flags())}")
+    return json.dumps([*map(str, key), group[0].activations, len(group), where,
+                       torch.get_num_threads(), torch.__version__, kernels.hexdigest()[:12]])
+
+
+def _cpu_model() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown CPU"
+    return next((ln.partition(":")[2].strip() for ln in text.splitlines()
+                 if ln.startswith("model name")), "unknown CPU")
+
+
+def _read(cache: Path | None) -> dict:
+    try:
+        return json.loads(cache.read_text()) if cache is not None else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write(cache: Path, known: dict) -> None:
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(known))
+        tmp.replace(cache)  # atomic: workers starting side by side each write a whole file
+    except OSError as e:  # a read-only cache costs the timing at the next start, no more
+        log.warning("cannot keep the kernel timing in %s: %s", cache, e)

@@ -327,3 +327,41 @@ def test_a_burst_of_load_at_start_up_does_not_switch_the_packed_kernel_off() -> 
                             dense_forward=lambda x: torch.nn.functional.linear(x, weight))
     best, table = select.measure([layer])
     assert burst["left"] == 0 and best == select.ROWS[-1], table
+
+
+def test_the_kernel_choice_is_kept_for_the_next_start(tmp_path, monkeypatch) -> None:
+    """The row-count crossover is timed once per machine (17 of a worker's 27 s of start on
+    the embedded GGUF): a second start reads it from the cache file; another layer count
+    (a different pass) or a different thread count is timed anew, and a read-only cache
+    only costs the timing."""
+    from engine.quant import select
+
+    def layers(n: int, count: int) -> list[QuantLinear]:
+        out = []
+        for _ in range(count):
+            dense = torch.nn.Linear(128, n, bias=False).bfloat16()
+            packed, _ = get_method("int8").pack("w", dense.weight.float(), torch.bfloat16)
+            out.append(QuantLinear(dense, packed, "int8"))
+        return out
+
+    cache, timed = tmp_path / "kernel_paths.json", []
+    monkeypatch.setattr(select, "measure", lambda group: timed.append(len(group)) or
+                        (len(timed), [(1, 2.0, 3.0)]))
+    first = layers(48, 3) + layers(64, 1)
+    select.choose_paths(first, None, cache)
+    assert timed == [3, 1] and [lr.packed_max_rows for lr in first] == [1, 1, 1, 2]
+    again = layers(48, 3) + layers(64, 1)
+    assert select.choose_paths(again, None, cache) == select.choose_paths(first, None, cache)
+    assert timed == [3, 1] and [lr.packed_max_rows for lr in again] == [1, 1, 1, 2]
+    select.choose_paths(layers(48, 2), None, cache)
+    assert timed == [3, 1, 2]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        select.choose_paths(layers(64, 1), None, cache)
+    finally:
+        torch.set_num_threads(threads)
+    assert timed == [3, 1, 2, 1]
+    (tmp_path / "a-file").write_text("")  # a cache that cannot be written (even as root)
+    select.choose_paths(layers(32, 1), None, tmp_path / "a-file" / "kernel_paths.json")
+    assert timed == [3, 1, 2, 1, 1]
