@@ -19,6 +19,8 @@ half changed (the change completes; the client just does not hear of it).
 from __future__ import annotations
 
 import asyncio
+import logging
+from typing import Any, Coroutine
 
 import grpc
 from fastapi import Request
@@ -32,6 +34,7 @@ from router.openai_api import _Strict
 from router.state import RouterState
 from router.workers import Worker
 
+log = logging.getLogger(__name__)
 RPC_TIMEOUT_S = 60.0
 _STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.ALREADY_EXISTS: 400,
            grpc.StatusCode.FAILED_PRECONDITION: 400, grpc.StatusCode.NOT_FOUND: 404}
@@ -62,7 +65,7 @@ async def load(state: RouterState, request: Request) -> PlainTextResponse:
         raise APIError(400, f"lora_name: {body.lora_name!r} is already served; unload it first",
                        param="lora_name")
     msg = common.LoadLoRARequest(lora_name=body.lora_name, lora_path=body.lora_path)
-    await asyncio.shield(_load_everywhere(workers, msg))
+    await _to_the_end(_load_everywhere(workers, msg), f"loading LoRA {body.lora_name!r}")
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
 
@@ -88,7 +91,7 @@ async def unload(state: RouterState, request: Request) -> PlainTextResponse:
         raise APIError(404, f"lora_name: no LoRA adapter named {name!r} is loaded (loaded: "
                             f"{sorted(loras.served()) or 'none'})", param="lora_name")
     loras.unloading.add(name)
-    await asyncio.shield(_unload_everywhere(state, name))
+    await _to_the_end(_unload_everywhere(state, name), f"unloading LoRA {name!r}")
     return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
 
@@ -106,6 +109,22 @@ async def _unload_everywhere(state: RouterState, name: str) -> None:
                 w.take_loras(reply)
     finally:
         state.loras.unloading.discard(name)
+
+
+async def _to_the_end(change: Coroutine[Any, Any, None], what: str) -> None:
+    """Run a cluster change to its end even if the admin client goes away (shielded); a
+    failure that no client awaits any more is logged, not dropped."""
+    task = asyncio.ensure_future(change)
+    try:
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        task.add_done_callback(lambda t: _log_orphan(t, what))
+        raise
+
+
+def _log_orphan(task: asyncio.Future, what: str) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("%s failed after its admin client went away: %s", what, task.exception())
 
 
 def _workers(state: RouterState) -> list[Worker]:
