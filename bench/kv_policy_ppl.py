@@ -125,7 +125,7 @@ def main() -> None:
     t0 = time.perf_counter()
     nll = run(eng, ids, configs(args.budgets))
     print(f"{time.perf_counter() - t0:.0f} s")
-    print(table(nll, min(eng.max_model_len, len(ids)), len(ids)))
+    print(table(nll, min(len(nll["full"]) + 1, len(ids)), len(ids)))  # as --replot
     if args.out:
         args.out.write_text(json.dumps(nll))
     if args.plot:

@@ -45,7 +45,7 @@ class Child:
         if self.ready_file is not None:
             self.ready_file.unlink(missing_ok=True)
         self.proc = subprocess.Popen(self.cmd, start_new_session=True,
-                                     preexec_fn=_die_with_parent())
+                                     preexec_fn=die_with_parent())
         if self.cores:
             os.sched_setaffinity(self.proc.pid, self.cores)
 
@@ -64,7 +64,7 @@ class Child:
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent():
+def die_with_parent():
     """A preexec_fn (Linux; None elsewhere): the child gets SIGTERM when this process
     dies (prctl PR_SET_PDEATHSIG), and exits at once if it already has."""
     if not sys.platform.startswith("linux"):

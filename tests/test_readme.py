@@ -40,6 +40,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tandem.supervisor import die_with_parent
 from tests.cluster.launch import alive, descendants
 from tests.utils import real_model_path
 
@@ -293,7 +294,8 @@ def started(cmds: list[Command], ports: Ports, tmp: Path):
             log = tmp / f"{i}.log"
             with open(log, "wb") as f:
                 popen = subprocess.Popen(argv, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=f,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
+                                         stderr=subprocess.STDOUT, start_new_session=True,
+                                         preexec_fn=die_with_parent())
             servers.append(Server(cmd, popen, log, port, ready))
         deadline = time.monotonic() + START_DEADLINE_S
         for s in servers:

@@ -18,6 +18,7 @@ from auth.secret import load_cluster_secret
 
 from proto import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from tandem.process import free_port  # noqa: F401 - tests import it from here
+from tandem.supervisor import die_with_parent
 
 CLI = [sys.executable, "-m", "tandem.cli", "--log-level", "WARNING"]
 
@@ -74,7 +75,8 @@ class Cluster:
 
 
 def _spawn(args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen(CLI + args, start_new_session=True, stdout=subprocess.DEVNULL)
+    return subprocess.Popen(CLI + args, start_new_session=True, stdout=subprocess.DEVNULL,
+                            preexec_fn=die_with_parent())
 
 
 @contextlib.contextmanager
@@ -162,7 +164,8 @@ def tandem_up(model: str | Path, args: list[str], ready_s: float = 180):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", "up", "--model", str(model),
                              "--port", str(port), *args],
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+                            stderr=subprocess.DEVNULL, start_new_session=True,
+                            preexec_fn=die_with_parent())
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(url, proc, time.monotonic() + ready_s, "tandem up")
