@@ -282,6 +282,7 @@ class EngineWorker:
                 result, error = None, e
             except BaseException as e:  # the thread dies of it (GroupFailed): its caller
                 # was taken off the queue, so _die cannot reach it; settle it here
+                self._dead = e  # dead from now: callers woken below must see it so
                 dead = EngineDead(f"the engine thread died: {type(e).__name__}: {e}")
                 self._loop.call_soon_threadsafe(_settle, fut, None, dead)
                 raise
