@@ -55,7 +55,7 @@ FIELDS: tuple[RequestField, ...] = (
     _f("echo", BOTH, "both", IMPLEMENTED, "completions: the prompt's text before the completion and, with logprobs N, its tokens first in the logprobs object (the first token's logprob and top_logprobs null), computed in prefill; chat: only false (a 400)"),
     _f("suffix", COMPLETIONS, "OpenAI", REFUSED, "insertion is not supported"),
     _f("response_format", BOTH, "both", IMPLEMENTED, "text, json_object, json_schema (constrained decoding)"),
-    _f("tools", CHAT, "OpenAI", IMPLEMENTED, "function tools"),
+    _f("tools", CHAT, "OpenAI", IMPLEMENTED, "function tools; calls are written in the form the model's chat template teaches (Qwen's `<tool_call>` blocks, Llama 3's JSON object, else a `<tool_call>` JSON array: docs/architecture.md)"),
     _f("tool_choice", CHAT, "OpenAI", IMPLEMENTED, "none, auto, required, or a named function"),
     _f("parallel_tool_calls", CHAT, "OpenAI", IMPLEMENTED, "false: at most one call"),
     _f("user", BOTH, "OpenAI", NO_EFFECT),
