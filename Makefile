@@ -47,11 +47,6 @@ proto: $(STAMP)
 up: model proto
 	$(VENV)/bin/tandem up
 
-# The C++ kernels (engine/native.py) are built in this checkout's own directory: torch's
-# shared one keys a build by name, and its build.ninja names this checkout's source path,
-# so two checkouts testing at once rebuilt each other's kernels (~20 s each time, every
-# process that needs the kernel waiting): 49 rebuilds of one kernel in a day here.
-test: export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/build/torch_extensions
 test: model proto perf-venv
 	$(VPY) -m pytest -q -ra --durations=25
 

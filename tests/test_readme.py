@@ -76,9 +76,7 @@ def make_recipe(target: str) -> list[str]:
     """The recipe lines of one Makefile target (the tab-indented lines under it)."""
     lines = MAKEFILE.read_text().splitlines()
     for i, line in enumerate(lines):
-        rule = re.match(rf"^{re.escape(target)}\s*:(?!=)(.*)$", line)
-        # `test: export X ?= y` sets a variable for the target; its rule is another line
-        if rule and not re.match(r"\s*(export\s|override\s|[\w.]+\s*[?:+!]?=)", rule.group(1)):
+        if re.match(rf"^{re.escape(target)}\s*:(?!=)", line):
             recipe = []
             for body in lines[i + 1:]:
                 if not body.startswith("\t"):

@@ -94,8 +94,10 @@ def choose_paths(layers: list[QuantLinear], forced: int | None,
                layer.weight.dtype, layer.weight.device.type, layer.layout)
         groups.setdefault(key, []).append(layer)
     known, fresh, measured, hits = _read(cache), {}, {}, 0
+    sources = b"".join(p.read_bytes() for p in sorted(CSRC.glob("*.cpp")))
+    kernels = hashlib.sha256(sources).hexdigest()[:12]
     for key, group in groups.items():
-        name = _entry(key, group)
+        name = _entry(key, group, kernels)
         if _unvectorised(*key[4:]):
             measured[key] = (0, [])
         elif name in known:
@@ -118,14 +120,14 @@ def default_cache() -> Path:
     return cache_home() / "kernel_paths.json"
 
 
-def _entry(key: tuple, group: list[QuantLinear]) -> str:
+def _entry(key: tuple, group: list[QuantLinear], kernels: str) -> str:
     """What the timing depends on: the shape and how many layers a pass runs, the
-    activations' form, the CPU and its threads, torch, and the kernels' source."""
-    kernels = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(CSRC.glob("*.cpp"))))
+    activations' form, the CPU and its threads, torch, and the kernels' source (its
+    hash, ``kernels``, read once per choice)."""
     where = (torch.cuda.get_device_name() if key[5] == "cuda"
              else f"{_cpu_model()} {' '.join(simd_flags())}")
     return json.dumps([*map(str, key), group[0].activations, len(group), where,
-                       torch.get_num_threads(), torch.__version__, kernels.hexdigest()[:12]])
+                       torch.get_num_threads(), torch.__version__, kernels])
 
 
 def _cpu_model() -> str:
