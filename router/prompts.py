@@ -8,18 +8,19 @@ from core.errors import FieldError
 from core.tokenizer import Tokenizer
 
 
-def truncated(ids: list[int], keep: int | None, max_model_len: int,
-              max_tokens: int | None) -> list[int]:
+def truncated(ids: list[int], keep: int | None, most: int, max_tokens: int | None,
+              what: str = "the context window (max_model_len)") -> list[int]:
     """The prompt's last ``keep`` tokens (vLLM truncates on the left); -1: as many as
-    the context window holds with room for max_tokens (or one token); None: all."""
+    ``most`` (the request's length limit, ``what``: the context window, or
+    --max-stream-len under a bounded kv_policy) holds with room for max_tokens (or one
+    token); None: all."""
     if keep is None:
         return ids
     if keep == -1:
-        keep = max(1, max_model_len - (max_tokens or 1))
-    if not 1 <= keep <= max_model_len:
+        keep = max(1, most - (max_tokens or 1))
+    if not 1 <= keep <= most:
         raise FieldError("truncate_prompt_tokens", f"truncate_prompt_tokens must be -1 or in "
-                                                   f"[1, {max_model_len}] (max_model_len), "
-                                                   f"got {keep}")
+                                                   f"[1, {most}] ({what}), got {keep}")
     return ids[-keep:]
 
 

@@ -86,7 +86,7 @@ FIELDS: tuple[RequestField, ...] = (
     _f("spaces_between_special_tokens", BOTH, "vLLM", NO_EFFECT, "the tokenizer's decoder decides"),
     _f("bad_words", BOTH, "vLLM", IMPLEMENTED, "each word (with and without a leading space) is never completed"),
     _f("allowed_token_ids", BOTH, "vLLM", IMPLEMENTED, "every token is one of them; ids outside the vocabulary are a 400"),
-    _f("truncate_prompt_tokens", BOTH, "vLLM", IMPLEMENTED, "keep the prompt's last N tokens; -1: as many as the context window holds"),
+    _f("truncate_prompt_tokens", BOTH, "vLLM", IMPLEMENTED, "keep the prompt's last N tokens; -1: as many as the context window holds (under a bounded kv_policy: --max-stream-len), with room for max_tokens"),
     _f("return_token_ids", BOTH, "vLLM", IMPLEMENTED, "prompt_token_ids and each choice's token_ids in the response"),
     _f("return_tokens_as_token_ids", BOTH, "vLLM", IMPLEMENTED, "logprobs name tokens token_id:<id>"),
     _f("add_special_tokens", BOTH, "vLLM", IMPLEMENTED, "completions default true, chat false"),

@@ -244,8 +244,7 @@ class Reader:
         st = self.state
         window, limit = self._length_limit(body)
         try:
-            ids = truncated(ids, body.truncate_prompt_tokens, st.config.max_model_len,
-                            body.max_tokens)
+            ids = truncated(ids, body.truncate_prompt_tokens, window, body.max_tokens, limit)
             check_prompt(ids, st.tokenizer.vocab_size, window, max_tokens=body.max_tokens,
                          limit=limit)
             params = body.sampling(st.config.default_max_tokens, logprobs, constraint.spec,

@@ -5,7 +5,7 @@ colocated tokens; a malformed policy is a 400 naming kv_policy at the router, an
 worker refuses (a budget past its context window) is a 400 naming kv_policy too. A
 bounded request's length is checked against --max-stream-len, as its workers check it:
 one past the context window goes through, one past the stream length is a 400 naming
-the field, at the router."""
+the field, at the router; truncate_prompt_tokens=-1 keeps what the stream length holds."""
 from __future__ import annotations
 
 import asyncio
@@ -47,11 +47,11 @@ def test_kv_policy_goes_to_both_halves_and_bad_ones_are_400s(sharp_model) -> Non
     prompt = PROMPTS["mid-block"]
     long = [(i * 37) % 300 + 3 for i in range(130)]  # past the context window
 
-    async def post(c, policy: str, ids: list[int] = prompt, n: int = MAX_TOKENS
-                   ) -> httpx.Response:
+    async def post(c, policy: str, ids: list[int] = prompt, n: int = MAX_TOKENS,
+                   **extra) -> httpx.Response:
         return await c.post("/v1/completions", json={
             "prompt": ids, "max_tokens": n, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True, "kv_policy": policy})
+            "return_token_ids": True, "kv_policy": policy, **extra})
 
     async def body():
         async with services(sharp_model, prefill_engine=WORKERS,
@@ -71,7 +71,8 @@ def test_kv_policy_goes_to_both_halves_and_bad_ones_are_400s(sharp_model) -> Non
                     replies += [await post(c, STREAMING, long, 20),  # 150 tokens
                                 await post(c, STREAMING, prompt, STREAM_LEN - 69),
                                 await post(c, STREAMING, long * 2, 1),
-                                await post(c, "full", prompt, 59)]
+                                await post(c, "full", prompt, 59),
+                                await post(c, STREAMING, long * 2, 20, truncate_prompt_tokens=-1)]
             finally:
                 await pch.close()
                 await dch.close()
@@ -81,12 +82,15 @@ def test_kv_policy_goes_to_both_halves_and_bad_ones_are_400s(sharp_model) -> Non
             return colocated, replies, pulled
 
     colocated, replies, pulled = asyncio.run(body())
-    ok, malformed, too_big, past_window, past_stream, long_prompt, full = replies
+    ok, malformed, too_big, past_window, past_stream, long_prompt, full, cut = replies
+    # -1 keeps what the request's own limit holds: the stream length, past the window
+    assert cut.status_code == 200, cut.text
+    assert cut.json()["usage"]["prompt_tokens"] == STREAM_LEN - 20
     assert ok.status_code == 200, ok.text
     assert ok.json()["choices"][0]["token_ids"] == colocated
     assert past_window.status_code == 200, past_window.text
     assert len(past_window.json()["choices"][0]["token_ids"]) == 20
-    assert pulled == 3 + 3  # the kept blocks of the 70- and 130-token prompts: disaggregated
+    assert pulled == 3 + 3 + 3  # the kept blocks of the 70-, 130- and 140-token prompts
     for r, param, words in ((malformed, "kv_policy", "needs sinks and window"),
                             (too_big, "kv_policy", "exceeds the context window"),
                             (past_stream, "max_tokens", "exceed a bounded kv_policy's length "
