@@ -37,6 +37,12 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
                    help="every worker's KV cache: auto, bfloat16, float32, int8, fp8_e4m3 "
                         "(default: the workers' auto)")
     p.add_argument("--max-model-len", type=int, default=None, help="context window")
+    p.add_argument("--kv-policy", default=None, metavar="POLICY",
+                   help="every worker's and the router's --kv-policy: full, "
+                        "streaming:sinks=S,window=W or h2o:heavy=H,recent=R (default: full)")
+    p.add_argument("--max-stream-len", type=int, default=None,
+                   help="every worker's and the router's --max-stream-len: most tokens of a "
+                        "request under a bounded kv policy (default: theirs, 1048576)")
     p.add_argument("--local-prefill-threshold", type=int, default=32,
                    help="prompts with at most this many uncached tokens prefill on the decode "
                         "worker (default: 32)")

@@ -138,7 +138,8 @@ class Cluster:
                             ("--preemption-mode", a.preemption_mode),
                             ("--kv-cache-dtype", a.kv_cache_dtype),
                             ("--max-model-len", a.max_model_len),
-                            ("--otlp-traces-endpoint", a.otlp_traces_endpoint)):
+                            ("--otlp-traces-endpoint", a.otlp_traces_endpoint),
+                            *self._length_flags()):
             if value is not None:
                 cmd += [flag, str(value)]
         return cmd + a.worker_arg + (a.prefill_arg if role == "prefill" else a.decode_arg)
@@ -158,7 +159,15 @@ class Cluster:
             cmd += ["--log-requests", a.log_requests]
         if a.otlp_traces_endpoint:
             cmd += ["--otlp-traces-endpoint", a.otlp_traces_endpoint]
+        for flag, value in self._length_flags():  # the router checks lengths as workers do
+            if value is not None:
+                cmd += [flag, str(value)]
         return cmd + a.router_arg
+
+    def _length_flags(self) -> tuple[tuple[str, object], ...]:
+        """What the router and every worker must agree on to count a request's length."""
+        return (("--kv-policy", self.args.kv_policy),
+                ("--max-stream-len", self.args.max_stream_len))
 
     # -- running ----------------------------------------------------------------------------
     def run(self) -> int:
