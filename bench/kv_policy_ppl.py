@@ -11,16 +11,28 @@ every step: ``full`` (every token: only up to the model's context window, the lo
 request the engine serves; past it full attention is not defined for this model, so
 its column stops there), and at each budget: a plain window (streaming with sinks=0),
 ``streaming`` (sinks=4) and ``h2o`` (heavy = recent = budget / 2, as the paper's
-default split). Streaming and window run their prompt in chunks that end where their
-kept blocks change, which computes exactly what token-by-token decoding would; h2o runs
-one token a step past its budget (each one evicts).
+default split). ``--configs`` runs any other list of policies instead (``full`` or a
+``kv_policy`` spec each, e.g. several h2o splits at one budget). Streaming and window
+run their prompt in chunks that end where their kept blocks change, which computes
+exactly what token-by-token decoding would; h2o runs one token a step past its budget
+(each one evicts).
+
+``--recompute W``: StreamingLLM's oracle baseline, "sliding window with re-computation"
+(the comparison its "within a few percent" is made against): the NLL of token i + 1
+computed from scratch over its last W tokens (tokens i - W + 1 .. i at positions
+0 .. W - 1, a fresh request each), at --samples positions evenly spaced from W on. It
+costs a W-token prefill per position, so it is sampled; the second table compares every
+config with it on those positions only, paired (the ratio of perplexities over the same
+tokens, whose token-to-token spread mostly cancels).
 
 Prints a table of perplexities per span and writes the per-token NLLs (--out, JSON)
-and a plot of the NLL averaged over windows of --smooth tokens (--plot, PNG).
+and a plot of the NLL averaged over windows of --smooth tokens (--plot, PNG); --replot
+reads one or more saved --out files (their configs merged, the first file's wins).
 
     flock /tmp/tandem-cpu.lock nice .venv/bin/python bench/kv_policy_ppl.py \\
-        [--tokens 16384] [--budgets 256 512] [--out nll.json] [--plot docs/kv_policy_ppl.png]
-    .venv/bin/python bench/kv_policy_ppl.py --replot nll.json --plot docs/kv_policy_ppl.png
+        [--tokens 16384] [--budgets 256 512] [--configs SPEC ...] [--recompute W ...]
+        [--samples 64] [--out nll.json] [--plot docs/kv_policy_ppl.png]
+    .venv/bin/python bench/kv_policy_ppl.py --replot nll.json [more.json ...] [--plot x.png]
 """
 from __future__ import annotations
 
@@ -33,6 +45,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 from bench.quant_quality import fixed_text  # noqa: E402
+from core.kv.policy import parse_kv_policy  # noqa: E402
 from core.sampling import SamplingParams  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
@@ -48,22 +61,78 @@ def configs(budgets: list[int]) -> list[tuple[str, str]]:
     return out
 
 
-def run(eng: LLMEngine, ids: list[int], jobs: list[tuple[str, str]]) -> dict[str, list[float]]:
-    """Each config's NLL of prompt tokens 1 .. (its prompt's end) - 1, all run together."""
-    reqs = {}
+def label(spec: str) -> str:
+    """A --configs spec's row name: the default configs' names where it is one of them."""
+    policy = parse_kv_policy(spec, "--configs")
+    if policy is None:
+        return "full"
+    b = policy.budget
+    if policy.kind == "streaming":
+        return f"window {b}" if policy.sinks == 0 else (
+            f"streaming {b}" if policy.sinks == 4 else f"streaming {b} sinks {policy.sinks}")
+    return f"h2o {b}" if policy.heavy == b // 2 else f"h2o {b} heavy {policy.heavy}"
+
+
+def text_ids(tokenizer, n: int) -> list[int]:
+    """The text's first n tokens, encoding only as much of its 465k characters as they
+    need: it is cut at a paragraph break, so every token before the cut is the whole
+    text's (the BPE pre-tokenizer never merges across the blank line)."""
+    text, chars = fixed_text(), 8 * n
+    while True:
+        cut = text.find("\n\n", chars)
+        ids = tokenizer.encode(text if cut < 0 else text[:cut])
+        if len(ids) > n or cut < 0:
+            return ids[:n]
+        chars *= 2
+
+
+def sample_positions(n: int, window: int, samples: int) -> list[int]:
+    """Indices i (token i + 1 predicted) from window on, evenly spaced over the text."""
+    lo, hi = window, n - 1
+    if samples < 1 or hi <= lo:
+        return []
+    step = (hi - lo) / samples
+    return sorted({lo + int(step * k) for k in range(samples)})
+
+
+def run(eng: LLMEngine, ids: list[int], jobs: list[tuple[str, str]],
+        recompute: dict[int, list[int]], limit: float | None = None) -> dict[str, object]:
+    """Each config's NLL of prompt tokens 1 .. (its prompt's end) - 1, and each
+    --recompute window's NLL at its sampled positions ({"i": nll}), all run together.
+    After ``limit`` seconds the rest is aborted: each config's list then ends where its
+    request had got to, and the unfinished samples are left out."""
+    reqs, sampled = {}, {}
     for name, policy in jobs:
         prompt = ids[:eng.max_model_len - 1] if policy == "full" else ids  # room for its 1 token
         rid = eng.add_request(prompt, SamplingParams(max_tokens=1, prompt_logprobs=0),
                               kv_policy=policy)
         reqs[name] = eng.requests[rid]
+    for w, positions in recompute.items():
+        for i in positions:  # tokens i - w + 1 .. i predict token i + 1, from scratch
+            rid = eng.add_request(ids[i - w + 1:i + 2],
+                                  SamplingParams(max_tokens=1, prompt_logprobs=0),
+                                  kv_policy="full")
+            sampled[(w, i)] = eng.requests[rid]
     steps, t0 = 0, time.perf_counter()
-    while eng.has_unfinished():
+    while eng.has_unfinished() and (limit is None or time.perf_counter() - t0 < limit):
         eng.step()
         steps += 1
         if steps % 1000 == 0:
             done = {n: len(r.prompt_logprobs) for n, r in reqs.items()}
             print(f"  step {steps}, {time.perf_counter() - t0:.0f} s: {done}", flush=True)
-    return {n: [-lp.logprob for lp in r.prompt_logprobs] for n, r in reqs.items()}
+    out: dict[str, object] = {n: [-lp.logprob for lp in r.prompt_logprobs]
+                              for n, r in reqs.items()}
+    for w in recompute:
+        out[f"recompute {w}"] = {str(i): -r.prompt_logprobs[-1].logprob
+                                 for (v, i), r in sampled.items()
+                                 if v == w and len(r.prompt_logprobs) == w}
+    stopped = eng.has_unfinished()
+    for r in [*reqs.values(), *sampled.values()]:
+        if eng.requests.get(r.request_id) is r:
+            eng.abort_request(r.request_id)
+    print(f"{steps} steps, {time.perf_counter() - t0:.0f} s"
+          + (" (stopped at --time-limit)" if stopped else ""))
+    return out
 
 
 def ppl(nll: list[float], lo: int, hi: int) -> str:
@@ -78,7 +147,35 @@ def table(nll: dict[str, list[float]], ctx: int, n: int) -> str:
     head = " | ".join(f"tokens {lo + 1}-{hi}" for lo, hi in spans)
     rows = [f"| config | {head} |", "|---" * (len(spans) + 1) + "|"]
     for name, v in nll.items():
-        rows.append(f"| {name} | " + " | ".join(ppl(v, lo, hi) for lo, hi in spans) + " |")
+        if not isinstance(v, dict):
+            rows.append(f"| {name} | " + " | ".join(ppl(v, lo, hi) for lo, hi in spans) + " |")
+    return "\n".join(rows) + "\n" + paired(nll)
+
+
+def paired(nll: dict[str, object]) -> str:
+    """Every config against each recompute baseline on its sampled positions: perplexity
+    over those tokens and the ratio to the baseline's (exp of the mean NLL difference,
+    with its standard error as a +- on the ratio)."""
+    rows = []
+    for base, ref in nll.items():
+        if not isinstance(ref, dict):
+            continue
+        upto = min(len(v) for v in nll.values() if not isinstance(v, dict))
+        at = sorted(int(i) for i in ref if int(i) < upto)
+        if not at:
+            continue
+        rows += [f"\n{base} at {len(at)} positions ({at[0] + 1}..{at[-1] + 1}):",
+                 "| config | ppl there | ratio to " + base + " |", "|---|---|---|"]
+        b = [ref[str(i)] for i in at]
+        rows.append(f"| {base} | {math.exp(sum(b) / len(b)):.2f} | 1 |")
+        for name, v in nll.items():
+            if isinstance(v, dict):
+                continue
+            d = [v[i] - x for i, x in zip(at, b)]
+            mean = sum(d) / len(d)
+            se = (sum((x - mean) ** 2 for x in d) / max(1, len(d) - 1) / len(d)) ** 0.5
+            rows.append(f"| {name} | {math.exp(sum(v[i] for i in at) / len(at)):.2f} | "
+                        f"{math.exp(mean):.3f} +- {math.exp(mean) * se:.3f} |")
     return "\n".join(rows)
 
 
@@ -90,6 +187,8 @@ def plot(nll: dict[str, list[float]], smooth: int, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(9, 4.5))
     for name, v in nll.items():
+        if isinstance(v, dict):  # a sampled recompute baseline: no curve
+            continue
         xs = list(range(smooth, len(v) + 1, smooth))
         ax.plot(xs, [sum(v[x - smooth:x]) / smooth for x in xs], label=name,
                 ls="-" if name == "full" else "--" if "window" in name else "-", lw=1.2)
@@ -105,29 +204,47 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--budgets", type=int, nargs="+", default=[256, 512])
+    ap.add_argument("--configs", nargs="+", metavar="SPEC",
+                    help="run these instead of --budgets' set: full or kv_policy specs, e.g. "
+                         "h2o:heavy=64,recent=192")
+    ap.add_argument("--recompute", type=int, nargs="+", default=[], metavar="W",
+                    help="sliding window with re-computation over W tokens (sampled)")
+    ap.add_argument("--samples", type=int, default=64,
+                    help="positions --recompute computes (each a W-token prefill)")
+    ap.add_argument("--time-limit", type=float, metavar="S",
+                    help="stop after S seconds of steps and tabulate what each config read")
     ap.add_argument("--smooth", type=int, default=256)
     ap.add_argument("--out", type=Path)
     ap.add_argument("--plot", type=Path)
-    ap.add_argument("--replot", type=Path, help="plot and tabulate a saved --out; run nothing")
+    ap.add_argument("--replot", type=Path, nargs="+",
+                    help="plot and tabulate saved --out files (merged); run nothing")
     args = ap.parse_args()
     if args.replot:
-        nll = json.loads(args.replot.read_text())
-        n = max(len(v) for v in nll.values()) + 1
-        print(table(nll, min(len(nll["full"]) + 1, n), n))
+        nll: dict[str, object] = {}
+        for path in args.replot:
+            for name, v in json.loads(path.read_text()).items():
+                nll.setdefault(name, v)
+        n = max(len(v) for v in nll.values() if not isinstance(v, dict)) + 1
+        print(table(nll, min(len(nll.get("full", [0] * n)) + 1, n), n))
         if args.plot:
             plot(nll, args.smooth, args.plot)
         return
     eng = LLMEngine(EngineConfig.from_flat(
         model=str(default_model_path()), allow_request_kv_policy=True, num_threads=2,
-        enable_prefix_caching=False, max_stream_len=args.tokens + 1))
-    ids = eng.tokenizer.encode(fixed_text())[:args.tokens]
+        enable_prefix_caching=False, max_stream_len=args.tokens + 1,
+        compile=False))  # steps with h2o rows or prefill chunks run eager anyway
+    ids = text_ids(eng.tokenizer, args.tokens)
     print(f"{len(ids)} tokens; context window {eng.max_model_len}; {eng.runner.dtype}")
-    t0 = time.perf_counter()
-    nll = run(eng, ids, configs(args.budgets))
-    print(f"{time.perf_counter() - t0:.0f} s")
-    print(table(nll, min(len(nll["full"]) + 1, len(ids)), len(ids)))  # as --replot
+    jobs = ([(label(c), c) for c in args.configs] if args.configs else configs(args.budgets))
+    recompute = {w: sample_positions(len(ids), w, args.samples) for w in args.recompute}
+    nll = run(eng, ids, jobs, recompute, args.time_limit)
+    read = min(len(v) for name, v in nll.items() if name != "full" and isinstance(v, list))
+    if read < len(ids) - 1:  # stopped early: every config over the same tokens
+        nll = {name: v[:read] if isinstance(v, list) else v for name, v in nll.items()}
     if args.out:
         args.out.write_text(json.dumps(nll))
+    n = min(len(ids), read + 1)
+    print(table(nll, min(len(nll.get("full", [0] * n)) + 1, n), n))  # as --replot
     if args.plot:
         plot(nll, args.smooth, args.plot)
     eng.leak_check()
