@@ -29,7 +29,7 @@ from tests.models.families import (FAMILIES, build_checkpoint, hf_greedy, hf_las
                                    load_reference, prompts)
 from tests.models.gguf_files import write_gguf
 
-NEW_TOKENS = 16
+NEW_TOKENS = 12
 LOGIT_ATOL = 1e-4
 ORDER = ("qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mistral", "mixtral", "qwen3_moe")
 """By users' demand (the brief's order)."""
@@ -84,11 +84,12 @@ def _check(name: str, eng: LLMEngine, ref, batch: list[list[int]]) -> None:
 
 
 def test_gguf_family_matches_transformers(family) -> None:
-    """4 prompts of 20-60 tokens (beyond the sliding window of 16 where a family slides)
-    in one batch, 16 new tokens each; logits at the last position of two of them."""
+    """3 prompts of 20-60 tokens (beyond the sliding window of 16 where a family slides)
+    in one batch, 12 new tokens each; logits at the last position of two of them. 2-9 s
+    a family here (qwen3_moe the most: both sides run its experts eagerly)."""
     name, eng, ref = family
     assert eng.runner.model_config.architecture == name
-    _check(name, eng, ref, prompts(4, seed=5, low=20, high=60))
+    _check(name, eng, ref, prompts(3, seed=5, low=20, high=60))
 
 
 @pytest.mark.parametrize("name", ["qwen2", "phi3"])
