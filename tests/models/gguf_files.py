@@ -8,6 +8,7 @@ converter, which is not on PyPI, covering what these tiny checkpoints hold.
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -66,6 +67,8 @@ def _metadata(w, family: str, cfg: dict) -> None:
             w.add_rope_scaling_factor(glob["factor"])
         w.add_rope_freq_base_swa(float(_rope(cfg, "sliding_attention")["rope_theta"]))
         w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
+    if family == "phi3":  # the converter writes 0 for "no window" (and so Phi-4 apart)
+        w.add_sliding_window(cfg.get("sliding_window") or 0)
     if family in ("mixtral", "qwen3_moe"):
         w.add_expert_count(cfg.get("num_local_experts") or cfg["num_experts"])
         w.add_expert_used_count(cfg["num_experts_per_tok"])
@@ -99,6 +102,21 @@ def _add(w, name: str, arr: np.ndarray, qtype: str) -> None:
         w.add_tensor(name, quantize(arr, kind), raw_dtype=kind)
 
 
+def _longrope(w, cfg: dict) -> None:
+    """Phi-3's longrope as the converter writes it: the factors as F32 tensors, the
+    original context and the cos/sin factor in the metadata."""
+    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    if (scaling.get("rope_type") or scaling.get("type")) != "longrope":
+        return
+    old_len = scaling.get("original_max_position_embeddings") or cfg["original_max_position_embeddings"]
+    scale = cfg["max_position_embeddings"] / old_len
+    w.add_rope_scaling_orig_ctx_len(old_len)
+    w.add_rope_scaling_attn_factors(
+        math.sqrt(1 + math.log(scale) / math.log(old_len)) if scale > 1 else 1.0)
+    w.add_tensor("rope_factors_long.weight", np.asarray(scaling["long_factor"], dtype=np.float32))
+    w.add_tensor("rope_factors_short.weight", np.asarray(scaling["short_factor"], dtype=np.float32))
+
+
 def write_gguf(root: Path, family: str, out: Path, qtype: str = "F32") -> Path:
     """Convert the HF checkpoint at root (config.json, model.safetensors, tokenizer.json)
     to a GGUF file at out; qtype: F32, F16 or Q8_0 for the 2-D tensors."""
@@ -128,6 +146,7 @@ def write_gguf(root: Path, family: str, out: Path, qtype: str = "F32") -> Path:
         if arch.startswith("gemma") and hf.endswith("norm.weight"):
             arr = arr + 1
         _add(w, f"{name}.{suffix}", arr, qtype)
+    _longrope(w, cfg)
     for (layer, kind), per_expert in sorted(experts.items()):
         stacked = np.stack([per_expert[e] for e in sorted(per_expert)])  # [E, out, in]
         _add(w, f"blk.{layer}.ffn_{kind}_exps.weight", stacked, qtype)

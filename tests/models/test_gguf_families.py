@@ -25,7 +25,7 @@ from core.sampling import SamplingParams
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.loader import load_checkpoint
-from tests.models.families import (FAMILIES, build_checkpoint, hf_greedy, hf_last_logits,
+from tests.models.families import (build_checkpoint, hf_greedy, hf_last_logits,
                                    load_reference, prompts)
 from tests.models.gguf_files import write_gguf
 
@@ -100,6 +100,21 @@ def test_q8_0_gguf_matches_transformers_on_the_same_file(name: str, tmp_path) ->
     root = build_checkpoint(tmp_path, name)
     path = write_gguf(root, name, root / "model-q8_0.gguf", qtype="Q8_0")
     _check(name, _engine(path), _reference(name, root, path.name), prompts(2, seed=6, low=20, high=40))
+
+
+def test_phi3_longrope_gguf_matches_transformers(tmp_path) -> None:
+    """Phi-3's long/short rotary factors come from the file's rope_factors_* tensors and
+    its rope.scaling metadata (reference: the HF checkpoint; transformers' GGUF reader
+    drops them)."""
+    pytest.importorskip("transformers")
+    root = build_checkpoint(tmp_path, "phi3", original_max_position_embeddings=256,
+                            rope_scaling={"type": "longrope",
+                                          "long_factor": [1.0 + i for i in range(8)],
+                                          "short_factor": [1.0 + 0.3 * i for i in range(8)]})
+    path = write_gguf(root, "phi3", root / "model-longrope.gguf")
+    scaling = load_checkpoint(path).config.rope_scaling
+    assert scaling["rope_type"] == "longrope" and scaling["original_max_position_embeddings"] == 256
+    _check("phi3", _engine(path), load_reference(root), prompts(2, seed=7, low=20, high=40))
 
 
 def test_f16_gguf_loads_the_files_values(tmp_path) -> None:
