@@ -1,12 +1,13 @@
-"""`tandem up --model DIR` serves every family's HF checkpoint through real router,
-prefill and decode processes (KV over TCP, the default attention backend, KV memory
-that follows the window where layers slide): a chat completion answers with the
-tokens transformers generates for the same rendered prompt.
+"""`tandem up --model DIR` serves every family's HF checkpoint: a chat completion
+answers with the tokens transformers generates for the same rendered prompt.
 
-One cluster per family, each stopped before the next starts. What one costs is process
-start-up (three Python processes importing torch, gRPC and FastAPI) and loading the
-tiny checkpoint; compilation is off in the suite (TANDEM_COMPILE=0, tests/conftest.py),
-and the pools are small. The request is short: 8 new tokens."""
+Mistral (every layer slides) runs the default layout, real router, prefill and decode
+processes with KV over TCP and memory that follows the window; the other families run
+`--mode colocated` (router and one engine), since each family's disaggregated tokens
+are already checked against its colocated ones in process
+(tests/services/test_families_disagg.py) and a third process per family cost ~10 s.
+What one costs is process start-up and loading the tiny checkpoint; compilation is off
+in the suite (TANDEM_COMPILE=0, tests/conftest.py). The request is short: 8 new tokens."""
 from __future__ import annotations
 
 import pytest
@@ -19,6 +20,7 @@ from tests.utils import write_chat_template
 pytestmark = pytest.mark.slow
 NEW_TOKENS = 8
 MESSAGES = [{"role": "user", "content": "a prompt longer than the sliding window"}]
+DISAGGREGATED = "mistral"
 ARGS = ["--kv-transfer", "tcp", "--kv-blocks", "64", "--dtype", "float32",
         "--max-model-len", "256", "--local-prefill-threshold", "4",
         "--worker-arg=--quantization=none"]
@@ -35,7 +37,8 @@ def test_tandem_up_serves_a_family_checkpoint(tmp_path, family: str) -> None:
     assert len(ids) > WINDOW  # beyond the window: the sliding layers drop keys
     want = hf_greedy(load_reference(path), ids, NEW_TOKENS)
 
-    with tandem_up(path, ARGS) as url:
+    layout = [] if family == DISAGGREGATED else ["--mode", "colocated"]
+    with tandem_up(path, ARGS + layout) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         model = client.models.list().data[0].id
         got = client.chat.completions.create(model=model, messages=MESSAGES,
