@@ -440,8 +440,51 @@ class ParallelConfig:
     among them, and each rank's KV pool holds only its KV heads. 1 runs in this process
     alone (docs/tensor-parallel.md)."""
 
+    tp_rendezvous: str | None = None
+    """HOST:PORT of rank 0's TCP store for a group whose ranks sit in other pods or
+    machines (started there by `tandem tp-follower`): rank 0 listens on PORT on every
+    interface, starts only its own node's ranks (--tp-ranks-per-node) and waits for the
+    rest. None: rank 0 starts every rank itself on this machine (docs/tensor-parallel.md)."""
+    tp_ranks_per_node: int | None = None
+    """Ranks each node (pod) of a --tp-rendezvous group runs, one per device: node 0
+    (rank 0's) runs ranks 0..K-1, node i ranks i*K..i*K+K-1. None: 1 with
+    --tp-rendezvous, every rank without."""
+    tp_join_timeout_s: float = 300.0
+    """With --tp-rendezvous: seconds rank 0 waits for every other rank to join, and a
+    follower rank keeps trying to reach rank 0's store."""
+
     def __post_init__(self) -> None:
         at_least("--tensor-parallel-size", self.tensor_parallel_size, 1)
+        if self.tp_join_timeout_s <= 0:
+            raise ValueError(f"--tp-join-timeout-s must be > 0, got {self.tp_join_timeout_s}")
+        if self.tp_rendezvous is None:
+            if self.tp_ranks_per_node is not None:
+                raise ValueError("--tp-ranks-per-node needs --tp-rendezvous (without it "
+                                 "rank 0 starts every rank on this machine)")
+            return
+        parse_rendezvous(self.tp_rendezvous, "--tp-rendezvous")
+        tp, per_node = self.tensor_parallel_size, self.ranks_per_node
+        if tp == 1:
+            raise ValueError("--tp-rendezvous needs --tensor-parallel-size > 1 (got 1)")
+        if per_node < 1 or tp % per_node:
+            raise ValueError(f"--tp-ranks-per-node {per_node} must be >= 1 and divide "
+                             f"--tensor-parallel-size {tp}")
+
+    @property
+    def ranks_per_node(self) -> int:
+        """Ranks that run on rank 0's machine (rank 0 starts those beside itself)."""
+        if self.tp_rendezvous is None:
+            return self.tensor_parallel_size
+        return self.tp_ranks_per_node if self.tp_ranks_per_node is not None else 1
+
+
+def parse_rendezvous(text: str, flag: str) -> tuple[str, int]:
+    """(host, port) of a HOST:PORT rendezvous; a ValueError naming ``flag`` otherwise."""
+    host, sep, port = text.rpartition(":")
+    host = host.strip("[]")  # [::1]:29500
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{flag} must be HOST:PORT with a port in [1, 65535], got {text!r}")
+    return host, int(port)
 
 
 @dataclass(frozen=True)
@@ -470,7 +513,7 @@ class EngineConfig:
         "compile_max_batch", "speculative_method", "speculative_model",
         "num_speculative_tokens", "speculative_max_batch", "enable_lora", "lora_modules",
         "max_loras", "max_lora_rank", "max_cpu_loras", "tensor_parallel_size",
-        "activation_quant")
+        "tp_rendezvous", "tp_ranks_per_node", "tp_join_timeout_s", "activation_quant")
     """Every group's fields in the order --help lists their flags: that of the flat config
     the groups replaced, so the help users know reads unchanged."""
 

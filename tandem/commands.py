@@ -125,6 +125,19 @@ def _up_run(args: argparse.Namespace) -> int:
     return run_up(args)
 
 
+# -- tp-follower ---------------------------------------------------------------------
+def _tp_follower_setup(p: argparse.ArgumentParser) -> None:
+    from tandem.tp_follower_cli import add_tp_follower_args
+
+    add_tp_follower_args(p)
+
+
+def _tp_follower_run(args: argparse.Namespace) -> int:
+    from tandem.tp_follower_cli import run_tp_follower
+
+    return run_tp_follower(args)
+
+
 # -- bench ----------------------------------------------------------------------------
 def _bench_setup(p: argparse.ArgumentParser) -> None:
     from tandem.bench.cli import add_bench_args
@@ -151,6 +164,9 @@ COMMANDS = {
                 "run a prefill worker (gRPC): chunked prefill, first token, KV under a lease"),
     "decode": (_worker_setup("decode"), _decode_run,
                "run a decode worker (gRPC): pull KV, continuous batching, stream tokens"),
+    "tp-follower": (_tp_follower_setup, _tp_follower_run,
+                    "run the ranks of a tensor-parallel group that sit on another node "
+                    "than rank 0's (--tp-rendezvous)"),
     "bench": (_bench_setup, _bench_run,
               "load an OpenAI-compatible endpoint; report TTFT, TPOT, ITL, throughput, goodput"),
 }

@@ -23,7 +23,8 @@ machine, needs the margin)."""
 IDLE_TIMEOUT = timedelta(days=365)
 """The control group's: the other ranks wait for rank 0's next command this long."""
 HOST = "127.0.0.1"
-"""Where rank 0's store listens: every rank of a group runs on this machine."""
+"""Where the ranks rank 0 starts itself reach its store (the store listens on every
+interface: ranks started elsewhere reach it at --tp-rendezvous)."""
 ERROR_BYTES = 2048
 """Room for one rank's build error in the exchange after a BUILD."""
 
@@ -51,6 +52,27 @@ def exchange_errors(mine: str, group) -> list[str]:
 
 def beat_key(rank: int) -> str:
     return f"tandem/tp/beat/{rank}"
+
+
+WORLD_KEY = "tandem/tp/world"
+"""Set by rank 0 first: the group's size, which a rank started elsewhere checks."""
+ERROR_KEY = "tandem/tp/error"
+"""Why a rank started elsewhere refused to join (rank 0 raises it at start-up)."""
+STOP_KEY = "tandem/tp/stop"
+"""Set by rank 0 when the group ends or fails: ranks started elsewhere leave at once."""
+
+
+def claim_key(rank: int) -> str:
+    """Counts the processes that joined as ``rank`` (a second one is refused)."""
+    return f"tandem/tp/claim/{rank}"
+
+
+def external_follower_command(rank: int, world: int, host: str, port: int, device: str,
+                              join_timeout_s: float, parent: int = 0) -> list[str]:
+    """The command line of a rank that joins a --tp-rendezvous group from outside rank
+    0's process tree (``parent``: the pid it ends with, 0 for none)."""
+    return [sys.executable, "-m", "engine.parallel.follower", str(rank), str(world), str(port),
+            device, str(parent), host, str(join_timeout_s)]
 
 
 def follower_command(rank: int, world: int, port: int, device: str) -> list[str]:

@@ -24,7 +24,7 @@ from engine.model_runner import ModelRunner
 from engine.models import MODELS
 from engine.models.base import CausalLM, meta_skeleton
 from engine.parallel.channel import config_to_tensor
-from engine.parallel.group import GroupFailed, TPGroup
+from engine.parallel.group import GroupFailed, Rendezvous, TPGroup
 from engine.parallel.plan import Copies, Op, StepInputs
 from engine.parallel.kv_heads import gather_heads, scatter_heads
 from engine.parallel.shard import check_shardable, kv_head_map, local_kv_heads, shard_model
@@ -32,9 +32,10 @@ from engine.parallel.shard import check_shardable, kv_head_map, local_kv_heads, 
 
 def rank_config(config: EngineConfig) -> EngineConfig:
     """What one rank runs: eager, dense, and its share of the cores unless
-    --num-threads says otherwise (ranks on one machine must not oversubscribe it)."""
-    world = config.parallel.tensor_parallel_size
-    threads = config.load.num_threads or max(1, (default_threads() or os.cpu_count() or 1) // world)
+    --num-threads says otherwise (ranks on one machine must not oversubscribe it; a
+    machine runs --tp-ranks-per-node of a --tp-rendezvous group's)."""
+    here = config.parallel.ranks_per_node
+    threads = config.load.num_threads or max(1, (default_threads() or os.cpu_count() or 1) // here)
     return dataclasses.replace(
         config, load=dataclasses.replace(config.load, num_threads=threads),
         quant=dataclasses.replace(config.quant, quantization="none"),
@@ -154,7 +155,7 @@ def make_runner(config: EngineConfig, ckpt: LoadedCheckpoint, max_model_len: int
     if group is not None and group.world != world:
         raise ValueError(f"--tensor-parallel-size {world} on a group of {group.world} ranks")
     owned = group is None
-    group = group or TPGroup(world, config.load.device)
+    group = group or TPGroup(world, config.load.device, Rendezvous.of(config.parallel))
     try:
         return _build_on(group, config, ckpt, max_model_len, owned)
     except BaseException:

@@ -8,6 +8,7 @@ import functools
 import importlib.resources
 import json
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -38,7 +39,7 @@ def rendered(chart) -> dict[str, list[dict[str, Any]]]:
 # -- every value set: lint, Kubernetes validation ------------------------------------------------
 
 def test_value_sets_cover_the_brief():
-    assert {"default", "gpu", "autoscaling", "edge", "existing"} <= set(VALUE_SETS)
+    assert {"default", "gpu", "autoscaling", "edge", "existing", "tensor-parallel"} <= set(VALUE_SETS)
 
 
 @pytest.mark.parametrize("name", sorted(VALUE_SETS))
@@ -121,11 +122,69 @@ CRD_SCHEMAS = {
 }
 
 
+LWS_SCHEMA_PATH = Path(__file__).parent / "schemas" / "leaderworkerset-v1.yaml"
+"""The LeaderWorkerSet CRD's published openAPIV3Schema (its header names the source)."""
+
+
+def _closed(node: Any) -> Any:
+    """A CRD's structural schema as the API server's strict field validation reads it:
+    an object with declared properties takes no other field (unless it says it keeps
+    unknown fields)."""
+    if isinstance(node, list):
+        return [_closed(n) for n in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _closed(v) for k, v in node.items()}
+    if ("properties" in out and "additionalProperties" not in out
+            and not out.get("x-kubernetes-preserve-unknown-fields")):
+        out["additionalProperties"] = False
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def lws_schema() -> dict[str, Any]:
+    schema = _closed(yaml.safe_load(LWS_SCHEMA_PATH.read_text()))
+    schema["properties"]["apiVersion"] = {"const": "leaderworkerset.x-k8s.io/v1"}
+    schema["properties"]["kind"] = {"const": "LeaderWorkerSet"}
+    schema["properties"]["metadata"] = _META
+    schema["required"] = ["apiVersion", "kind", "metadata", "spec"]
+    return schema
+
+
+def lws_pod_templates(lws: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """leader / worker -> the pod template of a LeaderWorkerSet."""
+    t = lws["spec"]["leaderWorkerTemplate"]
+    return {"leader": t["leaderTemplate"], "worker": t["workerTemplate"]}
+
+
+def _validate_lws(doc: dict[str, Any], kube, where: str) -> list[str]:
+    """The published CRD schema, and each pod template as the Kubernetes PodTemplate
+    it becomes (kubernetes-validate --strict: the built-in types in full)."""
+    errors = []
+    try:
+        jsonschema.validate(doc, lws_schema())
+    except jsonschema.ValidationError as e:
+        errors.append(f"{where}: {'.'.join(map(str, e.path))}: {e.message}")
+    for role, template in lws_pod_templates(doc).items():
+        wrapped = {"apiVersion": "v1", "kind": "PodTemplate",
+                   "metadata": {"name": f"{doc['metadata']['name']}-{role}"}, "template": template}
+        for version in KUBE_VERSIONS:
+            try:
+                kube.validate(wrapped, version, strict=True)
+            except kv.ValidationError as e:
+                errors.append(f"{where} {role} template (k8s {version}): "
+                              f"{'.'.join(map(str, e.path))}: {e.message}")
+    return errors
+
+
 @pytest.mark.parametrize("name", sorted(VALUE_SETS))
 def test_every_manifest_validates_strict(name, rendered, cached_kubernetes_validate):
     errors = []
     for doc in rendered[name]:
         where = f"{doc['kind']}/{doc['metadata']['name']}"
+        if doc["kind"] == "LeaderWorkerSet":
+            errors += _validate_lws(doc, cached_kubernetes_validate, where)
+            continue
         if doc["kind"] in CRD_SCHEMAS:
             try:
                 jsonschema.validate(doc, CRD_SCHEMAS[doc["kind"]])
@@ -155,15 +214,23 @@ def test_env_references_in_args_resolve(name, rendered):
     (Kubernetes leaves unknown references as literal text)."""
     docs = rendered[name]
     configmaps = by_kind(docs, "ConfigMap")
-    for dep in by_kind(docs, "Deployment").values():
-        spec = dep["spec"]["template"]["spec"]
+    pods = [(dep["metadata"]["name"], dep["spec"]["template"]["spec"], set())
+            for dep in by_kind(docs, "Deployment").values()]
+    for lws in by_kind(docs, "LeaderWorkerSet").values():  # LWS sets these in every container
+        pods += [(f"{lws['metadata']['name']}/{role}", t["spec"], set(LWS_ENV))
+                 for role, t in lws_pod_templates(lws).items()]
+    for owner, spec, injected in pods:
         for c in spec["containers"] + spec.get("initContainers", []):
-            defined = {e["name"] for e in c.get("env", [])}
+            defined = {e["name"] for e in c.get("env", [])} | injected
             for src in c.get("envFrom", []):
                 defined |= set(configmaps[src["configMapRef"]["name"]]["data"])
             for arg in c.get("command", []) + c.get("args", []):
                 for ref in re.findall(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", arg):
-                    assert ref in defined, f"{dep['metadata']['name']}/{c['name']}: $({ref}) in {arg!r}"
+                    assert ref in defined, f"{owner}/{c['name']}: $({ref}) in {arg!r}"
+
+
+LWS_ENV = ("LWS_LEADER_ADDRESS", "LWS_GROUP_SIZE", "LWS_WORKER_INDEX")
+"""What the LWS controller adds to every container of a group (lws api/leaderworkerset/v1)."""
 
 
 # -- default values: what is there and how it is wired -------------------------------------------
@@ -404,6 +471,68 @@ def test_gpu_pools(rendered):
     assert one(docs, "ConfigMap", f"{FULL}-config")["data"]["UCX_TLS"] == "rc,cuda_copy,tcp"
 
 
+def test_tensor_parallel_pools(rendered):
+    """Prefill at TP 2 fits one node: today's Deployment, 2 GPUs per pod, the flag passed.
+    Decode at TP 4 over 2-GPU nodes: a LeaderWorkerSet of groups of 2 pods; the leader
+    serves gRPC as rank 0 (ranks 0-1), the worker pod runs ranks 2-3, both meet at the
+    leader's address from LWS's env; only leaders are behind the decode Service."""
+    docs = rendered["tensor-parallel"]
+    prefill = container(one(docs, "Deployment", f"{FULL}-prefill"))
+    assert _flag(prefill["args"], "tensor-parallel-size") == "2"
+    assert not any(a.startswith("--tp-") for a in prefill["args"])
+    assert prefill["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert f"{FULL}-decode" not in by_kind(docs, "Deployment")
+    lws = one(docs, "LeaderWorkerSet", f"{FULL}-decode")
+    assert lws["apiVersion"] == "leaderworkerset.x-k8s.io/v1" and lws["spec"]["replicas"] == 2
+    group = lws["spec"]["leaderWorkerTemplate"]
+    assert group["size"] == 2 and group["restartPolicy"] == "RecreateGroupOnPodRestart"
+    pods = lws_pod_templates(lws)
+    leader, worker = (container({"spec": {"template": t}}) for t in pods.values())
+    assert leader["args"][:2] == ["--log-level=$(TANDEM_LOG_LEVEL)", "decode"]
+    rendezvous = "$(LWS_LEADER_ADDRESS):29500"
+    assert [_flag(leader["args"], f) for f in ("tensor-parallel-size", "tp-rendezvous",
+                                               "tp-ranks-per-node", "tp-join-timeout-s")] == [
+        "4", rendezvous, "2", "600"]
+    assert {p["name"]: p["containerPort"] for p in leader["ports"]} == {
+        "tp-rendezvous": 29500, "grpc": 9000, "metrics": 9100}
+    assert leader["readinessProbe"]["grpc"] == {"port": 9000}
+    assert worker["args"] == ["--log-level=$(TANDEM_LOG_LEVEL)", "tp-follower",
+                              f"--tp-rendezvous={rendezvous}", "--tensor-parallel-size=4",
+                              "--tp-node-index=$(LWS_WORKER_INDEX)", "--tp-ranks-per-node=2",
+                              "--tp-join-timeout-s=600", "--device=cuda"]
+    assert not {"ports", "readinessProbe", "livenessProbe", "startupProbe"} & set(worker)
+    for c in (leader, worker):
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == 2
+        assert c["image"] == "registry.example.com/tandem:0.1.0-cuda"
+        assert {"name": "models", "mountPath": "/models", "readOnly": True} in c["volumeMounts"]
+    for t in pods.values():  # every rank loads the checkpoint: every pod fetches it
+        assert [i["name"] for i in t["spec"]["initContainers"]] == ["fetch-model"]
+        assert t["spec"]["nodeSelector"] == {"tandem.dev/pool": "decode-2gpu"}
+        assert t["metadata"]["labels"]["app.kubernetes.io/component"] == "decode"
+    selector = one(docs, "Service", f"{FULL}-decode")["spec"]["selector"]
+    assert selector["leaderworkerset.sigs.k8s.io/worker-index"] == "0"
+    assert "leaderworkerset.sigs.k8s.io/worker-index" not in (
+        one(docs, "Service", f"{FULL}-prefill")["spec"]["selector"])
+
+
+def test_default_pools_pass_no_tensor_parallel_flags(rendered):
+    for name in ("default", "gpu"):
+        for dep in by_kind(rendered[name], "Deployment").values():
+            assert not any(a.startswith(("--tensor-parallel", "--tp-"))
+                           for a in container(dep).get("args", [])), dep["metadata"]["name"]
+        assert not by_kind(rendered[name], "LeaderWorkerSet")
+
+
+def test_group_ports_are_open_under_a_strict_network_policy(chart):
+    values = {**VALUE_SETS["tensor-parallel"],
+              "networkPolicy": {"workerTransfer": {"ports": [{"port": 20000, "endPort": 20999}]}}}
+    policy = one(render(chart, values), "NetworkPolicy", f"{FULL}-workers")
+    groups = [r for r in policy["spec"]["ingress"]
+              if any(e.get("key") == "leaderworkerset.sigs.k8s.io/name"
+                     for f in r.get("from", []) for e in f.get("podSelector", {}).get("matchExpressions", []))]
+    assert len(groups) == 1 and "ports" not in groups[0]
+
+
 def test_autoscaling_and_service_monitor(rendered):
     docs = rendered["autoscaling"]
     hpas = by_kind(docs, "HorizontalPodAutoscaler")
@@ -566,6 +695,14 @@ def test_created_api_key_is_random_when_not_given(chart):
 @pytest.mark.parametrize("values, message", [
     ({"metrics": {"serviceMonitor": {"enabled": True}, "podMonitor": {"enabled": True}}}, "not both"),
     ({"httpRoute": {"enabled": True}}, "parentRefs"),
+    ({"decode": {"tensorParallelSize": 2}},
+     "decode.tensorParallelSize 2 needs config.kvTransfer tcp \\(got nixl\\)"),
+    ({"config": {"kvTransfer": "tcp"}, "decode": {"tensorParallelSize": 6, "gpusPerNode": 4,
+                                                  "gpu": {"enabled": True}}},
+     "decode.tensorParallelSize 6 must be a multiple of decode.gpusPerNode 4"),
+    ({"config": {"kvTransfer": "tcp"}, "prefill": {"tensorParallelSize": 16, "gpu": {"enabled": True},
+                                                   "autoscaling": {"enabled": True}}},
+     "prefill.autoscaling.enabled is not supported for a LeaderWorkerSet pool"),
 ])
 def test_inconsistent_values_fail_rendering(chart, values, message):
     with pytest.raises(helm.HelmError, match=message):
@@ -595,6 +732,8 @@ def schema() -> dict[str, Any]:
     ({"workers": {"probes": {"startup": {"periodSeconds": "5s"}}}}, "/workers/probes/startup/periodSeconds"),
     ({"router": {"metricsPort": 0}}, "/router/metricsPort"),
     ({"metrics": {"key": {"enabled": "yes"}}}, "/metrics/key/enabled"),
+    ({"decode": {"tensorParallelSize": 0}}, "/decode/tensorParallelSize"),
+    ({"workers": {"tensorParallel": {"rendezvousPort": 0}}}, "/workers/tensorParallel/rendezvousPort"),
 ])
 def test_schema_rejects_wrong_types(chart, values, fragment):
     with pytest.raises(helm.HelmValuesError) as e:
