@@ -68,7 +68,7 @@ def run_tp_follower(args: argparse.Namespace) -> int:
         return 0
     procs = [subprocess.Popen(external_follower_command(r, world, host, port, args.device,
                                                         timeout, os.getpid()),
-                              env=follower_env()) for r in ranks]
+                              env=follower_env(r - ranks[0])) for r in ranks]
     try:
         while True:  # one rank ending ends this node's others: the group fails as one
             codes = [p.poll() for p in procs]

@@ -81,13 +81,27 @@ def follower_command(rank: int, world: int, port: int, device: str) -> list[str]
             device, str(os.getpid())]
 
 
-def follower_env() -> dict[str, str]:
+LOCAL_RANK = "LOCAL_RANK"
+"""A rank's place among its node's ranks (torchrun's name), set by whoever starts it:
+which of the node's GPUs it runs on."""
+
+
+def follower_env(local_rank: int) -> dict[str, str]:
     """This environment, with the directory Tandem is imported from first on the path
-    (the ranks must run the very code rank 0 runs)."""
+    (the ranks must run the very code rank 0 runs) and the rank's ``LOCAL_RANK``."""
     root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    env[LOCAL_RANK] = str(local_rank)
     return env
+
+
+def use_local_gpu(device: str) -> None:
+    """On CUDA, make this rank's own GPU (``LOCAL_RANK``, 0 where unset) the current
+    device, so "cuda" tensors and NCCL use it: without this every rank of a node ran on
+    cuda:0. Nothing elsewhere."""
+    if device.startswith("cuda") and torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get(LOCAL_RANK, "0")))
 
 
 def backend_for(device: str) -> str:

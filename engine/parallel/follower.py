@@ -28,7 +28,7 @@ from datetime import timedelta
 
 from engine.parallel.channel import (ERROR_KEY, HOST, IDLE_TIMEOUT, STEP_TIMEOUT, STOP_KEY,
                                      WORLD_KEY, backend_for, beat_key, claim_key,
-                                     config_from_tensor, exchange_errors)
+                                     config_from_tensor, exchange_errors, use_local_gpu)
 from engine.parallel.group import HANG_SECONDS
 from engine.parallel.plan import Copies, Op, StepInputs
 
@@ -141,6 +141,7 @@ def follower_main(rank: int, world: int, port: int, device: str, parent: int,
     ``host``: rank 0's store is elsewhere (a --tp-rendezvous group); ``parent``: with a
     host, the pid to end with, 0 for none."""
     logging.basicConfig(level=logging.WARNING)
+    use_local_gpu(device)
     if host is None:
         threading.Thread(target=_heartbeat, args=(rank, port, parent), daemon=True).start()
         store = dist.TCPStore(HOST, port, world, is_master=False, timeout=STEP_TIMEOUT)

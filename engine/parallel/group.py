@@ -92,7 +92,7 @@ class TPGroup:
             self._beat.start()
         # a fresh interpreter per rank (never a fork of a process holding torch's threads)
         self._procs = {r: subprocess.Popen(follower_command(r, world, self._store.port, device),
-                                           env=follower_env()) for r in range(1, local)}
+                                           env=follower_env(r)) for r in range(1, local)}
         try:
             if self.external:
                 self._await_joins()

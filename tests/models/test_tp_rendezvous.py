@@ -16,6 +16,7 @@ import sys
 import time
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from engine.config import ParallelConfig
@@ -40,7 +41,7 @@ def start_follower(port: int, world: int = 2, node: int = 1, join_s: float = JOI
         [sys.executable, "-m", "tandem.cli", "tp-follower", "--tp-rendezvous",
          f"127.0.0.1:{port}", "--tensor-parallel-size", str(world), "--tp-node-index",
          str(node), "--tp-join-timeout-s", str(join_s)],
-        env=follower_env(), stderr=subprocess.PIPE, text=True)
+        env=follower_env(0), stderr=subprocess.PIPE, text=True)
 
 
 def rank0(port: int, join_s: float = JOIN_S) -> TPGroup:
@@ -192,3 +193,21 @@ def test_killing_the_external_rank_fails_the_group_within_seconds(external, monk
                             "127.0.0.1:%d) stopped answering (no heartbeat for 2 s)"
                             % int(group.rendezvous.address.rsplit(":", 1)[1])), group.failed
     assert time.monotonic() - t < 15
+
+
+def test_each_rank_of_a_node_takes_its_own_gpu(monkeypatch) -> None:
+    """Whoever starts a node's ranks numbers them among the node (LOCAL_RANK) and each
+    makes that GPU current before the rendezvous: every rank ran on cuda:0 before."""
+    from engine.parallel import channel
+
+    assert follower_env(3)[channel.LOCAL_RANK] == "3"
+    chosen: list[int] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    for local in (1, 3):
+        monkeypatch.setenv(channel.LOCAL_RANK, str(local))
+        channel.use_local_gpu("cuda")
+        channel.use_local_gpu("cpu")  # no GPU to pick
+    monkeypatch.delenv(channel.LOCAL_RANK)
+    channel.use_local_gpu("cuda")
+    assert chosen == [1, 3, 0]
