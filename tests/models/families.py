@@ -111,3 +111,17 @@ def hf_greedy(model, ids: list[int], new_tokens: int) -> list[int]:
 def hf_last_logits(model, ids: list[int]) -> torch.Tensor:
     with torch.inference_mode():
         return model(torch.tensor([ids])).logits[0, -1].float()
+
+
+def worst_last_logit_gap(eng, model, batch: list[list[int]]) -> float:
+    """The largest difference between the engine's and transformers' logits at the
+    last position of each prompt (each prefilled alone into blocks it frees)."""
+    worst = 0.0
+    for ids in batch:
+        table = eng.kv.pool.allocate(eng.kv.blocks_needed(len(ids)))
+        try:
+            ours = eng.runner.prompt_logits(ids, table)[-1]
+        finally:
+            eng.kv.pool.free(table)
+        worst = max(worst, (ours - hf_last_logits(model, ids)).abs().max().item())
+    return worst

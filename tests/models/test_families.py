@@ -11,7 +11,8 @@ import torch
 from core.sampling import SamplingParams
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from tests.models.families import FAMILIES, hf_greedy, hf_last_logits, load_reference, prompts
+from tests.models.families import (FAMILIES, hf_greedy, load_reference, prompts,
+                                   worst_last_logit_gap)
 
 NEW_TOKENS = 32
 LOGIT_ATOL = 1e-4
@@ -44,14 +45,7 @@ def test_greedy_matches_transformers(family) -> None:
 
 def test_last_logits_match_transformers(family) -> None:
     name, eng, ref = family
-    worst = 0.0
-    for ids in prompts(4, seed=2, low=20, high=60):
-        table = eng.kv.pool.allocate(eng.kv.blocks_needed(len(ids)))
-        try:
-            ours = eng.runner.prompt_logits(ids, table)[-1]
-        finally:
-            eng.kv.pool.free(table)
-        worst = max(worst, (ours - hf_last_logits(ref, ids)).abs().max().item())
+    worst = worst_last_logit_gap(eng, ref, prompts(4, seed=2, low=20, high=60))
     assert worst <= LOGIT_ATOL, f"{name}: last-position logits differ by {worst:.2e}"
     eng.leak_check()
 

@@ -25,7 +25,7 @@ from core.sampling import SamplingParams
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.loader import load_checkpoint
-from tests.models.families import (build_checkpoint, hf_greedy, hf_last_logits,
+from tests.models.families import (build_checkpoint, hf_greedy, worst_last_logit_gap,
                                    load_reference, prompts)
 from tests.models.gguf_files import write_gguf
 
@@ -71,14 +71,7 @@ def _check(name: str, eng: LLMEngine, ref, batch: list[list[int]]) -> None:
     diverged = [(i, len(p), next(j for j, (a, b) in enumerate(zip(o, t)) if a != b))
                 for i, (p, o, t) in enumerate(zip(batch, ours, theirs)) if o != t]
     assert not diverged, f"{name}: (prompt, its length, first differing token): {diverged}"
-    worst = 0.0
-    for ids in batch[:2]:
-        table = eng.kv.pool.allocate(eng.kv.blocks_needed(len(ids)))
-        try:
-            ours_logits = eng.runner.prompt_logits(ids, table)[-1]
-        finally:
-            eng.kv.pool.free(table)
-        worst = max(worst, (ours_logits - hf_last_logits(ref, ids)).abs().max().item())
+    worst = worst_last_logit_gap(eng, ref, batch[:2])
     assert worst <= LOGIT_ATOL, f"{name}: last-position logits differ by {worst:.2e}"
     eng.leak_check()
 
