@@ -50,6 +50,11 @@ def exchange_errors(mine: str, group) -> list[str]:
     return [bytes(p.tolist()).rstrip(b"\0").decode(errors="replace") for p in parts]
 
 
+def store_error(e: BaseException) -> str:
+    """The first line of a store error (torch's carry a C++ trace below it), or its type."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
 def beat_key(rank: int) -> str:
     return f"tandem/tp/beat/{rank}"
 

@@ -20,15 +20,15 @@ import os
 import sys
 import threading
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from datetime import timedelta
-
 from engine.parallel.channel import (ERROR_KEY, HOST, IDLE_TIMEOUT, STEP_TIMEOUT, STOP_KEY,
                                      WORLD_KEY, backend_for, beat_key, claim_key,
-                                     config_from_tensor, exchange_errors, use_local_gpu)
+                                     config_from_tensor, exchange_errors, store_error,
+                                     use_local_gpu)
 from engine.parallel.group import HANG_SECONDS
 from engine.parallel.plan import Copies, Op, StepInputs
 
@@ -91,9 +91,8 @@ def join_external(rank: int, world: int, host: str, port: int, join_timeout_s: f
         store = dist.TCPStore(host, port, is_master=False,
                               timeout=timedelta(seconds=join_timeout_s))
     except RuntimeError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(f"{where}: rank {rank} could not reach rank 0's store within "
-                         f"--tp-join-timeout-s {join_timeout_s:g} ({first})") from None
+                         f"--tp-join-timeout-s {join_timeout_s:g} ({store_error(e)})") from None
     theirs = int(store.get(WORLD_KEY))
     problem = None
     if theirs != world:

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from engine.config import ParallelConfig, parse_rendezvous
 from engine.parallel.channel import (ERROR_KEY, HOST, IDLE_TIMEOUT, STEP_TIMEOUT, STOP_KEY,
                                      WORLD_KEY, backend_for, beat_key, exchange_errors,
-                                     follower_command, follower_env)
+                                     follower_command, follower_env, store_error)
 from engine.parallel.plan import Op
 
 log = logging.getLogger(__name__)
@@ -116,9 +116,8 @@ class TPGroup:
         except RuntimeError as e:
             if self.rendezvous is None:
                 raise
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise ValueError(f"--tp-rendezvous {self.rendezvous.address}: rank 0 cannot listen "
-                             f"on port {port} ({first})") from None
+                             f"on port {port} ({store_error(e)})") from None
 
     def _await_joins(self) -> None:
         """Wait until every rank started elsewhere has joined (its first heartbeat), or
