@@ -69,7 +69,7 @@ def cuda_time(fn, reps: int = 20) -> float:
 
 
 def attention_case(block_size: int, dtype=torch.bfloat16):
-    from engine.attention import build_metadata
+    from engine.attention.metadata import build_metadata
 
     rng = random.Random(block_size)
     hq, hkv, d, layers = 8, 2, 64, 2

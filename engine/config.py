@@ -12,14 +12,15 @@ import json
 import os
 import typing
 from dataclasses import Field, asdict, dataclass, field, fields
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-import torch
-
-from engine.attention.base import ATTENTION_BACKENDS
+from engine.attention.registry import ATTENTION_BACKENDS
 from core.kv.layout import KV_CACHE_DTYPES, is_quantized
 from core.kv.policy import parse_kv_policy
 from core.states import PreemptionMode
+
+if TYPE_CHECKING:  # torch loads only when a dtype is resolved: `tandem --help` stays quick
+    import torch
 
 
 PREEMPTION_MODES = ("auto", *(m.value for m in PreemptionMode))
@@ -153,8 +154,8 @@ class ModelConfig:
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16",
+           "bf16": "bfloat16", "float16": "float16", "fp16": "float16"}
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -168,13 +169,15 @@ def cpu_has_fast_bf16() -> bool:
 
 def resolve_dtype(name: str, device: str = "cpu") -> torch.dtype:
     """``auto`` is bf16 on CUDA and on CPUs with AMX/avx512_bf16, fp32 elsewhere."""
+    import torch
+
     if name == "auto":
         if device.startswith("cuda") or cpu_has_fast_bf16():
             return torch.bfloat16
         return torch.float32
     if name not in _DTYPES:
         raise ValueError(f"--dtype must be one of auto, {', '.join(sorted(_DTYPES))}; got {name!r}")
-    return _DTYPES[name]
+    return getattr(torch, _DTYPES[name])
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -11,7 +11,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from engine.attention import build_metadata, get_backend
+from engine.attention.base import get_backend
+from engine.attention.metadata import build_metadata
 from engine.config import EngineConfig
 from engine.cpu_limit import default_threads
 from core.kv import kv_format_block_bytes

@@ -49,7 +49,8 @@ from typing import Any, Callable, ClassVar, Iterator, Literal, NewType, Sequence
 import torch
 
 from core.kv.layout import SCALE_BYTES, is_quantized, kv_format_block_bytes, scale_layout
-from core.registry import Registry, RegistryError
+from core.registry import RegistryError
+from kvtransfer.registry import KV_BACKENDS
 from kvtransfer.peer_table import PeerTable
 
 KV_LAYOUT = "block_major:[L,2,B,Hkv,D]"
@@ -545,14 +546,6 @@ class Backend:
     name: BackendName
     source: type[KVSource]
     reader: type[KVReader]
-
-
-KV_BACKENDS: Registry[Backend] = Registry(
-    "KV transfer backend", "--kv-transfer",
-    {"nixl": "kvtransfer.nixl:BACKEND", "tcp": "kvtransfer.tcp:BACKEND",
-     "local": "kvtransfer.local:BACKEND"},
-    hints={"nixl": "pip install nixl-cu12, or pass --kv-transfer tcp to use the TCP fallback"})
-"""Every KV transfer backend; each module exports its ``BACKEND``."""
 
 
 def get_backend(name: BackendName) -> Backend:

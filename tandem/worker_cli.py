@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from auth.secret import load_cluster_secret
 from engine.config import EngineConfig
 from tandem.config_cli import add_config_args, config_from_args
 from tandem.model_arg import add_model_arg, resolve_model
@@ -40,7 +41,16 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
                             kv_peers=tuple(args.kv_peer))
 
 
+def check_named_files(args: argparse.Namespace) -> None:
+    """Read the secret file the user named before torch and the model load (seconds), so
+    a wrong path or a short secret is a start-up error at once (the service reads it
+    again when it starts)."""
+    if args.cluster_secret_file:
+        load_cluster_secret(args.cluster_secret_file)
+
+
 def run_prefill(args: argparse.Namespace) -> int:
+    check_named_files(args)
     import uvloop
 
     from prefill_svc.service import PrefillService
@@ -50,6 +60,7 @@ def run_prefill(args: argparse.Namespace) -> int:
 
 
 def run_decode(args: argparse.Namespace) -> int:
+    check_named_files(args)
     import uvloop
 
     from decode_svc.service import DecodeService

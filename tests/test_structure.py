@@ -92,6 +92,22 @@ def test_the_router_loads_no_torch_and_no_model_code() -> None:
     assert _run_python(probe) == "[]", "the router imported those"
 
 
+def test_the_command_line_parses_without_torch() -> None:
+    """`tandem --help` and every subcommand's flags build without torch (seconds to
+    import), as does a worker's check of the secret file a user names: such errors
+    come at once (tests/auth/test_cli_errors.py)."""
+    probe = ("import sys, argparse\n"
+             "from tandem.cli import build_parser\n"
+             "from tandem.worker_cli import check_named_files\n"
+             "build_parser()\n"
+             "try:\n"
+             "    check_named_files(argparse.Namespace(cluster_secret_file='/nonexistent'))\n"
+             "except ValueError:\n"
+             "    pass\n"
+             "print('torch' in sys.modules)")
+    assert _run_python(probe) == "False", "the command line imported torch"
+
+
 def test_no_function_outside_bench_is_longer_than_60_lines() -> None:
     long = []
     for path in sorted(ROOT.rglob("*.py")):

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
-from kvtransfer.base import KV_BACKENDS
+from kvtransfer.registry import KV_BACKENDS
 from tracing.provider import traces_url
 
 

@@ -1,7 +1,2 @@
-"""Attention backends behind a small registry (see base.py)."""
-from __future__ import annotations
-
-from engine.attention.base import AttentionBackend, get_backend
-from engine.attention.metadata import AttentionMetadata, build_metadata
-
-__all__ = ["AttentionBackend", "AttentionMetadata", "build_metadata", "get_backend"]
+"""Attention backends behind a small registry (registry.py names them, base.py defines
+them). The package imports nothing itself, so the torch-free registry stays torch-free."""

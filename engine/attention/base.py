@@ -24,23 +24,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
 from engine.attention.metadata import AttentionMetadata
 from engine.kv_cache.quant import decode, encode
-from core.registry import Registry
-
-BackendName = Literal["sdpa", "flash_attn", "naive"]
-
-ATTENTION_BACKENDS: Registry[type[AttentionBackend]] = Registry(
-    "attention backend", "--attention-backend", {
-        "sdpa": "engine.attention.sdpa:SDPABackend",
-        "flash_attn": "engine.attention.flash_attn:FlashAttnBackend",
-        "naive": "engine.attention.naive:NaiveBackend",
-    })
+from engine.attention.registry import ATTENTION_BACKENDS
 
 
 @dataclass(frozen=True)

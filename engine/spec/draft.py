@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from engine.attention import build_metadata
+from engine.attention.metadata import build_metadata
 from engine.config import LoRAConfig, SpecConfig
 from engine.models.base import ForwardContext
 from engine.request import Request

@@ -6,7 +6,8 @@ import random
 import pytest
 import torch
 
-from engine.attention import build_metadata, get_backend
+from engine.attention.base import get_backend
+from engine.attention.metadata import build_metadata
 from engine.attention.naive import NaiveBackend
 from engine.attention.base import LayerAttention
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import engine.attention.paged_decode as pd
-from engine.attention import build_metadata, get_backend
+from engine.attention.base import get_backend
+from engine.attention.metadata import build_metadata
 from engine.attention.base import LayerAttention, first_key, gather_kv
 from engine.attention.naive import NaiveBackend
 from engine.kv_cache.quant import encode

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import engine.attention.paged_decode as pd
-from engine.attention import build_metadata, get_backend
+from engine.attention.base import get_backend
+from engine.attention.metadata import build_metadata
 from engine.attention.naive import NaiveBackend
 from engine.attention.base import LayerAttention
 from engine.config import EngineConfig
