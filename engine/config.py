@@ -316,9 +316,10 @@ class QuantConfig:
     """How the linear weights are stored and run."""
 
     quantization: str = "auto"
-    """Linear weights: auto (a GGUF's Q4_0/Q4_1/Q8_0 tensors stay packed, an HF checkpoint
-    runs as stored), none (dequantize at load), int8 | int4 (quantize every linear at load),
-    gguf (as auto, GGUF only). Packed weights run through fused weight-only kernels at
+    """Linear weights: auto (a GGUF's Q4_0/Q4_1/Q8_0 tensors stay packed, but a MoE GGUF's
+    are dequantized: no packed kernel for its experts; an HF checkpoint runs as stored),
+    none (dequantize at load), int8 | int4 (quantize every linear at load), gguf (keep a
+    GGUF's tensors packed; refused for MoE). Packed weights run through fused weight-only kernels at
     small batch and keep a dense copy for large ones."""
     quant_group_size: int = 32
     """Weights per scale/zero group of --quantization int4 (32, 64, 128 or 256)."""

@@ -27,7 +27,8 @@ from engine.compile.decode import CompiledDecode
 from engine.lora.slots import LoRASlots, lora_rows, warm_rows
 from engine.lora.layers import target_map
 from engine.models.base import CausalLM, ForwardContext, Segments, StepInterrupted, meta_skeleton
-from engine.quant.apply import QuantReport, kernel_fallbacks, quantize_model, select_paths
+from engine.quant.apply import (QuantReport, kernel_fallbacks, quantize_model, select_paths,
+                                unquantizable)
 from engine.quant.base import resolve_method
 from engine.models import MODELS
 from engine.parallel.plan import StepInputs
@@ -191,6 +192,11 @@ class ModelRunner:
     def _quantize(self, model: CausalLM, ckpt: LoadedCheckpoint) -> QuantReport | None:
         """Pack the linear weights per --quantization (None: dense, as loaded)."""
         method = resolve_method(self.config.quant.quantization, ckpt.reader is not None)
+        refusal = unquantizable(model) if method != "none" else None
+        if refusal and self.config.quant.quantization == "auto":
+            log.warning("--quantization auto: %s; every weight runs on the exact "
+                        "dequantization of the file (as --quantization none)", refusal)
+            method = "none"
         if method == "none":
             if self.config.quant.activation_quant != "none":
                 log.warning("--activation-quant %s has no effect: this checkpoint's linears "

@@ -38,6 +38,16 @@ class QuantReport:
     """Why --activation-quant int8 is not running (its kernel cannot run on this CPU)."""
 
 
+def unquantizable(model: nn.Module) -> str | None:
+    """"arch: module path: why" for the first layer that declares ``not_quantizable``
+    (the MoE experts: no packed kernel for their stacked weights), else None."""
+    for path, mod in model.named_modules():
+        reason = getattr(type(mod), "not_quantizable", None)
+        if reason:
+            return f"{getattr(model, 'architecture', type(model).__name__)}: {path}: {reason}"
+    return None
+
+
 def quantize_model(model: nn.Module, method_name: str, dtype: torch.dtype,
                    sources: SourceLookup, group_size: int = 32,
                    strict: bool = True) -> QuantReport:
@@ -49,12 +59,10 @@ def quantize_model(model: nn.Module, method_name: str, dtype: torch.dtype,
     model holding a layer that declares ``not_quantizable`` (the MoE experts) is refused,
     naming the layer and why."""
     method: QuantMethod = get_method(method_name, group_size)
-    for path, mod in model.named_modules():  # before any work: refuse, never half-pack
-        reason = getattr(type(mod), "not_quantizable", None)
-        if reason:
-            arch = getattr(model, "architecture", type(model).__name__)
-            raise ValueError(f"--quantization {method_name}: {arch}: {path}: {reason}; "
-                             "serve it with --quantization none")
+    refusal = unquantizable(model)  # before any work: refuse, never half-pack
+    if refusal:
+        raise ValueError(f"--quantization {method_name}: {refusal}; serve it with "
+                         "--quantization none")
     report = QuantReport(method_name)
     if next(model.parameters()).device.type == "cpu":  # the CPU's path, once per load
         line, reason = kernel_path()

@@ -113,15 +113,17 @@ def hf_last_logits(model, ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([ids])).logits[0, -1].float()
 
 
+def engine_last_logits(eng, ids: list[int]) -> torch.Tensor:
+    """The engine's logits at the last position of ids (prefilled alone into blocks it frees)."""
+    table = eng.kv.pool.allocate(eng.kv.blocks_needed(len(ids)))
+    try:
+        return eng.runner.prompt_logits(ids, table)[-1]
+    finally:
+        eng.kv.pool.free(table)
+
+
 def worst_last_logit_gap(eng, model, batch: list[list[int]]) -> float:
     """The largest difference between the engine's and transformers' logits at the
     last position of each prompt (each prefilled alone into blocks it frees)."""
-    worst = 0.0
-    for ids in batch:
-        table = eng.kv.pool.allocate(eng.kv.blocks_needed(len(ids)))
-        try:
-            ours = eng.runner.prompt_logits(ids, table)[-1]
-        finally:
-            eng.kv.pool.free(table)
-        worst = max(worst, (ours - hf_last_logits(model, ids)).abs().max().item())
-    return worst
+    return max((engine_last_logits(eng, ids) - hf_last_logits(model, ids)).abs().max().item()
+               for ids in batch)
