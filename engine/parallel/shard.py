@@ -14,12 +14,12 @@ Each rank keeps, of every layer:
 So a layer costs two all-reduces of [T, H]. Biases after a row split stay on rank 0
 only (every rank adding one would add it world-size times). The collectives are
 forward hooks on the split modules, so a group of one never runs any of this: that
-path is the unsharded model, unchanged.
+path is the unsharded model, unchanged. They go through engine/parallel/collectives.py,
+where a benchmark can time them.
 """
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -27,6 +27,7 @@ from engine.layers.attention import Attention
 from engine.layers.mlp import GatedMLP
 from engine.layers.moe import SparseMoE
 from engine.models.base import CausalLM
+from engine.parallel.collectives import all_gather, all_reduce
 
 FLAG = "--tensor-parallel-size"
 
@@ -142,7 +143,7 @@ class VocabShardEmbedding(nn.Module):
         mine = (local >= 0) & (local < self.weight.shape[0])
         x = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)
         x = x * mine.unsqueeze(-1).to(x.dtype)
-        dist.all_reduce(x)
+        all_reduce(x)
         return x
 
 
@@ -161,12 +162,10 @@ def _shard_vocab(model: CausalLM, rank: int, world: int) -> None:
 
 def _all_reduce(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
     """Forward hook: the ranks' partial sums -> the full output, on every rank."""
-    dist.all_reduce(out)
+    all_reduce(out)
     return out
 
 
 def _gather_vocab(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
     """Forward hook: each rank's logits [N, V / world] -> all of them [N, V]."""
-    parts = [torch.empty_like(out) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, out.contiguous())
-    return torch.cat(parts, dim=-1)
+    return torch.cat(all_gather(out.contiguous()), dim=-1)

@@ -439,6 +439,46 @@ def test_pdbs(rendered):
     assert f"{FULL}-decode" not in by_kind(rendered["existing"], "PodDisruptionBudget")
 
 
+WORKER_INDEX = "leaderworkerset.sigs.k8s.io/worker-index"
+
+
+def test_a_leaderworkerset_pools_budgets_count_groups(chart, rendered):
+    """Decode at TP 4 over 2-GPU nodes (groups of 2 pods): the pool's budget selects the
+    leaders only (one per group, down whenever its group is), so maxUnavailable 1 is one
+    group; a second budget holds the worker pods to a group's worth (a worker's eviction
+    recreates its group). Prefill's Deployment at TP 2: one budget, every pod, as before."""
+    docs = rendered["tensor-parallel"]
+    budgets = by_kind(docs, "PodDisruptionBudget")
+    leaders, workers = budgets[f"{FULL}-decode"]["spec"], budgets[f"{FULL}-decode-workers"]["spec"]
+    pod_labels = lws_pod_templates(one(docs, "LeaderWorkerSet", f"{FULL}-decode"))["leader"][
+        "metadata"]["labels"]
+    assert leaders["maxUnavailable"] == 1
+    assert leaders["selector"] == {"matchLabels": {**{k: pod_labels[k] for k in (
+        "app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/component")},
+        WORKER_INDEX: "0"}}
+    assert workers["maxUnavailable"] == 1  # one worker pod per group of 2
+    assert workers["selector"]["matchLabels"] == {
+        k: v for k, v in leaders["selector"]["matchLabels"].items() if k != WORKER_INDEX}
+    assert workers["selector"]["matchExpressions"] == [
+        {"key": WORKER_INDEX, "operator": "NotIn", "values": ["0"]}]
+    prefill = budgets[f"{FULL}-prefill"]["spec"]
+    assert WORKER_INDEX not in prefill["selector"]["matchLabels"]
+    assert "matchExpressions" not in prefill["selector"]
+    assert set(budgets) == {f"{FULL}-router", f"{FULL}-prefill", f"{FULL}-decode",
+                            f"{FULL}-decode-workers"}
+    # groups of 4 single-GPU pods: the workers' budget is 3 pods per group
+    values = {**VALUE_SETS["tensor-parallel"], "decode": {
+        **VALUE_SETS["tensor-parallel"]["decode"], "gpusPerNode": 1,
+        "pdb": {"enabled": True, "minAvailable": 1}}}
+    budgets = by_kind(render(chart, values), "PodDisruptionBudget")
+    assert budgets[f"{FULL}-decode"]["spec"]["minAvailable"] == 1
+    assert budgets[f"{FULL}-decode-workers"]["spec"]["minAvailable"] == 3
+    values["decode"]["pdb"] = {"enabled": True, "minAvailable": None, "maxUnavailable": "50%"}
+    budgets = by_kind(render(chart, values), "PodDisruptionBudget")
+    assert [budgets[f"{FULL}-decode{s}"]["spec"]["maxUnavailable"] for s in ("", "-workers")] == [
+        "50%", "50%"]
+
+
 # -- non-default sets ---------------------------------------------------------------------------
 
 def test_gpu_pools(rendered):

@@ -17,6 +17,7 @@ from core.errors import FieldError
 from core.sampling import SamplingParams
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.parallel import collectives
 from engine.parallel.group import TPGroup
 from kvtransfer.base import block_view
 from tests.models.families import FAMILIES, build_checkpoint, prompts
@@ -224,3 +225,28 @@ def test_forked_choices_copy_their_shared_block_on_every_rank(checkpoint, group)
         two.leak_check()
     finally:
         two.close()
+
+
+def test_the_collective_timer_counts_every_collective_only_while_open(checkpoint, group) -> None:
+    """bench/tp_allreduce.py's timer (engine/parallel/collectives.py): off unless open;
+    open, it counts rank 0's collectives of a step and their bytes exactly. The llama
+    checkpoint: 2 layers, hidden 64, vocabulary 320, fp32. A forward of T rows runs one
+    all-reduce of [T, 64] after the embedding and two per layer, and one all-gather of
+    the last row's [1, 160] logits shard."""
+    eng = LLMEngine(config(checkpoint("llama"), 2), tp_group=group)
+    try:
+        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        eng.generate([list(range(3, 13))], params)
+        assert collectives._timer is None
+        with collectives.timing_collectives() as timer:
+            with pytest.raises(RuntimeError, match="already open"):
+                with collectives.timing_collectives():
+                    pass
+            eng.generate([list(range(20, 30))], params)  # a prefill of 10 rows, a decode of 1
+        assert collectives._timer is None
+        assert timer.calls == 2 * (1 + 2 * 2 + 1)
+        assert timer.bytes == sum(5 * rows * 64 * 4 + 160 * 4 for rows in (10, 1))
+        assert timer.seconds > 0
+        eng.leak_check()
+    finally:
+        eng.close()

@@ -332,10 +332,19 @@ spec:
       protocol: TCP
 {{- end -}}
 
-{{/* A PodDisruptionBudget of one component. dict "root" $ "component" NAME */}}
+{{/* The PodDisruptionBudgets of one component. For a pool rendered as a LeaderWorkerSet a
+     budget of pods would count a group's pods one by one (one pod of a broken group could
+     meet minAvailable 1), so the pool's budget selects the leaders only (LWS labels them
+     worker-index "0"; its scale selector counts groups the same way): one per group,
+     down whenever its group is, so pdb.* counts groups. A second budget, NAME-workers,
+     holds the worker pods (evicting one recreates its group) to the same number of
+     groups' worth: an integer times the workers per group, a percentage as given (one
+     group's worth where pdb sets neither).
+     dict "root" $ "component" NAME */}}
 {{- define "tandem.pdb" -}}
 {{- $p := index .root.Values .component -}}
 {{- if $p.pdb.enabled }}
+{{- $lws := and (ne .component "router") (include "tandem.tpLayout" . | fromYaml).lws }}
 apiVersion: policy/v1
 kind: PodDisruptionBudget
 metadata:
@@ -347,5 +356,43 @@ spec:
   selector:
     matchLabels:
       {{- include "tandem.componentSelectorLabels" . | nindent 6 }}
+      {{- if $lws }}
+      leaderworkerset.sigs.k8s.io/worker-index: "0"
+      {{- end }}
+{{- if $lws }}
+{{- include "tandem.workersPdb" . }}
 {{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* A LeaderWorkerSet pool's budget of its worker pods (see tandem.pdb). */}}
+{{- define "tandem.workersPdb" -}}
+{{- $p := index .root.Values .component -}}
+{{- $layout := include "tandem.tpLayout" . | fromYaml -}}
+{{- $perGroup := sub (div (int $layout.size) (int $layout.gpus)) 1 -}}
+{{- $budget := dict "maxUnavailable" $perGroup -}}
+{{- range $k := list "minAvailable" "maxUnavailable" }}
+{{- $v := index $p.pdb $k }}
+{{- if kindIs "string" $v }}
+{{- $_ := set $budget $k $v }}
+{{- else if not (kindIs "invalid" $v) }}
+{{- $_ := set $budget $k (mul (int $v) $perGroup) }}
+{{- end }}
+{{- end }}
+---
+apiVersion: policy/v1
+kind: PodDisruptionBudget
+metadata:
+  name: {{ include "tandem.componentName" . }}-workers
+  labels:
+    {{- include "tandem.componentLabels" . | nindent 4 }}
+spec:
+  {{- include "tandem.pdbBudget" $budget | trim | nindent 2 }}
+  selector:
+    matchLabels:
+      {{- include "tandem.componentSelectorLabels" . | nindent 6 }}
+    matchExpressions:
+      - key: leaderworkerset.sigs.k8s.io/worker-index
+        operator: NotIn
+        values: ["0"]
 {{- end -}}
