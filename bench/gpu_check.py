@@ -14,7 +14,10 @@ Rows of the one table it prints:
   step time (bf16);
 * swap: a CUDA -> pinned host -> CUDA round trip of KV blocks (bytes equal, GB/s);
 * decode tokens/s at batch 1, 32 and 256, and prefill tokens/s (512-token prompts),
-  bf16, on the embedded model (or --model).
+  bf16, on the embedded model (or --model);
+* with two or more GPUs, tensor parallelism (NCCL): greedy tokens at TP 2 equal TP 1's
+  (fp32), and the share of a step in the model's collectives at TP 2 (bench/tp_allreduce.py's
+  table on SmolLM2-shaped random weights; docs/performance.md n has the CPU's).
 
 On a machine without CUDA it prints "no CUDA" and exits 0.
 
@@ -230,6 +233,35 @@ def check_throughput(model: str, quick: bool) -> None:
     row("prefill 8 x 512 tokens", "INFO", f"{8 * 512 / (time.perf_counter() - t0):,.0f} tok/s")
 
 
+@guarded("tensor parallel")
+def check_tp() -> None:
+    """TP 2 against TP 1 on two GPUs: tokens (fp32) and the collectives' share."""
+    import tempfile
+
+    from core.sampling import SamplingParams
+    from tp_allreduce import build_model, measure, print_table
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(build_model(Path(tmp), layers=4))
+        params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+        ps = prompts(8, 32)  # ids below the model's 49152
+        tokens = {}
+        for tp in (1, 2):
+            eng = engine(path, "float32", False, tensor_parallel_size=tp, quantization="none")
+            try:
+                tokens[tp] = [c.token_ids for c in eng.generate(ps, params)]
+            finally:
+                eng.close()
+        same = sum(a == b for a, b in zip(tokens[1], tokens[2]))
+        row("TP 2 == TP 1 greedy tokens (fp32, NCCL)", "OK" if same == len(ps) else "FAIL",
+            f"{same}/{len(ps)} prompts x 16 tokens")
+        rows = measure(build_model(Path(tmp) / "full", layers=30), 2, 16, 3, device="cuda")
+    print_table("TP 2 on two GPUs (NCCL); collectives timed on rank 0", rows)
+    for r in rows:
+        row(f"TP 2 collectives share, {r.kind}", "INFO",
+            f"{r.share:.1f}% of {r.step_ms:.2f} ms ({r.calls} collectives, {r.bytes:,} B)")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="GGUF file or HF directory (default: embedded)")
@@ -249,6 +281,10 @@ def main() -> int:
     check_compiled(model)
     check_swap(model)
     check_throughput(model, args.quick)
+    if torch.cuda.device_count() >= 2:
+        check_tp()
+    else:
+        row("tensor parallel", "SKIP", f"{torch.cuda.device_count()} GPU: TP 2 needs two")
     width = max(len(c) for c, _, _ in ROWS)
     print(f"\n{'check':{width}s}  result  detail")
     for check, result, detail in ROWS:

@@ -84,6 +84,8 @@ def timed_step(eng: LLMEngine, timer: CollectiveTimer) -> tuple[float, Collectiv
     timer.reset()
     start = time.perf_counter()
     eng.step()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     return time.perf_counter() - start, CollectiveTimer(timer.calls, timer.seconds, timer.bytes)
 
 
@@ -121,9 +123,12 @@ def prefill_rows(eng: LLMEngine, timer: CollectiveTimer, count: int, g: torch.Ge
     return summarize(f"prefill {PREFILL_TOKENS}", PREFILL_TOKENS, samples)
 
 
-def measure(path: Path, tp: int, decode_steps: int, prefills: int) -> list[Row]:
+def measure(path: Path, tp: int, decode_steps: int, prefills: int,
+            device: str = "cpu") -> list[Row]:
+    """The rows at TP ``tp`` on ``device`` (cuda: NCCL, one GPU per rank; the timer then
+    synchronizes around each collective, bench/gpu_check.py's TP section)."""
     eng = LLMEngine(EngineConfig.from_flat(
-        model=str(path), dtype="float32", quantization="none", compile=False,
+        model=str(path), dtype="float32", quantization="none", compile=False, device=device,
         tensor_parallel_size=tp, max_model_len=1024, num_kv_blocks=512, block_size=16,
         attention_backend="sdpa", enable_prefix_caching=False, max_num_batched_tokens=512))
     g = torch.Generator().manual_seed(0)

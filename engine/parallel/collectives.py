@@ -33,10 +33,16 @@ class CollectiveTimer:
 
     @contextlib.contextmanager
     def timed(self, t: torch.Tensor) -> Iterator[None]:
+        """On CUDA the work before the collective is finished first and the collective
+        itself waited for (NCCL runs asynchronously), so the time is the collective's."""
+        if t.is_cuda:
+            torch.cuda.synchronize(t.device)
         start = time.perf_counter()
         try:
             yield
         finally:
+            if t.is_cuda:
+                torch.cuda.synchronize(t.device)
             self.seconds += time.perf_counter() - start
             self.calls += 1
             self.bytes += t.numel() * t.element_size()
