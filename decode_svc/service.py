@@ -238,6 +238,7 @@ class DecodeService(WorkerBase, pb_grpc.DecodeServicer):
         first, left = True, n
         while True:
             out = await q.get()
+            await self.abort_if_engine_died(context, out)
             chunk = pb.GenerateChunk(token_ids=out.new_token_ids, finished=out.finished,
                                      num_prompt_tokens=out.num_prompt_tokens,
                                      num_output_tokens=out.num_output_tokens,

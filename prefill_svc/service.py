@@ -113,6 +113,7 @@ class PrefillService(WorkerBase, pb_grpc.PrefillServicer):
                 out.finish_reason, out.kept_blocks = FinishReason.ABORT, None
             else:
                 _bind(handle, req)
+        await self.abort_if_engine_died(context, out)
         if out.error:
             await context.abort(grpc.StatusCode.INTERNAL, out.error)
         return self._reply(request, out, handle, time.monotonic() - t0)

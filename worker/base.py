@@ -20,7 +20,7 @@ from engine.engine_thread import (AbortedBeforeArrival, DuplicateRequestError, E
 from engine.kv_cache.tiers.events import TierEvent
 from engine.kv_connector import KVConnector
 from engine.llm_engine import LLMEngine
-from engine.request import Request, RequestOutput
+from engine.request import FinishReason, Request, RequestOutput
 from engine.parallel.shard import kv_head_map
 from kvtransfer.base import CompatRecord
 from kvtransfer.group_kv import GroupKV
@@ -258,6 +258,15 @@ class WorkerBase:
     def count_finish(self, out: RequestOutput) -> None:
         reason = out.finish_reason.value if out.finish_reason else "handoff"
         self.metrics.labelled(self.metrics.requests, finish_reason=reason).inc()
+
+    async def abort_if_engine_died(self, context: grpc.aio.ServicerContext,
+                                   out: RequestOutput) -> None:
+        """An output the engine's death ended (a tensor-parallel rank lost, the engine
+        thread crashed) ends the call UNAVAILABLE, as if this worker had died with it
+        (it exits next): the router resumes the request on another worker instead of
+        ending it with an error that is this worker's, not the request's."""
+        if out.finish_reason is FinishReason.ERROR and not self.engine.alive:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.worker_id}: {out.error}")
 
     async def admission_error(self, context: grpc.aio.ServicerContext, error: Exception) -> None:
         """Answer a request the engine refused: ALREADY_EXISTS for a live id, CANCELLED

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -81,15 +82,19 @@ def _spawn(args: list[str]) -> subprocess.Popen:
 
 @contextlib.contextmanager
 def cluster(model: str | Path, backend: str = "tcp", n_prefill: int = 1, n_decode: int = 1,
-            worker_args: list[str] = (), router_args: list[str] = ()):
+            worker_args: list[str] = (), router_args: list[str] = (),
+            decode_args: Sequence[Sequence[str]] = ()):
+    """decode_args: more flags for the first decode workers, one list each."""
     c = Cluster()
+    roles = [("prefill", ())] * n_prefill + [
+        ("decode", decode_args[i] if i < len(decode_args) else ()) for i in range(n_decode)]
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            for i, role in enumerate(["prefill"] * n_prefill + ["decode"] * n_decode):
+            for i, (role, own) in enumerate(roles):
                 ready = Path(tmp) / f"{i}.ready"
                 p = _spawn([role, "--model", str(model), "--port", "0", "--metrics-port", "0",
                             "--ready-file", str(ready), "--kv-transfer", backend,
-                            "--num-threads", "1", *worker_args])
+                            "--num-threads", "1", *worker_args, *own])
                 proc = Proc(role, p)
                 (c.prefill if role == "prefill" else c.decode).append(proc)
                 proc.ready = ready  # type: ignore[attr-defined]
