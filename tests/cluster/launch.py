@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -73,6 +74,17 @@ class Cluster:
             assert load.num_running == load.num_waiting == 0, f"{proc.role} still busy: {load}"
             assert load.free_blocks == load.total_blocks, f"{proc.role} leaked blocks: {load}"
             assert load.swap_used_blocks == 0, f"{proc.role} leaked swap blocks: {load}"
+
+
+def stream_events(r: httpx.Response) -> Iterator[dict]:
+    """The events of an OpenAI streaming response as they arrive (none for [DONE]); an
+    error event fails the test."""
+    for line in r.iter_lines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        ev = json.loads(line[6:])
+        assert "error" not in ev, ev
+        yield ev
 
 
 def _spawn(args: list[str]) -> subprocess.Popen:

@@ -3,7 +3,6 @@ replaced and the request continues from the tokens already generated; a dead
 prefill worker is routed around. Real processes on the real model."""
 from __future__ import annotations
 
-import json
 import time
 
 import httpx
@@ -13,7 +12,7 @@ import pytest
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from core.sampling import SamplingParams
-from tests.cluster.launch import cluster
+from tests.cluster.launch import cluster, stream_events
 
 pytestmark = pytest.mark.slow
 # The kernel crossover is fixed (not timed at each worker's start, ~17 s a worker on
@@ -48,11 +47,7 @@ def _stream_killing_decode(c, body: dict) -> tuple[list[str], list[str | None]]:
     text, reasons, killed = [], [], False
     with httpx.stream("POST", c.url + "/v1/completions", timeout=120,
                       json={**body, "stream": True}) as r:
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            ev = json.loads(line[6:])
-            assert "error" not in ev, ev
+        for ev in stream_events(r):
             text.append(ev["choices"][0]["text"])
             reasons.append(ev["choices"][0]["finish_reason"])
             if len(text) == 8 and not killed:
@@ -123,11 +118,7 @@ def test_killing_prefill_then_decode_during_24_streams(model_path, engine) -> No
             with httpx.stream("POST", c.url + "/v1/completions", timeout=300,
                               json={"prompt": prompt, "stream": True, **sp}) as r:
                 assert r.status_code == 200
-                for line in r.iter_lines():
-                    if line.startswith("data: {"):
-                        ev = json.loads(line[6:])
-                        assert "error" not in ev, ev
-                        parts.append(ev["choices"][0]["text"])
+                parts.extend(ev["choices"][0]["text"] for ev in stream_events(r))
             with lock:
                 done.append(prompt)
             return "".join(parts)

@@ -8,7 +8,6 @@ About 40 s here: four worker processes (prefill, the TP-2 group's two ranks, the
 decode worker) and the router start once; the streams themselves take seconds."""
 from __future__ import annotations
 
-import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +18,7 @@ import psutil
 from core.sampling import SamplingParams
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from tests.cluster.launch import cluster
+from tests.cluster.launch import cluster, stream_events
 from tests.models.conftest import checkpoint  # noqa: F401 - the shared checkpoint fixture
 
 STREAMS = 20
@@ -39,11 +38,7 @@ def _stream(url: str, prompt: str, events: list[int]) -> tuple[str, str | None]:
             "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True,
             "stream": True}) as r:
         assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            ev = json.loads(line[6:])
-            assert "error" not in ev, ev
+        for ev in stream_events(r):
             text.append(ev["choices"][0]["text"])
             reason = ev["choices"][0]["finish_reason"] or reason
             events.append(1)
