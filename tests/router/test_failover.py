@@ -3,6 +3,7 @@ replaced and the request continues from the tokens already generated; a dead
 prefill worker is routed around. Real processes on the real model."""
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
