@@ -1,9 +1,10 @@
 """Text <-> token ids for the engine, built from a GGUF file or a Hugging Face directory.
 
 A GGUF carries no tokenizer.json, only llama.cpp's metadata (vocabulary,
-merges, token types, special ids). We rebuild a ``tokenizers`` pipeline from it
-that matches what transformers builds for the same file, so prompts tokenize
-identically whether a model is served from GGUF or from safetensors.
+merges or scores, token types, special ids). We rebuild a ``tokenizers`` pipeline from it
+(core/gguf_vocab.py) that matches llama.cpp's (and, for byte-level BPE, transformers') for
+the same file, so prompts tokenize identically whether a model is served from GGUF or
+from safetensors.
 Streaming needs text per token, which is what ``IncrementalDetokenizer`` does.
 """
 from __future__ import annotations
@@ -16,44 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import tokenizers
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import processors
 
 from core.chat_template import render_chat_template
+from core.gguf_vocab import BUILDERS, SUPPORTED
 
 __all__ = ["IncrementalDetokenizer", "Tokenizer"]
-
-_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-# Pre-tokenizer regex by `tokenizer.ggml.pre`. Anything else, "smollm" included,
-# gets GPT-2's ByteLevel regex: that is what transformers builds for these files,
-# and matching it is the contract. (llama.cpp's "smollm" also isolates every digit,
-# like SmolLM2's own tokenizer.json; the two differ only around space runs before
-# digits, e.g. "a  1" -> [a, Ġ, Ġ, 1] here vs [a, ĠĠ, 1].)
-_PRE_SPLITS = {
-    "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
-    "smaug-bpe": _LLAMA3_SPLIT, "dbrx": _LLAMA3_SPLIT, "falcon3": _LLAMA3_SPLIT,
-    "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
-}
-
-
-def _byte_alphabet() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map used by ByteLevel BPE."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    mapping = {b: chr(b) for b in keep}
-    extra = 0
-    for b in range(256):
-        if b not in mapping:
-            mapping[b] = chr(256 + extra)
-            extra += 1
-    return mapping
-
 
 def _gguf_fields(source: Any) -> dict[str, Any]:
     """The tokenizer.* metadata of a GGUF as plain Python values."""
@@ -63,42 +32,6 @@ def _gguf_fields(source: Any) -> dict[str, Any]:
 
     reader = source if isinstance(source, gguf.GGUFReader) else open_gguf(source)
     return {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
-
-
-def _build_byte_level_bpe(meta: Mapping[str, Any]) -> tokenizers.Tokenizer:
-    """BPE + ByteLevel pipeline from llama.cpp "gpt2" metadata, specials as added tokens."""
-    tokens: list[str] = meta["tokenizer.ggml.tokens"]
-    alphabet = _byte_alphabet()
-    spelled = set(alphabet.values())
-    # Tokens are stored in the byte alphabet; a few converters wrote raw UTF-8 instead.
-    vocab = {
-        t if set(t) <= spelled else "".join(alphabet[b] for b in t.encode("utf-8")): i for i, t in enumerate(tokens)
-    }
-    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
-    tok = tokenizers.Tokenizer(
-        models.BPE(vocab=vocab, merges=merges, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False)
-    )
-    split = _PRE_SPLITS.get(meta.get("tokenizer.ggml.pre", ""))
-    if split is None:
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    else:
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(split), behavior="isolated"),
-             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
-        )
-    tok.decoder = decoders.ByteLevel()
-    types = meta.get("tokenizer.ggml.token_type") or []
-    # A "control" token outside the byte alphabet is a converter mislabel; adding it
-    # would grow the vocabulary past the embedding table, so it is skipped.
-    tok.add_special_tokens([
-        AddedToken(t, normalized=False, special=True)
-        for t, ty in zip(tokens, types) if ty == _CONTROL and set(t) <= spelled
-    ])
-    tok.add_tokens([
-        AddedToken(t, normalized=False, special=False)
-        for t, ty in zip(tokens, types) if ty == _USER_DEFINED and t in vocab
-    ])
-    return tok
 
 
 def _bos_eos_processor(bos: tuple[str, int] | None, eos: tuple[str, int] | None) -> processors.TemplateProcessing:
@@ -153,22 +86,20 @@ class Tokenizer:
         """Build from a GGUF path or an open ``gguf.GGUFReader``."""
         meta = _gguf_fields(source)
         kind = meta.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ValueError(
-                f"unsupported tokenizer.ggml.model {kind!r} in GGUF metadata: "
-                "only 'gpt2' (byte-level BPE) is supported for now"
-            )
+        if kind not in BUILDERS:
+            raise ValueError(f"unsupported tokenizer.ggml.model {kind!r} in GGUF metadata: supported are {SUPPORTED}")
         if "tokenizer.ggml.tokens" not in meta:
             raise ValueError("GGUF metadata has no tokenizer.ggml.tokens")
         tokens: list[str] = meta["tokenizer.ggml.tokens"]
-        backend = _build_byte_level_bpe(meta)
+        backend = BUILDERS[kind](meta)
 
         def token(key: str) -> str | None:
             idx = meta.get(f"tokenizer.ggml.{key}")
             return tokens[idx] if idx is not None and 0 <= idx < len(tokens) else None
 
         bos, eos = token("bos_token_id"), token("eos_token_id")
-        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
+        # llama.cpp's default when the key is absent: a BOS for SentencePiece, none for gpt2.
+        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama")) and bos is not None
         add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
         if add_bos or add_eos:
             backend.post_processor = _bos_eos_processor(

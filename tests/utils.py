@@ -44,6 +44,25 @@ def _byte_level_tokenizer_json(vocab_size: int) -> dict:
     return json.loads(tok.to_str())
 
 
+def train_sentencepiece(texts: list[str], vocab_size: int, *, add_dummy_prefix: bool = True,
+                        user_defined: tuple[str, ...] = ()) -> bytes:
+    """A SentencePiece BPE model (tokenizer.model bytes) trained in memory on texts, set
+    up as Llama 2's and Gemma's are: byte fallback, identity normalization, spaces kept
+    as they are, digits split, whitespace-only pieces allowed. Well under a second."""
+    import io
+
+    import sentencepiece
+
+    out = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(texts), model_writer=out, model_type="bpe", vocab_size=vocab_size,
+        byte_fallback=True, character_coverage=1.0, normalization_rule_name="identity",
+        remove_extra_whitespaces=False, add_dummy_prefix=add_dummy_prefix, split_digits=True,
+        allow_whitespace_only_pieces=True, user_defined_symbols=list(user_defined),
+        num_threads=1, minloglevel=2)
+    return out.getvalue()
+
+
 def make_tiny_llama(root: Path, *, layers: int = 2, hidden: int = 64, heads: int = 4,
                     kv_heads: int = 2, vocab: int = 320, seed: int = 0,
                     tie: bool = True, max_pos: int = 512, embed_scale: float = 0.5,

@@ -168,8 +168,10 @@ def _write_gguf(path: Path, model: str, tokens: list[str], types: list[int], **k
 
 
 def test_unsupported_tokenizer_model_names_field(tmp_path: Path) -> None:
-    path = _write_gguf(tmp_path / "sp.gguf", "llama", ["<unk>", "a"], [2, 1])
-    with pytest.raises(ValueError, match=r"tokenizer\.ggml\.model.*'llama'.*only 'gpt2'"):
+    """A model we cannot build ("t5": SentencePiece Unigram) is refused naming the key and
+    what is supported ("llama" is tests/engine/test_tokenizer_spm.py)."""
+    path = _write_gguf(tmp_path / "t5.gguf", "t5", ["<pad>", "a"], [3, 1])
+    with pytest.raises(ValueError, match=r"tokenizer\.ggml\.model 't5'.*supported are 'gpt2' .*and 'llama' "):
         Tokenizer.load(path)
 
 

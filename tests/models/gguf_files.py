@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Collection
 from pathlib import Path
 
 import numpy as np
@@ -76,8 +77,63 @@ def _metadata(w, family: str, cfg: dict) -> None:
         w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
 
 
-def _tokenizer(w, root: Path) -> None:
-    """The checkpoint's byte-level BPE as llama.cpp "gpt2" metadata."""
+def _sentencepiece(w, model: Path, vocab_size: int | None, control: Collection[str]) -> None:
+    """A SentencePiece tokenizer.model as llama.cpp "llama" metadata, the way the converter
+    writes it (_create_vocab_sentencepiece): pieces, scores, token types; user-defined
+    pieces in ``control`` become control tokens with score -1000, the others user-defined
+    (as a tokenizer_config.json listing them special or not makes them); padded with
+    unused [PAD{i}] tokens up to the model's vocabulary."""
+    import gguf
+    from sentencepiece import sentencepiece_model_pb2
+
+    proto = sentencepiece_model_pb2.ModelProto.FromString(model.read_bytes())
+    kinds = gguf.TokenType  # numbered as SentencePiece numbers its piece types
+    tokens, scores, types = [], [], []
+    for p in proto.pieces:
+        kind, score = kinds(p.type), p.score
+        if kind == kinds.USER_DEFINED:
+            kind, score = (kinds.CONTROL if p.piece in control else kinds.USER_DEFINED), -1000.0
+        tokens.append(p.piece)
+        scores.append(score)
+        types.append(kind)
+    for i in range(len(tokens), vocab_size or 0):
+        tokens.append(f"[PAD{i}]")
+        scores.append(-1000.0)
+        types.append(kinds.UNUSED)
+    spec = proto.trainer_spec
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(spec.bos_id)
+    w.add_eos_token_id(spec.eos_id)
+    w.add_unk_token_id(spec.unk_id)
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(False)
+    w.add_add_space_prefix(proto.normalizer_spec.add_dummy_prefix)
+
+
+def write_tokenizer_gguf(model: Path, out: Path, control: Collection[str] = ()) -> Path:
+    """A GGUF holding only a SentencePiece model's vocabulary (no tensors)."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(out), "llama")
+    _sentencepiece(w, model, None, control)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def _tokenizer(w, root: Path, vocab_size: int) -> None:
+    """The checkpoint's tokenizer as llama.cpp metadata: a SentencePiece tokenizer.model
+    (where the directory has one, as Llama 2's and Mistral's do) as "llama", else
+    tokenizer.json's byte-level BPE as "gpt2"."""
+    if (root / "tokenizer.model").is_file():
+        _sentencepiece(w, root / "tokenizer.model", vocab_size, control=())
+        return
     tok = json.loads((root / "tokenizer.json").read_text())
     vocab = tok["model"]["vocab"]
     tokens = sorted(vocab, key=vocab.get)
@@ -129,7 +185,7 @@ def write_gguf(root: Path, family: str, out: Path, qtype: str = "F32") -> Path:
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     w = gguf.GGUFWriter(str(out), arch)
     _metadata(w, family, cfg)
-    _tokenizer(w, root)
+    _tokenizer(w, root, cfg["vocab_size"])
     experts: dict[tuple[int, str], dict[int, np.ndarray]] = {}
     for hf, arr in sorted(load_file(str(root / "model.safetensors")).items()):
         if (m := _EXPERT.fullmatch(hf)) is not None:

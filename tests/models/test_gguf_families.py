@@ -25,9 +25,10 @@ from core.sampling import SamplingParams
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.loader import load_checkpoint
-from tests.models.families import (build_checkpoint, engine_last_logits, hf_greedy,
+from tests.models.families import (VOCAB, build_checkpoint, engine_last_logits, hf_greedy,
                                    load_reference, prompts, worst_last_logit_gap)
 from tests.models.gguf_files import write_gguf
+from tests.utils import train_sentencepiece
 
 NEW_TOKENS = 12
 LOGIT_ATOL = 1e-4
@@ -36,6 +37,9 @@ ORDER = ("qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mistral", "mixtral", "qw
 MOE = {"mixtral", "qwen3_moe"}
 HF_READS_GGUF = {"qwen2", "phi3"}
 """Families whose GGUF transformers reads as llama.cpp does (the module docstring)."""
+SENTENCEPIECE = {"mistral"}
+"""Families whose GGUF carries a SentencePiece vocabulary (tokenizer.ggml.model "llama", from
+a tokenizer.model in the checkpoint), as real Mistral GGUFs do; the others carry "gpt2"."""
 LLAMA_CPP_FORM = {"gemma2": {"query_pre_attn_scalar": 16}, "gemma3": {"query_pre_attn_scalar": 16},
                   "qwen3_moe": {"mlp_only_layers": [], "norm_topk_prob": True}}
 
@@ -61,6 +65,9 @@ def family(request, tmp_path_factory):
     pytest.importorskip("transformers")
     name = request.param
     root = build_checkpoint(tmp_path_factory.mktemp(name), name, **LLAMA_CPP_FORM.get(name, {}))
+    if name in SENTENCEPIECE:
+        text = ["the quick brown fox jumps over the lazy dog", "a model serves tokens to many users"] * 20
+        (root / "tokenizer.model").write_bytes(train_sentencepiece(text, VOCAB - 16))
     path = write_gguf(root, name, root / "model-f32.gguf")
     return name, _engine(path), _reference(name, root, path.name)
 
@@ -83,6 +90,9 @@ def test_gguf_family_matches_transformers(family) -> None:
     a family here (qwen3_moe the most: both sides run its experts eagerly)."""
     name, eng, ref = family
     assert eng.runner.model_config.architecture == name
+    if name in SENTENCEPIECE:  # the vocabulary padded to the model's, as the converter pads it
+        tok = eng.tokenizer
+        assert tok.vocab_size == VOCAB and tok.add_bos and tok.decode(tok.encode(" the  fox!")) == " the  fox!"
     _check(name, eng, ref, prompts(3, seed=5, low=20, high=60))
 
 
