@@ -569,7 +569,7 @@ class EngineConfig:
         if tp == 1:
             return
         unbuilt = {"--quantization": self.quant.quantization not in ("auto", "none"),
-                   "--speculative-method": self.spec.speculative_method != "none",
+                   "--speculative-method draft": self.spec.speculative_method == "draft",
                    "--kv-offload-cpu-gib": bool(self.cache.kv_offload_cpu_gib),
                    "--enable-lora/--lora-modules": self.lora.enabled,
                    "--kv-policy": self.cache.kv_policy not in (None, "", "full")

@@ -76,7 +76,7 @@ class ShardedRunner(ModelRunner):
                     swap_in: list[tuple[list[int], list[int]]],
                     copies: list[tuple[int, int]] = (), draft_kv: torch.Tensor | None = None
                     ) -> int:
-        """draft_kv: always None here (a group refuses speculative decoding)."""
+        """draft_kv: always None here (a group refuses a draft model)."""
         if self.group is None or not (swap_out or swap_in or copies):
             return super().copy_blocks(swap_out, swap_in, copies)
         with self._group_op("a swap"):

@@ -20,7 +20,7 @@ from engine.llm_engine import LLMEngine
 from engine.parallel import collectives
 from engine.parallel.group import TPGroup
 from kvtransfer.base import block_view
-from tests.models.families import FAMILIES, build_checkpoint, prompts
+from tests.models.families import FAMILIES, build_checkpoint, engine_last_logits, prompts
 
 NEW_TOKENS = 32
 LOGIT_ATOL = 1e-4
@@ -45,14 +45,6 @@ def config(path, tp: int, **kw) -> EngineConfig:
     return EngineConfig.from_flat(**{**flags, **kw})
 
 
-def last_logits(eng: LLMEngine, ids: list[int]) -> torch.Tensor:
-    table = eng.kv.pool.allocate(eng.kv.blocks_needed(len(ids)))
-    try:
-        return eng.runner.prompt_logits(ids, table)[-1]
-    finally:
-        eng.kv.pool.free(table)
-
-
 def compare(path, group: TPGroup, alone: bool, count: int, swaps: bool = False, **kw) -> None:
     """TP 2 against TP 1 on one checkpoint: tokens (batched, and alone when asked) and
     last-position logits; both engines end with a leak check. swaps: both engines must
@@ -69,7 +61,7 @@ def compare(path, group: TPGroup, alone: bool, count: int, swaps: bool = False, 
             assert two.stats.swap_in_bytes * 2 == one.stats.swap_in_bytes  # half the heads each
         if alone:
             assert [two.generate([ids], params)[0].token_ids for ids in batch] == want
-        worst = max((last_logits(one, ids) - last_logits(two, ids)).abs().max().item()
+        worst = max((engine_last_logits(one, ids) - engine_last_logits(two, ids)).abs().max().item()
                     for ids in prompts(4, seed=2, low=20, high=60))
         assert worst <= LOGIT_ATOL, f"last-position logits differ by {worst:.2e}"
         one.leak_check()
@@ -101,15 +93,37 @@ def test_a_split_that_does_not_divide_is_refused_before_any_rank_starts(checkpoi
 
 @pytest.mark.parametrize("flag, value, name", [
     ("quantization", "int8", "--quantization"),
-    ("speculative_method", "ngram", "--speculative-method"),
+    ("speculative_model", "self:1", "--speculative-method draft"),
     ("kv_offload_cpu_gib", 0.5, "--kv-offload-cpu-gib"),
     ("enable_lora", True, "--enable-lora/--lora-modules"),
     ("kv_policy", "streaming:sinks=4,window=60", "--kv-policy"),
     ("allow_request_kv_policy", True, "--kv-policy")])
 def test_combinations_not_built_are_refused_naming_both_flags(flag: str, value, name: str) -> None:
+    extra = {"speculative_method": "draft"} if flag == "speculative_model" else {}
     with pytest.raises(ValueError, match=f"{name} is not supported with "
                                          f"--tensor-parallel-size 2"):
-        EngineConfig.from_flat(tensor_parallel_size=2, **{flag: value})
+        EngineConfig.from_flat(tensor_parallel_size=2, **{flag: value}, **extra)
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_speculative_decoding_at_tp2_equals_tp1(checkpoint, group, method: str) -> None:
+    """A proposer without a model of its own guesses on rank 0; the verification rows
+    (1 + k tokens a sequence) run on every rank like any step: greedy tokens at TP 2 with
+    speculation equal TP 1's without, and guesses were verified (prompts that repeat
+    themselves, so the proposers find matches)."""
+    path = checkpoint("llama")
+    one = LLMEngine(config(path, 1))
+    two = LLMEngine(config(path, 2, speculative_method=method, num_speculative_tokens=3),
+                    tp_group=group)
+    try:
+        batch = [p * 4 for p in prompts(6, seed=9, low=4, high=8)]
+        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+        want = [c.token_ids for c in one.generate(batch, params)]
+        assert [c.token_ids for c in two.generate(batch, params)] == want
+        assert two.speculator.counters.get(method).verifications > 0
+        two.leak_check()
+    finally:
+        two.close()
 
 
 def test_prompt_logprobs_at_tp2_is_refused_naming_the_field(checkpoint, group) -> None:
