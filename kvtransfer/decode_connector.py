@@ -148,3 +148,5 @@ class DecodeConnector(KVConnector):
     def _forget(self, request_id: str, fut: asyncio.Future) -> None:
         if self._waiting.get(request_id) is fut:
             del self._waiting[request_id]
+        if fut.done() and not fut.cancelled():
+            fut.exception()  # engine_stopped's error reached the caller another way

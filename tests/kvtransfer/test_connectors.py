@@ -125,3 +125,29 @@ def test_a_pulled_request_preempted_by_recompute_is_recomputed_here(tiny_model_d
     assert (mine[-1].finish_reason.value, sum(len(o.new_token_ids) for o in mine)) == ("length", 20)
     eng.leak_check()
     conn.leak_check()
+
+
+def test_a_reservation_failed_by_the_engine_s_death_is_not_left_unread() -> None:
+    """The engine dies while a reservation is admitted: engine_stopped fails its future and
+    the admission raises the same error to the caller. The future is then read, so asyncio
+    logs no 'Future exception was never retrieved' (it did when a TP group lost a rank)."""
+    import gc
+    from types import SimpleNamespace
+
+    from engine.engine_thread import EngineDead
+
+    unread: list[dict] = []
+
+    async def body():
+        asyncio.get_running_loop().set_exception_handler(lambda _loop, ctx: unread.append(ctx))
+
+        async def add(req):  # the engine thread dies during the admission
+            connector.engine_stopped(EngineDead("the engine thread died"))
+            raise EngineDead("the engine thread died")
+        connector = DecodeConnector(SimpleNamespace(add=add))
+        req = SimpleNamespace(request_id="r", token_ids=_prompt(20), kv_transfer=None)
+        with pytest.raises(EngineDead):
+            await connector.reserve(req, 16, False)
+        gc.collect()
+    asyncio.run(body())
+    assert not unread, unread

@@ -113,13 +113,26 @@ def hf_last_logits(model, ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([ids])).logits[0, -1].float()
 
 
-def engine_last_logits(eng, ids: list[int]) -> torch.Tensor:
-    """The engine's logits at the last position of ids (prefilled alone into blocks it frees)."""
+def engine_logits(eng, ids: list[int]) -> torch.Tensor:
+    """The engine's logits at every position of ids (prefilled alone into blocks it frees)."""
     table = eng.kv.pool.allocate(eng.kv.blocks_needed(len(ids)))
     try:
-        return eng.runner.prompt_logits(ids, table)[-1]
+        return eng.runner.prompt_logits(ids, table)
     finally:
         eng.kv.pool.free(table)
+
+
+def engine_last_logits(eng, ids: list[int]) -> torch.Tensor:
+    """The engine's logits at the last position of ids."""
+    return engine_logits(eng, ids)[-1]
+
+
+def greedy_margin(eng, prompt: list[int], tokens: list[int]) -> float:
+    """The smallest top-2 logit gap along a greedy continuation: how far every pick was
+    from a near-tie that another summation order (TP, another batch) could flip."""
+    logits = engine_logits(eng, prompt + tokens[:-1])[len(prompt) - 1:]
+    top = logits.topk(2, dim=-1).values
+    return (top[:, 0] - top[:, 1]).min().item()
 
 
 def worst_last_logit_gap(eng, model, batch: list[list[int]]) -> float:
