@@ -250,6 +250,8 @@ class DecodeService(WorkerBase, pb_grpc.DecodeServicer):
                 chunk.prompt_logprobs.CopyFrom(prompt_logprobs_to_proto(out.prompt_logprobs))
             if out.finished:
                 chunk.finish_reason = out.finish_reason.value if out.finish_reason else "error"
+                if chunk.finish_reason == "error":
+                    chunk.error = out.error or "the request failed on this worker"
                 self.count_finish(out)
                 worker_spans.generate_done(out)
                 if out.spec is not None:

@@ -85,7 +85,7 @@ class KVTrace(_message.Message):
     def __init__(self, local_cached_tokens: _Optional[int] = ..., blocks_pulled: _Optional[int] = ..., bytes_pulled: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., fallback: _Optional[_Union[FallbackReason, str]] = ..., backend: _Optional[str] = ..., lease_ended: _Optional[bool] = ..., local_host_cached_tokens: _Optional[int] = ..., local_disk_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
-    __slots__ = ("token_ids", "finished", "finish_reason", "num_prompt_tokens", "num_output_tokens", "trace", "logprobs", "top_logprobs", "spec", "prompt_logprobs", "index")
+    __slots__ = ("token_ids", "finished", "finish_reason", "num_prompt_tokens", "num_output_tokens", "trace", "logprobs", "top_logprobs", "spec", "prompt_logprobs", "index", "error")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +97,7 @@ class GenerateChunk(_message.Message):
     SPEC_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finished: bool
     finish_reason: str
@@ -108,7 +109,8 @@ class GenerateChunk(_message.Message):
     spec: SpecTrace
     prompt_logprobs: _common_pb2.PromptLogprobs
     index: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., trace: _Optional[_Union[KVTrace, _Mapping]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ..., spec: _Optional[_Union[SpecTrace, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[_common_pb2.PromptLogprobs, _Mapping]] = ..., index: _Optional[int] = ...) -> None: ...
+    error: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., trace: _Optional[_Union[KVTrace, _Mapping]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ..., spec: _Optional[_Union[SpecTrace, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[_common_pb2.PromptLogprobs, _Mapping]] = ..., index: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
 
 class SpecTrace(_message.Message):
     __slots__ = ("proposed_tokens", "accepted_tokens", "verifications")

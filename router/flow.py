@@ -251,6 +251,9 @@ class RequestFlow:
                 if left == 0:  # nothing may resume this generator after the yield
                     router_spans.decode_done(span, chunk)
                     req.held.forget(decode)  # it ended there: nothing left to abort
+                if chunk.finish_reason == "error":  # the request's own failure: no retry
+                    raise WorkerError(grpc.StatusCode.INTERNAL, f"decode worker {decode.name}: "
+                                      f"{chunk.error or 'the request failed'}")
                 yield list(chunk.token_ids), chunk.finish_reason or None, [
                     (lp, tops[i] if i < len(tops) else []) for i, lp in enumerate(chunk.logprobs)
                 ], chunk.index
