@@ -4,6 +4,8 @@ by splitting the message. A real decode worker in-process behind the router's ap
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import grpc
 import httpx
@@ -41,6 +43,20 @@ def _app(model_dir, decode: Worker):
     return app
 
 
+@asynccontextmanager
+async def router_client(model_dir, d) -> AsyncIterator[httpx.AsyncClient]:
+    """An HTTP client of the router's app in front of the in-process decode service d."""
+    ch = auth_channel(f"127.0.0.1:{d.port}", d.secret)
+    worker = Worker(f"127.0.0.1:{d.port}", "decode", ch, decode_pb2_grpc.DecodeStub(ch),
+                    healthy=True)
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(
+                app=_app(model_dir, worker)), base_url="http://router") as c:
+            yield c
+    finally:
+        await ch.close()
+
+
 def test_a_workers_refusal_names_the_field_in_grpc_and_http(tiny_model_dir) -> None:
     """The router accepts a prompt its own window holds; the decode worker's window is
     smaller and it refuses the prompt. Before, the HTTP 400 said which worker refused
@@ -56,15 +72,8 @@ def test_a_workers_refusal_names_the_field_in_grpc_and_http(tiny_model_dir) -> N
             assert e.value.details() == "temperature must be in [0, 2], got 5.0"
             assert field_of(e.value.trailing_metadata()) == "temperature"
 
-            ch = auth_channel(f"127.0.0.1:{d.port}", d.secret)
-            worker = Worker(f"127.0.0.1:{d.port}", "decode", ch,
-                            decode_pb2_grpc.DecodeStub(ch), healthy=True)
-            try:
-                async with httpx.AsyncClient(transport=httpx.ASGITransport(
-                        app=_app(tiny_model_dir, worker)), base_url="http://router") as c:
-                    r = await c.post("/v1/completions", json={"prompt": LONG, "max_tokens": 2})
-            finally:
-                await ch.close()
+            async with router_client(tiny_model_dir, d) as c:
+                r = await c.post("/v1/completions", json={"prompt": LONG, "max_tokens": 2})
             await leak_check(d)
             return r
 

@@ -9,13 +9,9 @@ from __future__ import annotations
 import asyncio
 import json
 
-import httpx
-
-from auth.grpc_auth import channel as auth_channel
 from engine.model_runner import ModelRunner
-from proto import decode_pb2, decode_pb2_grpc
-from router.workers import Worker
-from tests.router.test_field_errors import _app
+from proto import decode_pb2
+from tests.router.test_field_errors import router_client
 from tests.services.conftest import leak_check, sampling, services
 
 PROMPT = [(i * 7) % 300 + 3 for i in range(20)]
@@ -36,24 +32,15 @@ def test_a_failed_request_says_why_over_grpc_and_http(tiny_model_dir, monkeypatc
         async with services(tiny_model_dir) as (_, d, _, dstub):
             chunks = [c async for c in dstub.Generate(decode_pb2.GenerateRequest(
                 request_id="g", prompt_token_ids=PROMPT, sampling=sampling(4)))]
-            ch = auth_channel(f"127.0.0.1:{d.port}", d.secret)
-            worker = Worker(f"127.0.0.1:{d.port}", "decode", ch,
-                            decode_pb2_grpc.DecodeStub(ch), healthy=True)
-            try:
-                async with httpx.AsyncClient(transport=httpx.ASGITransport(
-                        app=_app(tiny_model_dir, worker)), base_url="http://router") as c:
-                    plain = await c.post("/v1/completions",
-                                         json={"prompt": PROMPT, "max_tokens": 4})
-                    early = await c.post("/v1/completions", json={  # before any token
-                        "prompt": PROMPT, "max_tokens": 4, "stream": True})
-                    failing["spare"] = 2  # the prompt and one decode step, then the failure
-                    streamed = await c.post("/v1/completions", json={
-                        "prompt": PROMPT, "max_tokens": 4, "stream": True, "logprobs": 1})
-                    failing["on"] = False
-                    after = await c.post("/v1/completions",
-                                         json={"prompt": PROMPT, "max_tokens": 4})
-            finally:
-                await ch.close()
+            async with router_client(tiny_model_dir, d) as c:
+                plain = await c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4})
+                early = await c.post("/v1/completions", json={  # before any token
+                    "prompt": PROMPT, "max_tokens": 4, "stream": True})
+                failing["spare"] = 2  # the prompt and one decode step, then the failure
+                streamed = await c.post("/v1/completions", json={
+                    "prompt": PROMPT, "max_tokens": 4, "stream": True, "logprobs": 1})
+                failing["on"] = False
+                after = await c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4})
             await leak_check(d)
             return chunks, plain, early, streamed, after
 
