@@ -568,8 +568,7 @@ class EngineConfig:
         tp = self.parallel.tensor_parallel_size
         if tp == 1:
             return
-        unbuilt = {"--quantization": self.quant.quantization not in ("auto", "none"),
-                   "--speculative-method draft": self.spec.speculative_method == "draft",
+        unbuilt = {"--speculative-method draft": self.spec.speculative_method == "draft",
                    "--kv-offload-cpu-gib": bool(self.cache.kv_offload_cpu_gib),
                    "--enable-lora/--lora-modules": self.lora.enabled,
                    "--kv-policy": self.cache.kv_policy not in (None, "", "full")

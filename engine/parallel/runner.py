@@ -6,7 +6,8 @@ Rank 0's runner is what the engine holds: before each forward (and each swap) it
 the inputs to the other ranks, then runs its own shard; the gathered logits land on
 every rank, and rank 0 samples. A step at TP > 1 is never interrupted between layers
 (the other ranks would wait in the next collective), and it runs eagerly: the compiled
-decode step and packed quantized weights are not built for shards.
+decode step is not built for shards. Packed weights (--quantization) are: each rank
+packs its shard as TP 1 packs that part of the weight (engine/parallel/shard.py).
 """
 from __future__ import annotations
 
@@ -31,14 +32,13 @@ from engine.parallel.shard import check_shardable, kv_head_map, local_kv_heads, 
 
 
 def rank_config(config: EngineConfig) -> EngineConfig:
-    """What one rank runs: eager, dense, and its share of the cores unless
-    --num-threads says otherwise (ranks on one machine must not oversubscribe it; a
-    machine runs --tp-ranks-per-node of a --tp-rendezvous group's)."""
+    """What one rank runs: eager, and its share of the cores unless --num-threads says
+    otherwise (ranks on one machine must not oversubscribe it; a machine runs
+    --tp-ranks-per-node of a --tp-rendezvous group's)."""
     here = config.parallel.ranks_per_node
     threads = config.load.num_threads or max(1, (default_threads() or os.cpu_count() or 1) // here)
     return dataclasses.replace(
         config, load=dataclasses.replace(config.load, num_threads=threads),
-        quant=dataclasses.replace(config.quant, quantization="none"),
         compilation=dataclasses.replace(config.compilation, compile=False))
 
 

@@ -12,7 +12,10 @@ Each rank keeps, of every layer:
   the share contributes zeros and the rows are all-reduced; the logits are gathered.
 
 So a layer costs two all-reduces of [T, H]. Biases after a row split stay on rank 0
-only (every rank adding one would add it world-size times). The collectives are
+only (every rank adding one would add it world-size times). Each split linear records
+its part of the unsplit weight (``linear.shard``), so --quantization packs a shard with
+the codes and scales TP 1 gives that part: a GGUF's own blocks cut at block boundaries,
+int4's groups, int8's per-row scales taken over the whole row. The collectives are
 forward hooks on the split modules, so a group of one never runs any of this: that
 path is the unsharded model, unchanged. They go through engine/parallel/collectives.py,
 where a benchmark can time them.
@@ -28,6 +31,7 @@ from engine.layers.mlp import GatedMLP
 from engine.layers.moe import SparseMoE
 from engine.models.base import CausalLM
 from engine.parallel.collectives import all_gather, all_reduce
+from engine.quant.base import Shard
 
 FLAG = "--tensor-parallel-size"
 
@@ -95,13 +99,16 @@ def _column_split(linear: nn.Linear, pieces: list[tuple[int, int]]) -> None:
     if linear.bias is not None:
         _keep(linear, "bias", _rows(linear.bias, pieces))
     linear.out_features = linear.weight.shape[0]
+    linear.shard = Shard(rows=tuple(pieces))  # --quantization packs it as TP 1 would
 
 
 def _row_split(linear: nn.Linear, start: int, n: int, rank: int) -> None:
+    absmax = linear.weight.detach().abs().amax(dim=1).float()  # the whole rows', for int8
     _keep(linear, "weight", linear.weight.narrow(1, start, n))
     if linear.bias is not None and rank:
         _keep(linear, "bias", torch.zeros_like(linear.bias))
     linear.in_features = n
+    linear.shard = Shard(cols=(start, n), row_absmax=absmax)
 
 
 def _shard_attention(attn: Attention, rank: int, world: int) -> None:
@@ -157,6 +164,7 @@ def _shard_vocab(model: CausalLM, rank: int, world: int) -> None:
     else:
         _keep(head, "weight", head.weight.narrow(0, rank * n, n))
     head.out_features = n
+    head.shard = Shard(rows=((rank * n, n),))
     head.register_forward_hook(_gather_vocab)
 
 

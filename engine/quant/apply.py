@@ -70,9 +70,13 @@ def quantize_model(model: nn.Module, method_name: str, dtype: torch.dtype,
     for path, mod in list(model.named_modules()):
         if not isinstance(mod, nn.Linear):
             continue
+        shard = getattr(mod, "shard", None)  # a tensor-parallel rank's part of the weight
         try:
+            found = sources(path)
+            if shard is not None and found is not None:
+                found = shard.sources(path + ".weight", found)
             packed, values = method.pack(path + ".weight", mod.weight.detach(), dtype,
-                                         sources(path))
+                                         found, shard)
         except UnpackableWeight as e:
             if strict:
                 raise ValueError(f"--quantization {method_name}: {e}") from e
@@ -83,7 +87,10 @@ def quantize_model(model: nn.Module, method_name: str, dtype: torch.dtype,
             mod.weight.copy_(values)
         parent_path, _, attr = path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
-        setattr(parent, attr, QuantLinear(mod, packed, method.describe(packed)))
+        swapped = QuantLinear(mod, packed, method.describe(packed))
+        for hook in mod._forward_hooks.values():  # a tensor-parallel split's collective
+            swapped.register_forward_hook(hook)
+        setattr(parent, attr, swapped)
         report.packed[path] = method.describe(packed)
         report.packed_bytes += packed.nbytes()
         report.dense_bytes += mod.weight.numel() * torch.empty((), dtype=dtype).element_size()

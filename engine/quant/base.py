@@ -20,15 +20,63 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 import torch
 
+from engine.quant.blocks import BLOCK, BLOCK_BYTES
 from engine.quant.packed import PackedWeight, UnpackableWeight  # noqa: F401 (re-export)
 
 Source = tuple[str, np.ndarray]
 """(GGUF type name, raw block rows [N_shard, row bytes]) of one fused shard."""
+
+
+
+@dataclass(frozen=True)
+class Shard:
+    """The part of an unsplit linear weight one tensor-parallel rank holds (set as
+    ``linear.shard`` by engine/parallel/shard.py), so that its shard is packed exactly as
+    that part of the unsplit weight would be: the same codes and scales as at TP 1.
+
+    rows: the output-row pieces (start, length) a column split keeps, in order; cols:
+    the input columns (start, length) a row split keeps, with ``row_absmax``, each
+    unsplit row's max |w| (a per-channel scale is the whole row's, not the shard's)."""
+
+    rows: tuple[tuple[int, int], ...] = ()
+    cols: tuple[int, int] | None = None
+    row_absmax: torch.Tensor | None = None
+
+    def sources(self, name: str, found: Sequence[Source]) -> list[Source]:
+        """The checkpoint's blocks of this shard: ``found`` (the unsplit fused shards'
+        block rows, in order) cut as the weight was. UnpackableWeight naming ``name``
+        when a row split does not fall on a block boundary."""
+        if self.rows:
+            return [_rows_of(name, found, start, n) for start, n in self.rows]
+        start, n = self.cols
+        return [_cols_of(name, t, raw, start, n) for t, raw in found]
+
+
+def _rows_of(name: str, found: Sequence[Source], start: int, n: int) -> Source:
+    offset = 0
+    for t, raw in found:
+        if offset <= start and start + n <= offset + raw.shape[0]:
+            return t, raw[start - offset:start - offset + n]
+        offset += raw.shape[0]
+    raise UnpackableWeight(f"{name}: rows [{start}, {start + n}) of this rank's shard "
+                           "straddle two checkpoint tensors")
+
+
+def _cols_of(name: str, type_name: str, raw: np.ndarray, start: int, n: int) -> Source:
+    per_block = BLOCK_BYTES.get(type_name)
+    if per_block is None:  # not a block type: the method refuses it by its type
+        return type_name, raw
+    if start % BLOCK or n % BLOCK:
+        raise UnpackableWeight(f"{name}: this rank's input columns [{start}, {start + n}) "
+                               f"do not fall on {type_name}'s {BLOCK}-weight blocks")
+    return type_name, raw[:, start // BLOCK * per_block:(start + n) // BLOCK * per_block]
+
 
 _REGISTRY: dict[str, str] = {
     "int8": "engine.quant.methods:Int8Method",
@@ -43,9 +91,11 @@ class QuantMethod(ABC):
 
     @abstractmethod
     def pack(self, name: str, weight: torch.Tensor, dtype: torch.dtype,
-             sources: Sequence[Source] | None = None) -> tuple[PackedWeight, torch.Tensor]:
+             sources: Sequence[Source] | None = None, shard: Shard | None = None
+             ) -> tuple[PackedWeight, torch.Tensor]:
         """weight [N, K] fp32 -> (packed weight for activations in ``dtype``, the fp32 values
-        the dense copy holds [N, K]).
+        the dense copy holds [N, K]). shard: where weight is a tensor-parallel rank's part
+        of the unsplit weight (``sources`` are then already cut to it), what part.
 
         The caller puts those values in the dense copy. A lossy method returns what its
         kernel multiplies by, so both paths multiply by the same weights; ``gguf`` returns

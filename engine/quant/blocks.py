@@ -32,6 +32,8 @@ BLOCK = 32
 Q4_BYTES = {"Q4_0": 18, "Q4_1": 20}
 Q8_BYTES = 34
 BLOCK_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+BLOCK_BYTES = {**Q4_BYTES, "Q8_0": Q8_BYTES}
+"""Bytes of one block of BLOCK weights, by GGUF type."""
 
 
 def _register_fakes() -> None:

@@ -5,7 +5,7 @@ from typing import Sequence
 
 import torch
 
-from engine.quant.base import QuantMethod, Source
+from engine.quant.base import QuantMethod, Shard, Source
 from engine.quant.blocks import BLOCK_KERNEL, block_values, gguf_blocks
 from engine.quant.packed import (PackedWeight, UnpackableWeight, blocks_layout, check_shape,
                                  pack_int4, pack_int8)
@@ -15,8 +15,9 @@ FOUR_BIT = ("Q4_0", "Q4_1")
 EIGHT_BIT = ("Q8_0",)
 
 
-def _int8(weight: torch.Tensor, dtype: torch.dtype) -> tuple[PackedWeight, torch.Tensor]:
-    q, scales = int8_codes(weight)
+def _int8(weight: torch.Tensor, dtype: torch.dtype, absmax: torch.Tensor | None = None
+          ) -> tuple[PackedWeight, torch.Tensor]:
+    q, scales = int8_codes(weight, absmax)
     packed = pack_int8(q, scales, dtype)
     if packed.layout == "blocks":
         return packed, block_values(packed.data, packed.scales, packed.group_size)
@@ -41,9 +42,10 @@ class Int8Method(QuantMethod):
     def __init__(self, group_size: int = 32) -> None:
         pass
 
-    def pack(self, name, weight, dtype, sources=None) -> tuple[PackedWeight, torch.Tensor]:
+    def pack(self, name, weight, dtype, sources=None, shard: Shard | None = None
+             ) -> tuple[PackedWeight, torch.Tensor]:
         check_shape(name, "int8", *weight.shape)
-        return _int8(weight, dtype)
+        return _int8(weight, dtype, shard.row_absmax if shard is not None else None)
 
 
 class Int4Method(QuantMethod):
@@ -52,7 +54,10 @@ class Int4Method(QuantMethod):
     def __init__(self, group_size: int = 32) -> None:
         self.group_size = group_size
 
-    def pack(self, name, weight, dtype, sources=None) -> tuple[PackedWeight, torch.Tensor]:
+    def pack(self, name, weight, dtype, sources=None, shard: Shard | None = None
+             ) -> tuple[PackedWeight, torch.Tensor]:
+        # a row split's columns start on a group boundary (its width is a whole number of
+        # groups, checked here), so its groups are the unsplit weight's
         check_shape(name, "int4", *weight.shape, group_size=self.group_size)
         return _int4(*int4_codes(weight, self.group_size), self.group_size, dtype)
 
@@ -68,8 +73,8 @@ class GGUFMethod(QuantMethod):
     def __init__(self, group_size: int = 32) -> None:
         pass
 
-    def pack(self, name, weight, dtype, sources: Sequence[Source] | None = None
-             ) -> tuple[PackedWeight, torch.Tensor]:
+    def pack(self, name, weight, dtype, sources: Sequence[Source] | None = None,
+             shard: Shard | None = None) -> tuple[PackedWeight, torch.Tensor]:
         types = [t for t, _ in sources or ()]
         if not types or any(t not in FOUR_BIT + EIGHT_BIT for t in types):
             other = next((t for t in types if t not in FOUR_BIT + EIGHT_BIT), "none")

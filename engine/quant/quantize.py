@@ -19,10 +19,13 @@ import torch
 GGUF_BLOCK = 32
 
 
-def int8_codes(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] float -> (q [N, K] int8, scales [N] fp32)."""
+def int8_codes(w: torch.Tensor, absmax: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] float -> (q [N, K] int8, scales [N] fp32). absmax [N]: each row's max |w|
+    where w is part of a longer row (a tensor-parallel rank's input columns)."""
     wf = w.float()
-    scales = (wf.abs().amax(dim=1) / 127.0).clamp(min=1e-12)  # [N]
+    amax = wf.abs().amax(dim=1) if absmax is None else absmax.float()
+    scales = (amax / 127.0).clamp(min=1e-12)  # [N]
     q = torch.round(wf / scales[:, None]).clamp(-127, 127).to(torch.int8)
     return q, scales
 

@@ -21,6 +21,7 @@ from engine.parallel import collectives
 from engine.parallel.group import TPGroup
 from kvtransfer.base import block_view
 from tests.models.families import FAMILIES, build_checkpoint, engine_last_logits, prompts
+from tests.models.gguf_files import write_gguf
 
 NEW_TOKENS = 32
 LOGIT_ATOL = 1e-4
@@ -45,13 +46,18 @@ def config(path, tp: int, **kw) -> EngineConfig:
     return EngineConfig.from_flat(**{**flags, **kw})
 
 
-def compare(path, group: TPGroup, alone: bool, count: int, swaps: bool = False, **kw) -> None:
+def compare(path, group: TPGroup, alone: bool, count: int, swaps: bool = False,
+            packed: bool = False, **kw) -> None:
     """TP 2 against TP 1 on one checkpoint: tokens (batched, and alone when asked) and
     last-position logits; both engines end with a leak check. swaps: both engines must
-    have swapped blocks out and in."""
+    have swapped blocks out and in. packed: both packed every linear, none left dense."""
     one = LLMEngine(config(path, 1, **kw))
     two = LLMEngine(config(path, 2, **kw), tp_group=group)
     try:
+        if packed:
+            for q in (one.runner.quant, two.runner.quant):
+                assert q is not None and not q.fallbacks, q
+            assert two.runner.quant.packed == one.runner.quant.packed
         batch = prompts(count, seed=1)
         params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
         want = [c.token_ids for c in one.generate(batch, params)]
@@ -92,7 +98,6 @@ def test_a_split_that_does_not_divide_is_refused_before_any_rank_starts(checkpoi
 
 
 @pytest.mark.parametrize("flag, value, name", [
-    ("quantization", "int8", "--quantization"),
     ("speculative_model", "self:1", "--speculative-method draft"),
     ("kv_offload_cpu_gib", 0.5, "--kv-offload-cpu-gib"),
     ("enable_lora", True, "--enable-lora/--lora-modules"),
@@ -124,6 +129,18 @@ def test_speculative_decoding_at_tp2_equals_tp1(checkpoint, group, method: str) 
         two.leak_check()
     finally:
         two.close()
+
+
+@pytest.mark.parametrize("method", ["Q8_0", "Q4_0", "int8", "int4"])
+def test_packed_weights_at_tp2_equal_tp1(tmp_path, checkpoint, group, method: str) -> None:
+    """Each rank packs its shard with the codes and scales TP 1 gives that part of the
+    weight (a GGUF's blocks cut at block boundaries; int8's scales over the whole row),
+    so with every step on the packed kernels, TP 2 equals TP 1 to summation order."""
+    path = checkpoint("llama")
+    if method.startswith("Q"):  # the file's own blocks (--quantization auto)
+        path, method = write_gguf(path, "llama", tmp_path / f"{method}.gguf", qtype=method), "auto"
+    compare(path, group, alone=False, count=8, packed=True, quantization=method,
+            quant_packed_max_rows=256)
 
 
 def test_prompt_logprobs_at_tp2_is_refused_naming_the_field(checkpoint, group) -> None:
