@@ -204,9 +204,6 @@ class LLMEngine:
         if params.n > self.config.scheduler.max_num_seqs:
             raise FieldError("n", f"n: {params.n} choices cannot run together on a worker of "
                                   f"--max-num-seqs {self.config.scheduler.max_num_seqs}")
-        if params.prompt_logprobs is not None and self.config.parallel.tensor_parallel_size > 1:
-            raise FieldError("prompt_logprobs", "prompt_logprobs: not supported with "
-                                                "--tensor-parallel-size > 1 (yet)")
         if policy is not None and policy.scored:
             check_scores(self.runner, "kv_policy")
         if params.n > 1 and policy is not None:  # forks share blocks a bounded policy re-rotates

@@ -53,6 +53,13 @@ class StepTokens:
 
 
 _PROMPT_LOGITS_ROWS = 256
+
+
+def prompt_chunks(owed: list[tuple[Request, int, range]]) -> list[tuple[int, int]]:
+    """The row ranges [start, stop) the LM head runs on for prompt logprobs, in order:
+    each owed request's rows, at most _PROMPT_LOGITS_ROWS at a time."""
+    return [(lo, min(lo + _PROMPT_LOGITS_ROWS, rows.stop))
+            for _, _, rows in owed for lo in range(rows.start, rows.stop, _PROMPT_LOGITS_ROWS)]
 """Prompt positions whose logits are computed at once (bounds that tensor's memory)."""
 
 
@@ -356,18 +363,16 @@ class ModelRunner:
     def _prompt_logprobs(self, hidden: torch.Tensor, owed: list[tuple[Request, int, range]]
                          ) -> list[tuple[Request, list[TokenLogprobs]]]:
         """The prompt logprobs owed this step: the logits of only those positions, a slice
-        of rows at a time (a [rows, vocab] fp32 tensor each), so a request that does not
-        ask keeps the last-position-only LM head."""
+        of rows at a time (a [rows, vocab] fp32 tensor each, ``prompt_chunks``), so a
+        request that does not ask keeps the last-position-only LM head."""
         out = []
         for req, first, rows in owed:
             pos0 = first - rows.start  # a row's position is row + pos0
             found: list[TokenLogprobs] = []
-            for lo in range(rows.start, rows.stop, _PROMPT_LOGITS_ROWS):
-                part = range(lo, min(lo + _PROMPT_LOGITS_ROWS, rows.stop))
-                logits = self.model.compute_logits(hidden[part.start:part.stop])  # [r, V]
-                targets = [req.token_ids[r + pos0 + 1] for r in part]
-                found += token_logprobs(logits, targets,
-                                        [req.params.prompt_logprobs] * len(part))
+            for lo, hi in prompt_chunks([(req, first, rows)]):
+                logits = self.model.compute_logits(hidden[lo:hi])  # [r, V]
+                targets = [req.token_ids[r + pos0 + 1] for r in range(lo, hi)]
+                found += token_logprobs(logits, targets, [req.params.prompt_logprobs] * (hi - lo))
             out.append((req, found))
         return out
 
@@ -379,7 +384,8 @@ class ModelRunner:
         when it has none) and the prompt logprobs owed (``_Layout.owed``); ``scores``:
         the accumulators attention adds into (AttentionMetadata.scores). Every rank of
         a tensor-parallel group runs this on the same inputs (engine/parallel/runner.py;
-        adapters and owed rows are rank 0's alone, so a group refuses them)."""
+        adapters are rank 0's alone, so a group refuses them; owed rows are rank 0's, and
+        the others run the same LM-head calls from ``inputs.prompt_chunks``)."""
         meta = build_metadata(inputs.query_lens, inputs.seq_lens, inputs.num_prefills,
                               inputs.tables, self.config.cache.block_size, self.device,
                               self.kv_quant)
@@ -389,6 +395,9 @@ class ModelRunner:
         hidden = self._forward(inputs.ids, inputs.positions, ctx,
                                inputs.decode_only and not meta.scores, adapters or ())
         prompt = self._prompt_logprobs(hidden, owed)
+        if not owed:  # another rank of a group: rank 0's LM-head calls (their collectives)
+            for lo, hi in inputs.prompt_chunks:
+                self.model.compute_logits(hidden[lo:hi])
         if not inputs.logit_rows:
             return None, prompt
         return self.model.compute_logits(hidden[inputs.logit_rows]), prompt

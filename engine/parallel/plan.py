@@ -46,20 +46,24 @@ class StepInputs:
     """Rows of the hidden states [T, H] the LM head runs on; empty: no logits."""
     decode_only: bool
     """Every query is one token (a compiled decode bucket may run it)."""
+    prompt_chunks: list[tuple[int, int]] = field(default_factory=list)
+    """Row ranges [start, stop) the LM head runs on, in order, for prompt logprobs (rank 0
+    turns them into logprobs; in a group every rank must run the same LM-head calls)."""
 
     def encode(self) -> torch.Tensor:
         """Lengths first, then each list: a flat int64 tensor ``decode`` reads back."""
         head = [self.num_prefills, int(self.decode_only), len(self.ids), len(self.query_lens),
-                len(self.logit_rows)]
+                len(self.logit_rows), len(self.prompt_chunks)]
         body = (self.ids + self.positions + self.query_lens + self.seq_lens + self.logit_rows
+                + [b for chunk in self.prompt_chunks for b in chunk]
                 + [len(t) for t in self.tables] + [b for t in self.tables for b in t])
         return torch.tensor(head + body, dtype=torch.int64)
 
     @classmethod
     def decode(cls, flat: torch.Tensor) -> StepInputs:
         values = flat.tolist()
-        num_prefills, decode_only, n, q, r = values[:5]
-        at = 5
+        num_prefills, decode_only, n, q, r, c = values[:6]
+        at = 6
 
         def take(k: int) -> list[int]:
             nonlocal at
@@ -67,8 +71,10 @@ class StepInputs:
             return values[at - k:at]
 
         ids, positions, qlens, slens, rows = take(n), take(n), take(q), take(q), take(r)
+        bounds = take(2 * c)
         tables = [take(k) for k in take(q)]
-        return cls(ids, positions, qlens, slens, num_prefills, tables, rows, bool(decode_only))
+        return cls(ids, positions, qlens, slens, num_prefills, tables, rows, bool(decode_only),
+                   list(zip(bounds[::2], bounds[1::2])))
 
 
 @dataclass

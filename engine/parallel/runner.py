@@ -21,7 +21,7 @@ import torch
 from engine.config import EngineConfig
 from engine.cpu_limit import default_threads
 from engine.loader import LoadedCheckpoint
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, prompt_chunks
 from engine.models import MODELS
 from engine.models.base import CausalLM, meta_skeleton
 from engine.parallel.channel import config_to_tensor
@@ -62,15 +62,14 @@ class ShardedRunner(ModelRunner):
 
     def _run(self, inputs: StepInputs, should_stop: Callable[[], bool] | None = None,
              adapters: list | None = None, owed: list = (), scores: dict | None = None):
-        if owed:  # LLMEngine.make_request refuses them first; the other ranks cannot follow
-            raise ValueError("prompt_logprobs is not supported with --tensor-parallel-size > 1")
         if scores:  # bounded KV is refused at start-up under TP
             raise ValueError("h2o attention scores are not kept with --tensor-parallel-size > 1")
         if self.group is None:
             return super()._run(inputs)
+        inputs = dataclasses.replace(inputs, prompt_chunks=prompt_chunks(owed))
         with self._group_op("a step"):
             self.group.send(Op.STEP, inputs.encode())
-            return super()._run(inputs)  # no should_stop: every rank finishes the step
+            return super()._run(inputs, owed=owed)  # no should_stop: every rank finishes it
 
     def copy_blocks(self, swap_out: list[tuple[list[int], list[int]]],
                     swap_in: list[tuple[list[int], list[int]]],

@@ -13,7 +13,6 @@ import psutil
 import pytest
 import torch
 
-from core.errors import FieldError
 from core.sampling import SamplingParams
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -143,15 +142,39 @@ def test_packed_weights_at_tp2_equal_tp1(tmp_path, checkpoint, group, method: st
             quant_packed_max_rows=256)
 
 
-def test_prompt_logprobs_at_tp2_is_refused_naming_the_field(checkpoint, group) -> None:
-    eng = LLMEngine(config(checkpoint("llama"), 2), tp_group=group)
+def _prompt_logprobs(eng: LLMEngine, batch: list[list[int]], params: SamplingParams) -> list:
+    ids = [eng.add_request(p, params) for p in batch]
+    got: dict[str, list] = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.prompt_logprobs is not None:
+                got.setdefault(o.request_id, []).extend(o.prompt_logprobs)
+    eng.leak_check()
+    return [got[i] for i in ids]
+
+
+def test_prompt_logprobs_at_tp2_equal_tp1(checkpoint, group) -> None:
+    """Rank 0 turns the prompt rows' logits into logprobs; the other rank runs the same
+    LM-head calls (their all-gathers) from the step's prompt_chunks. Chunked prefill (16
+    tokens a step), three prompts batched: every logprob within 1e-4 of TP 1's, the same
+    top-3 tokens (but where TP 1's own top-3 values are within 1e-4 of each other)."""
+    path = checkpoint("llama")
+    one = LLMEngine(config(path, 1, max_num_batched_tokens=16))
+    two = LLMEngine(config(path, 2, max_num_batched_tokens=16), tp_group=group)
     try:
-        with pytest.raises(FieldError, match="prompt_logprobs: not supported with "
-                                             "--tensor-parallel-size > 1"):
-            eng.make_request([5, 6, 7], SamplingParams(max_tokens=1, prompt_logprobs=1))
-        eng.leak_check()
+        batch = prompts(3, seed=4, low=20, high=50)
+        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=3)
+        want, got = _prompt_logprobs(one, batch, params), _prompt_logprobs(two, batch, params)
     finally:
-        eng.close()
+        two.close()
+    for prompt, a, b in zip(batch, want, got):
+        assert len(a) == len(b) == len(prompt) - 1
+        for x, y in zip(a, b):
+            assert x.token_id == y.token_id and abs(x.logprob - y.logprob) < 1e-4
+            values = [v for _, v in x.top]
+            assert max(abs(v - w) for v, (_, w) in zip(values, y.top)) < 1e-4
+            tie = any(abs(u - v) < 1e-4 for u, v in zip(values, values[1:]))
+            assert tie or [t for t, _ in x.top] == [t for t, _ in y.top]
 
 
 def _ranks_of(pid: int) -> list[psutil.Process]:
