@@ -569,7 +569,7 @@ class EngineConfig:
         if tp == 1:
             return
         unbuilt = {"--speculative-method draft": self.spec.speculative_method == "draft",
-                   "--kv-offload-cpu-gib": bool(self.cache.kv_offload_cpu_gib),
+                   "--kv-offload-dir": bool(self.cache.kv_offload_dir),
                    "--enable-lora/--lora-modules": self.lora.enabled,
                    "--kv-policy": self.cache.kv_policy not in (None, "", "full")
                    or self.cache.allow_request_kv_policy}

@@ -106,7 +106,8 @@ class LLMEngine:
         slots = HostSlots(self.runner.num_host_slots)
         self.swap = SwapPool(self.runner.num_swap_blocks, slots) if self.runner.num_swap_blocks else None
         self.tiers = build_tiers(config.cache, self.kv, self.runner.kv, self.runner.swap_kv,
-                                 slots, self.fingerprint, self.runner.kv_dtype)
+                                 slots, self.fingerprint, self.runner.kv_dtype,
+                                 self.runner.copy_blocks)
         """Host and disk tiers below the device pool (--kv-offload-*); None: off."""
         self.connector = connector
         """Where KV comes from and goes to besides this engine; None: colocated."""

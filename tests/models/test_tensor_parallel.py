@@ -98,12 +98,13 @@ def test_a_split_that_does_not_divide_is_refused_before_any_rank_starts(checkpoi
 
 @pytest.mark.parametrize("flag, value, name", [
     ("speculative_model", "self:1", "--speculative-method draft"),
-    ("kv_offload_cpu_gib", 0.5, "--kv-offload-cpu-gib"),
+    ("kv_offload_dir", "/tmp/kv", "--kv-offload-dir"),
     ("enable_lora", True, "--enable-lora/--lora-modules"),
     ("kv_policy", "streaming:sinks=4,window=60", "--kv-policy"),
     ("allow_request_kv_policy", True, "--kv-policy")])
 def test_combinations_not_built_are_refused_naming_both_flags(flag: str, value, name: str) -> None:
-    extra = {"speculative_method": "draft"} if flag == "speculative_model" else {}
+    extra = {"speculative_model": {"speculative_method": "draft"},
+             "kv_offload_dir": {"kv_offload_cpu_gib": 0.5}}.get(flag, {})
     with pytest.raises(ValueError, match=f"{name} is not supported with "
                                          f"--tensor-parallel-size 2"):
         EngineConfig.from_flat(tensor_parallel_size=2, **{flag: value}, **extra)
@@ -140,6 +141,30 @@ def test_packed_weights_at_tp2_equal_tp1(tmp_path, checkpoint, group, method: st
         path, method = write_gguf(path, "llama", tmp_path / f"{method}.gguf", qtype=method), "auto"
     compare(path, group, alone=False, count=8, packed=True, quantization=method,
             quant_packed_max_rows=256)
+
+
+def test_the_host_kv_tier_at_tp2_equals_tp1(checkpoint, group) -> None:
+    """The host tier's demotions and promotions go through the runner's copy_blocks, so
+    each rank copies its own heads: a prompt whose blocks other prompts evicted from a
+    device pool of 8 blocks comes back from host memory, with TP 1's tokens and hits."""
+    path = checkpoint("llama")
+    prompt, *fillers = prompts(4, seed=5, low=40, high=41)  # 5 full blocks of 8 each
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    runs = []
+    for tp in (1, 2):
+        eng = LLMEngine(config(path, tp, num_kv_blocks=8, max_model_len=64,
+                               preemption_mode="recompute", swap_space=0,
+                               kv_offload_cpu_gib=64 * 4096 / (1 << 30)),
+                        tp_group=group if tp == 2 else None)
+        try:
+            got = [eng.generate([p], params)[0] for p in [prompt, *fillers, prompt]]
+            runs.append(([c.token_ids for c in got], got[-1].cached_by_tier,
+                         eng.tiers.stats.host_hits))
+            eng.leak_check()
+        finally:
+            eng.close()
+    assert runs[1] == runs[0]
+    assert runs[0][1] == (40, 0) and runs[0][2] == 5  # every prompt block from the host
 
 
 def _prompt_logprobs(eng: LLMEngine, batch: list[list[int]], params: SamplingParams) -> list:

@@ -13,7 +13,7 @@ from engine.kv_cache.manager import KVCacheManager
 from engine.kv_cache.swap import HostSlots
 from engine.kv_cache.tiers.block_file import KVFormat
 from engine.kv_cache.tiers.disk import DiskTier
-from engine.kv_cache.tiers.tiered import TieredCache, TierStats
+from engine.kv_cache.tiers.tiered import CopyBlocks, TieredCache, TierStats
 
 __all__ = ["TierStats", "TieredCache", "build_tiers", "kv_format"]
 
@@ -25,7 +25,7 @@ def kv_format(fingerprint: str, kv_dtype: str, device_kv: torch.Tensor) -> KVFor
 
 def build_tiers(cache: CacheConfig, kv: KVCacheManager, device_kv: torch.Tensor,
                 host_kv: torch.Tensor | None, slots: HostSlots, fingerprint: str,
-                kv_dtype: str) -> TieredCache | None:
+                kv_dtype: str, copy_blocks: CopyBlocks) -> TieredCache | None:
     """The tiers the flags ask for, hooked into ``kv`` (None: --kv-offload-cpu-gib 0;
     CacheConfig checked the sizes). ValueError naming --kv-offload-dir when it cannot
     be written."""
@@ -35,7 +35,7 @@ def build_tiers(cache: CacheConfig, kv: KVCacheManager, device_kv: torch.Tensor,
     if cache.kv_offload_dir:
         disk = DiskTier(cache.kv_offload_dir, int(cache.kv_offload_disk_gib * (1 << 30)),
                         kv_format(fingerprint, kv_dtype, device_kv))
-    tiers = TieredCache(device_kv, host_kv, slots, cache.block_size, disk)
+    tiers = TieredCache(device_kv, host_kv, slots, cache.block_size, copy_blocks, disk)
     tiers.attach(kv.pool)
     kv.lower_tiers = tiers
     return tiers

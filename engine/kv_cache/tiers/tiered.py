@@ -1,7 +1,10 @@
 """The tiers below the device pool, as the KV manager sees them: blocks the pool evicts
 come down (``demote``), a prefix that misses on the device comes back up (``promote``).
 
-Demotion copies the evicted block into a host slot at once, on the engine thread: an
+Every copy goes through the runner's ``copy_blocks`` (at --tensor-parallel-size > 1
+each rank copies its own heads; the disk tier is refused there, as its files hold
+every head). Demotion copies the evicted block into a host slot at once, on the engine
+thread: an
 evicted block is about to be reused, and nothing writes a block between its eviction
 and the step's forward pass, so its bytes are still the cached ones. A host block that
 loses its slot is queued for the disk tier (a copy of its bytes; the writer thread
@@ -25,7 +28,7 @@ it from the host as above (docs/kv-offload.md).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -51,11 +54,21 @@ class TierStats:
     """Blocks promoted from the disk tier."""
 
 
+Pairs = list[tuple[list[int], list[int]]]
+CopyBlocks = Callable[[Pairs, Pairs], object]
+"""ModelRunner.copy_blocks(swap_out [(device ids, host slots)], swap_in [(host slots,
+device ids)]): at --tensor-parallel-size > 1 every rank copies its heads' bytes."""
+
+
 class TieredCache:
     def __init__(self, device_kv: torch.Tensor, host_kv: torch.Tensor, slots: HostSlots,
-                 block_size: int, disk: DiskTier | None = None) -> None:
+                 block_size: int, copy_blocks: CopyBlocks, disk: DiskTier | None = None
+                 ) -> None:
+        """copy_blocks: how bytes move between the device pool and host slots (the
+        runner's: at TP > 1 every rank copies its heads)."""
         self.device_kv = device_kv  # [num_blocks, L, 2, B, Hkv, row]
         self.host_kv = host_kv  # [host slots, L, 2, B, Hkv, row], shared with the swap pool
+        self.copy_blocks = copy_blocks
         self.slots = slots
         self.block_size = block_size
         self.disk = disk
@@ -93,7 +106,7 @@ class TieredCache:
         if slot is None:
             self.stats.not_demoted += 1
             return
-        self.host_kv[slot].copy_(self.device_kv[block_id])
+        self.copy_blocks([([block_id], [slot])], [])
         self.stats.demoted += 1
         self.events.append(TierEvent(KVEventKind.STORED, block_hash, MEDIUM_HOST, tuple(tokens)))
 
@@ -191,10 +204,9 @@ class TieredCache:
     def flush(self) -> None:
         """Run the promotions' copies, then release their holds and pins (after the step's
         swap copies, before its forward)."""
-        for bid, source in self._copies:
-            self.device_kv[bid].copy_(self.host_kv[source.slot], non_blocking=True)
-        if self._copies and self.device_kv.device.type == "cuda":
-            torch.cuda.current_stream(self.device_kv.device).synchronize()  # sources reusable
+        if self._copies:  # the copies are done when this returns: the sources are reusable
+            self.copy_blocks([], [([s.slot for _, s in self._copies],
+                                   [bid for bid, _ in self._copies])])
         for _, source in self._copies:
             source.pins -= 1
         self._copies.clear()
