@@ -571,8 +571,8 @@ class EngineConfig:
         unbuilt = {"--speculative-method draft": self.spec.speculative_method == "draft",
                    "--kv-offload-dir": bool(self.cache.kv_offload_dir),
                    "--enable-lora/--lora-modules": self.lora.enabled,
-                   "--kv-policy": self.cache.kv_policy not in (None, "", "full")
-                   or self.cache.allow_request_kv_policy}
+                   "--kv-policy h2o": getattr(parse_kv_policy(self.cache.kv_policy, "--kv-policy"),
+                                              "scored", False)}
         for flag, used in unbuilt.items():
             if used:
                 raise ValueError(f"{flag} is not supported with --tensor-parallel-size {tp} "

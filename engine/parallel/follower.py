@@ -161,6 +161,9 @@ def follower_main(rank: int, world: int, port: int, device: str, parent: int,
                 runner._run(StepInputs.decode(body))
         elif op is Op.COPY:
             runner.copy_blocks(*Copies.decode(body).lists())
+        elif op is Op.SHIFT:
+            delta, *blocks = body.tolist()
+            runner.shift_keys(blocks, delta)
         elif op in (Op.GATHER_KV, Op.SCATTER_KV):
             runner.follow_kv(op, body.tolist(), control)
         elif op is Op.CLOSE:

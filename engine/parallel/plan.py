@@ -29,6 +29,9 @@ class Op(enum.IntEnum):
     (engine/parallel/kv_heads.py)."""
     SCATTER_KV = 7
     """Take this rank's KV heads of some blocks from rank 0: the payload is the block ids."""
+    SHIFT = 8
+    """Re-rotate the keys of some blocks (a bounded KV policy dropped blocks before them):
+    the payload is the shift in positions, then the block ids."""
 
 
 @dataclass

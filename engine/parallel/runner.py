@@ -62,7 +62,7 @@ class ShardedRunner(ModelRunner):
 
     def _run(self, inputs: StepInputs, should_stop: Callable[[], bool] | None = None,
              adapters: list | None = None, owed: list = (), scores: dict | None = None):
-        if scores:  # bounded KV is refused at start-up under TP
+        if scores:  # h2o is refused at start-up and per request under TP (check_scores)
             raise ValueError("h2o attention scores are not kept with --tensor-parallel-size > 1")
         if self.group is None:
             return super()._run(inputs)
@@ -81,6 +81,15 @@ class ShardedRunner(ModelRunner):
         with self._group_op("a swap"):
             self.group.send(Op.COPY, Copies.of(swap_out, swap_in, copies).encode())
             return super().copy_blocks(swap_out, swap_in, copies)
+
+    def shift_keys(self, blocks: list[int], delta: int) -> None:
+        """Every rank re-rotates its heads' keys of these blocks (a streaming policy
+        dropped blocks before them)."""
+        if self.group is None:
+            return super().shift_keys(blocks, delta)
+        with self._group_op("a key shift"):
+            self.group.send(Op.SHIFT, torch.tensor([delta, *blocks], dtype=torch.int64))
+            return super().shift_keys(blocks, delta)
 
     @property
     def head_map(self) -> list[list[int]]:

@@ -13,6 +13,7 @@ import psutil
 import pytest
 import torch
 
+from core.errors import FieldError
 from core.sampling import SamplingParams
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -100,8 +101,7 @@ def test_a_split_that_does_not_divide_is_refused_before_any_rank_starts(checkpoi
     ("speculative_model", "self:1", "--speculative-method draft"),
     ("kv_offload_dir", "/tmp/kv", "--kv-offload-dir"),
     ("enable_lora", True, "--enable-lora/--lora-modules"),
-    ("kv_policy", "streaming:sinks=4,window=60", "--kv-policy"),
-    ("allow_request_kv_policy", True, "--kv-policy")])
+    ("kv_policy", "h2o:heavy=16,recent=48", "--kv-policy h2o")])
 def test_combinations_not_built_are_refused_naming_both_flags(flag: str, value, name: str) -> None:
     extra = {"speculative_model": {"speculative_method": "draft"},
              "kv_offload_dir": {"kv_offload_cpu_gib": 0.5}}.get(flag, {})
@@ -165,6 +165,31 @@ def test_the_host_kv_tier_at_tp2_equals_tp1(checkpoint, group) -> None:
             eng.close()
     assert runs[1] == runs[0]
     assert runs[0][1] == (40, 0) and runs[0][2] == 5  # every prompt block from the host
+
+
+def test_streaming_kv_policy_at_tp2_equals_tp1(checkpoint, group) -> None:
+    """A streaming policy drops blocks and every rank re-rotates its heads' keys (Op.SHIFT):
+    generating 120 tokens past prompts of 12-30 (a budget of 32), TP 2's greedy tokens
+    equal TP 1's. h2o, whose scores each rank would hold for its own heads, is
+    refused per request, naming the field."""
+    path = checkpoint("llama")
+    policy = "streaming:sinks=4,window=28"  # 1 sink block + 4 recent blocks of 8
+    batch = prompts(4, seed=7, low=12, high=30)
+    params = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
+    got = []
+    for tp in (1, 2):
+        eng = LLMEngine(config(path, tp, kv_policy=policy, allow_request_kv_policy=True),
+                        tp_group=group if tp == 2 else None)
+        try:
+            got.append([c.token_ids for c in eng.generate(batch, params)])
+            if tp == 2:
+                with pytest.raises(FieldError, match="kv_policy: h2o is not supported with "
+                                                     "--tensor-parallel-size 2"):
+                    eng.make_request([5, 6, 7], params, kv_policy="h2o:heavy=8,recent=24")
+            eng.leak_check()
+        finally:
+            eng.close()
+    assert got[1] == got[0]
 
 
 def _prompt_logprobs(eng: LLMEngine, batch: list[list[int]], params: SamplingParams) -> list:
