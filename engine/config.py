@@ -568,7 +568,8 @@ class EngineConfig:
         tp = self.parallel.tensor_parallel_size
         if tp == 1:
             return
-        unbuilt = {"--speculative-method draft": self.spec.speculative_method == "draft",
+        unbuilt = {"--speculative-model self:N": self.spec.speculative_method == "draft"
+                   and self.spec.speculative_model.startswith("self:"),
                    "--kv-offload-dir": bool(self.cache.kv_offload_dir),
                    "--enable-lora/--lora-modules": self.lora.enabled,
                    "--kv-policy h2o": getattr(parse_kv_policy(self.cache.kv_policy, "--kv-policy"),

@@ -75,12 +75,13 @@ class ShardedRunner(ModelRunner):
                     swap_in: list[tuple[list[int], list[int]]],
                     copies: list[tuple[int, int]] = (), draft_kv: torch.Tensor | None = None
                     ) -> int:
-        """draft_kv: always None here (a group refuses a draft model)."""
+        """draft_kv: a separate draft model's cache, on rank 0 alone (the draft model
+        runs there, unsplit): the other ranks copy their target heads only."""
         if self.group is None or not (swap_out or swap_in or copies):
-            return super().copy_blocks(swap_out, swap_in, copies)
+            return super().copy_blocks(swap_out, swap_in, copies, draft_kv)
         with self._group_op("a swap"):
             self.group.send(Op.COPY, Copies.of(swap_out, swap_in, copies).encode())
-            return super().copy_blocks(swap_out, swap_in, copies)
+            return super().copy_blocks(swap_out, swap_in, copies, draft_kv)
 
     def shift_keys(self, blocks: list[int], delta: int) -> None:
         """Every rank re-rotates its heads' keys of these blocks (a streaming policy

@@ -98,7 +98,7 @@ def test_a_split_that_does_not_divide_is_refused_before_any_rank_starts(checkpoi
 
 
 @pytest.mark.parametrize("flag, value, name", [
-    ("speculative_model", "self:1", "--speculative-method draft"),
+    ("speculative_model", "self:1", "--speculative-model self:N"),
     ("kv_offload_dir", "/tmp/kv", "--kv-offload-dir"),
     ("enable_lora", True, "--enable-lora/--lora-modules"),
     ("kv_policy", "h2o:heavy=16,recent=48", "--kv-policy h2o")])
@@ -110,22 +110,25 @@ def test_combinations_not_built_are_refused_naming_both_flags(flag: str, value, 
         EngineConfig.from_flat(tensor_parallel_size=2, **{flag: value}, **extra)
 
 
-@pytest.mark.parametrize("method", ["ngram", "suffix"])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft"])
 def test_speculative_decoding_at_tp2_equals_tp1(checkpoint, group, method: str) -> None:
-    """A proposer without a model of its own guesses on rank 0; the verification rows
-    (1 + k tokens a sequence) run on every rank like any step: greedy tokens at TP 2 with
+    """Guesses come from rank 0 (a draft model runs there, unsplit, with its own cache;
+    here the target's own checkpoint, so most guesses hold); the verification rows (1 + k
+    tokens a sequence) run on every rank like any step: greedy tokens at TP 2 with
     speculation equal TP 1's without, and guesses were verified (prompts that repeat
-    themselves, so the proposers find matches)."""
+    themselves, so the n-gram and suffix proposers find matches)."""
     path = checkpoint("llama")
     one = LLMEngine(config(path, 1))
-    two = LLMEngine(config(path, 2, speculative_method=method, num_speculative_tokens=3),
-                    tp_group=group)
+    draft = {"speculative_model": str(path)} if method == "draft" else {}
+    two = LLMEngine(config(path, 2, speculative_method=method, num_speculative_tokens=3,
+                           **draft), tp_group=group)
     try:
         batch = [p * 4 for p in prompts(6, seed=9, low=4, high=8)]
         params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
         want = [c.token_ids for c in one.generate(batch, params)]
         assert [c.token_ids for c in two.generate(batch, params)] == want
-        assert two.speculator.counters.get(method).verifications > 0
+        counters = two.speculator.counters.get(method)
+        assert counters.verifications > 0 and counters.accepted > 0, counters
         two.leak_check()
     finally:
         two.close()
