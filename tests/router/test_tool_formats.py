@@ -110,6 +110,7 @@ def test_qwen_template_gets_tool_call_blocks(tmp_path) -> None:
         pool = WorkerPool(d.secret)
         try:
             await pool.apply(frozenset({WorkerEndpoint("decode", f"127.0.0.1:{d.port}")}))
+            await pool.wait_healthy(30)  # as the router's start-up does; else a 503
             await _requests(*_app(root, pool))
             await leak_check(d)
         finally:
