@@ -53,6 +53,7 @@ class StepTokens:
 
 
 _PROMPT_LOGITS_ROWS = 256
+"""Prompt positions whose logits are computed at once (bounds that tensor's memory)."""
 
 
 def prompt_chunks(owed: list[tuple[Request, int, range]]) -> list[tuple[int, int]]:
@@ -60,7 +61,6 @@ def prompt_chunks(owed: list[tuple[Request, int, range]]) -> list[tuple[int, int
     each owed request's rows, at most _PROMPT_LOGITS_ROWS at a time."""
     return [(lo, min(lo + _PROMPT_LOGITS_ROWS, rows.stop))
             for _, _, rows in owed for lo in range(rows.start, rows.stop, _PROMPT_LOGITS_ROWS)]
-"""Prompt positions whose logits are computed at once (bounds that tensor's memory)."""
 
 
 @dataclass
