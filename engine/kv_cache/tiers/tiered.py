@@ -4,9 +4,8 @@ come down (``demote``), a prefix that misses on the device comes back up (``prom
 Every copy goes through the runner's ``copy_blocks`` (at --tensor-parallel-size > 1
 each rank copies its own heads; the disk tier is refused there, as its files hold
 every head). Demotion copies the evicted block into a host slot at once, on the engine
-thread: an
-evicted block is about to be reused, and nothing writes a block between its eviction
-and the step's forward pass, so its bytes are still the cached ones. A host block that
+thread: an evicted block is about to be reused, and nothing writes a block between its
+eviction and the step's forward pass, so its bytes are still the cached ones. A host block that
 loses its slot is queued for the disk tier (a copy of its bytes; the writer thread
 writes it).
 
