@@ -571,7 +571,6 @@ class EngineConfig:
         unbuilt = {"--speculative-model self:N": self.spec.speculative_method == "draft"
                    and self.spec.speculative_model.startswith("self:"),
                    "--kv-offload-dir": bool(self.cache.kv_offload_dir),
-                   "--enable-lora/--lora-modules": self.lora.enabled,
                    "--kv-policy h2o": getattr(parse_kv_policy(self.cache.kv_policy, "--kv-policy"),
                                               "scored", False)}
         for flag, used in unbuilt.items():

@@ -134,7 +134,6 @@ class ModelRunner:
         self.backend = get_backend(config.load.attention_backend, self.device)
         self._load_decode_kernel()
         model = self._build(ckpt, max_model_len)
-        self.lora_targets = target_map(model)  # before quantization swaps the Linears
         self.quant = self._quantize(model, ckpt)
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         if self.quant is not None:
@@ -184,6 +183,7 @@ class ModelRunner:
             model.load_weights(ckpt.tensors)
         except ValueError as e:
             raise ValueError(f"{ckpt.path}: {e}") from e
+        self.lora_targets = target_map(model)  # unsplit, before quantization swaps the Linears
         return model
 
     def _allocate_kv(self, ckpt: LoadedCheckpoint) -> torch.Tensor:
@@ -344,11 +344,11 @@ class ModelRunner:
         sampled, rows = lay.sampled, lay.rows
         plain = [i for i, r in enumerate(sampled) if not r.draft]
         masks = self._submit_masks([r.sampling for r in sampled], [r.draft for r in sampled])
-        adapters = ([req.lora for req, n in entries for _ in range(n)]  # one per row of ids
-                    if self.lora is not None else None)
+        if self.lora is not None:  # one per row of ids; makes the step's adapters resident
+            inputs.lora_slots = self.lora.assign([req.lora for req, n in entries for _ in range(n)])
         scores = step_scores(lay.scored, self.model_config.num_layers, self.kv_heads, self.device)
         try:
-            logits, prompt = self._run(inputs, should_stop, adapters, lay.owed, scores)
+            logits, prompt = self._run(inputs, should_stop, lay.owed, scores)
             keep_scores(lay.scored, scores, dict(enumerate(lay.qtables)), self.kv, self.model,
                         self.kv_quant)
             if logits is None:
@@ -377,14 +377,14 @@ class ModelRunner:
         return out
 
     def _run(self, inputs: StepInputs, should_stop: Callable[[], bool] | None = None,
-             adapters: list | None = None, owed: list[tuple[Request, int, range]] = (),
+             owed: list[tuple[Request, int, range]] = (),
              scores: dict[int, torch.Tensor] | None = None
              ) -> tuple[torch.Tensor | None, list[tuple[Request, list[TokenLogprobs]]]]:
         """One forward pass over inputs -> fp32 logits [N, V] of its logit rows (None
         when it has none) and the prompt logprobs owed (``_Layout.owed``); ``scores``:
         the accumulators attention adds into (AttentionMetadata.scores). Every rank of
         a tensor-parallel group runs this on the same inputs (engine/parallel/runner.py;
-        adapters are rank 0's alone, so a group refuses them; owed rows are rank 0's, and
+        LoRA rows name slots the ranks fill alike; owed rows are rank 0's, and
         the others run the same LM-head calls from ``inputs.prompt_chunks``)."""
         meta = build_metadata(inputs.query_lens, inputs.seq_lens, inputs.num_prefills,
                               inputs.tables, self.config.cache.block_size, self.device,
@@ -393,7 +393,7 @@ class ModelRunner:
         ctx = ForwardContext(self.kv, meta, self.backend, should_stop)
         # a compiled step has no scores to give: steps with scored rows run eager
         hidden = self._forward(inputs.ids, inputs.positions, ctx,
-                               inputs.decode_only and not meta.scores, adapters or ())
+                               inputs.decode_only and not meta.scores, inputs.lora_slots)
         prompt = self._prompt_logprobs(hidden, owed)
         if not owed:  # another rank of a group: rank 0's LM-head calls (their collectives)
             for lo, hi in inputs.prompt_chunks:
@@ -451,22 +451,22 @@ class ModelRunner:
         return StepTokens(sampled, tokens, logprobs)
 
     def _forward(self, ids: list[int], pos: list[int], ctx: ForwardContext,
-                 decode_only: bool, adapters: Sequence) -> torch.Tensor:
+                 decode_only: bool, lora_slots: Sequence[int]) -> torch.Tensor:
         """Hidden states [T, H]: a compiled bucket for decode-only steps, else eager.
-        adapters: each row's LoRA adapter or None (the base model); empty: all base."""
+        lora_slots: each row's LoRA slot + 1 (0: the base model); empty: all base."""
         c = self.compiled
         bucket = c.bucket(len(ids)) if c is not None and decode_only else None
         if bucket is not None:
             tids, tpos = c.pad(ids, pos, bucket)
             try:
-                with lora_rows(self.lora, adapters, bucket, compiled=True):
+                with lora_rows(self.lora, lora_slots, bucket, compiled=True):
                     return self.model(tids, tpos, ctx, c.segments, rows=len(ids))[:len(ids)]
             except StepInterrupted:
                 raise
             except Exception as e:  # a recompile that failed: this step and later ones eager
                 c.fail(f"compiled decode step for batch {bucket} failed: {type(e).__name__}: "
                        f"{str(e).strip().splitlines()[0][:300] if str(e) else ''}")
-        with lora_rows(self.lora, adapters, len(ids)):
+        with lora_rows(self.lora, lora_slots, len(ids)):
             return self.model(torch.tensor(ids, device=self.device),
                               torch.tensor(pos, device=self.device), ctx)
 

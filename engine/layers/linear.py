@@ -47,3 +47,12 @@ def single(in_features: int, out_features: int, name: str, *, bias: bool = False
            parallel: Parallel = "column") -> Linear:
     """A linear filled by one checkpoint tensor of its own name."""
     return Linear(in_features, [(name, out_features)], bias=bias, parallel=parallel)
+
+
+def move_forward_hooks(src: nn.Module, dst: nn.Module) -> None:
+    """Give ``dst``, which takes ``src``'s place (a packed linear, a LoRA wrapper around
+    it), the forward hooks ``src`` had: a tensor-parallel split's collective belongs to
+    whatever module sits at that path, and must run once."""
+    for hook in list(src._forward_hooks.values()):
+        dst.register_forward_hook(hook)
+    src._forward_hooks.clear()

@@ -14,6 +14,13 @@ adapter's A columns and B rows (an adapter of Phi-3's fused ``qkv_proj`` is one 
 A pass with no adapter row skips all of it (LoRAState.onehot None); the compiled decode
 step traces both variants at start-up (docs/performance.md,
 "Multi-LoRA").
+
+On a rank of a tensor-parallel group the base linear is split (``base.shard``,
+engine/parallel/shard.py) and the adapter is split with it: a column split keeps, of
+each shard's B, the output rows the rank's weight keeps (its A whole); a row split
+keeps the input columns of A (its B whole), so ``x @ A_part @ B`` is a partial sum
+like the base's, reduced by the same all-reduce (the split's forward hook moves onto
+the wrapper, which adds the two before it runs).
 """
 from __future__ import annotations
 
@@ -23,7 +30,7 @@ from typing import Iterator, NamedTuple
 import torch
 from torch import nn
 
-from engine.layers.linear import Linear
+from engine.layers.linear import Linear, move_forward_hooks
 from engine.lora.adapter import AdapterError, LoRAAdapter
 
 Shards = tuple[tuple[str, slice], ...]
@@ -66,14 +73,22 @@ class LoRALinear(nn.Module):
         self.base = base
         self.shards, self.state = shards, state
         self.slots, self.max_rank = slots, max_rank
+        split = getattr(base, "shard", None)
+        self.cols = split.cols if split is not None else None
+        """The input columns (start, length) of A this rank keeps (a row split); None: all."""
+        self.keep = [_kept_rows(rows, split.rows if split is not None else ())
+                     for _, rows in shards]
+        """Per shard, the (start, length) pieces of its B rows this rank keeps."""
         w = base.weight
         # columns slot-major: [slot s][shard i][rank r], so the slots in use are a prefix
         self.register_buffer("lora_a", w.new_zeros(base.in_features,
                                                    len(shards) * slots * max_rank),
                              persistent=False)
-        for i, (_, rows) in enumerate(shards):
-            self.register_buffer(f"lora_b{i}", w.new_zeros(slots * max_rank, rows.stop - rows.start),
+        for i, pieces in enumerate(self.keep):
+            self.register_buffer(f"lora_b{i}", w.new_zeros(slots * max_rank,
+                                                           sum(n for _, n in pieces)),
                                  persistent=False)
+        move_forward_hooks(base, self)  # a row split's all-reduce sums base + adapter
 
     @property
     def in_features(self) -> int:
@@ -101,22 +116,40 @@ class LoRALinear(nn.Module):
 
     @torch.no_grad()
     def set_slot(self, slot: int, parts: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
-        """Fill one slot with an adapter's (shard index, A [r, K], B [rows, r]); zeros
-        where the adapter has no shard (so a fresh slot carries nothing of the last)."""
+        """Fill one slot with an adapter's (shard index, A [r, K], B [rows, r]), whole
+        (this rank's part is cut here); zeros where the adapter has no shard (so a fresh
+        slot carries nothing of the last)."""
         n, r = len(self.shards), self.max_rank
         self.lora_a[:, slot * n * r:(slot + 1) * n * r] = 0
         for i in range(n):
             getattr(self, f"lora_b{i}")[slot * r:(slot + 1) * r] = 0
         for i, a, b in parts:
+            if self.cols is not None:
+                a = a.narrow(1, *self.cols)
+            b = torch.cat([b.narrow(0, start, length) for start, length in self.keep[i]])
             at, k = (slot * n + i) * r, a.shape[0]
             self.lora_a[:, at:at + k] = a.t().to(self.lora_a)
             getattr(self, f"lora_b{i}")[slot * r:slot * r + k] = b.t().to(self.lora_a)
 
 
+def _kept_rows(rows: slice, pieces: tuple[tuple[int, int], ...]) -> list[tuple[int, int]]:
+    """The (start, length) pieces, within one shard's rows of the unsplit output, that a
+    column split keeping ``pieces`` (unsplit row ranges, in order) keeps; all without."""
+    if not pieces:
+        return [(0, rows.stop - rows.start)]
+    out = []
+    for start, n in pieces:
+        lo, hi = max(start, rows.start), min(start + n, rows.stop)
+        if lo < hi:
+            out.append((lo - rows.start, hi - lo))
+    return out
+
+
 def target_map(model: nn.Module) -> dict[str, Target]:
     """Every linear an adapter may target -> its shards (read before quantization swaps
     the Linears; the LM head is left out: logits are computed for the sampled rows only,
-    and a tied head is the embedding)."""
+    and a tied head is the embedding). Read on the unsplit model: an adapter is checked
+    against, and sent to a group's ranks as, the whole model's shapes."""
     out = {}
     for path, mod in model.named_modules():
         if isinstance(mod, Linear) and path != "lm_head":

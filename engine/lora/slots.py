@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from contextlib import AbstractContextManager, nullcontext
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -37,15 +37,21 @@ class LoRASlots:
             self.layers[path] = layer
         self.resident: OrderedDict[bytes, int] = OrderedDict()
         """Adapter identity -> its slot, least recently used first."""
+        self.on_load: Callable[[int, LoRAAdapter], None] | None = None
+        """Called before an adapter is copied into a slot (a tensor-parallel group's rank
+        0 sends it to the other ranks, engine/parallel/runner.py)."""
 
-    def onehot(self, rows: Sequence[LoRAAdapter | None], total: int) -> torch.Tensor:
-        """[total, max_loras] for a pass over ``rows`` (one adapter or None per row; rows
-        past len(rows) are padding of a compiled bucket: base)."""
+    def assign(self, rows: Sequence[LoRAAdapter | None]) -> list[int]:
+        """Each row's slot + 1 (0: the base model), the adapters made resident first."""
         slots = self._make_resident({a.identity: a for a in rows if a is not None})
-        idx = torch.tensor([slots[a.identity] + 1 if a is not None else 0 for a in rows]
-                           + [0] * (total - len(rows)))
+        return [slots[a.identity] + 1 if a is not None else 0 for a in rows]
+
+    def onehot(self, idx: Sequence[int], total: int) -> torch.Tensor:
+        """[total, max_loras] for a pass whose rows use slots ``idx`` (``assign``; rows
+        past len(idx) are padding of a compiled bucket: base)."""
         some = next(iter(self.layers.values())).lora_a
-        onehot = F.one_hot(idx, self.max_loras + 1)[:, 1:]  # column 0: base rows, dropped
+        onehot = F.one_hot(torch.tensor([*idx, *[0] * (total - len(idx))]),
+                           self.max_loras + 1)[:, 1:]  # column 0: base rows, dropped
         return onehot.to(device=some.device, dtype=some.dtype)
 
     def _make_resident(self, wanted: dict[bytes, LoRAAdapter]) -> dict[bytes, int]:
@@ -68,24 +74,30 @@ class LoRASlots:
         victim = next(i for i in self.resident if i not in wanted)  # least recently used
         return self.resident.pop(victim)
 
-    @torch.no_grad()
     def _load(self, adapter: LoRAAdapter, slot: int) -> None:
-        for path, layer in self.layers.items():
-            layer.set_slot(slot, adapter.placed.get(path, []))
+        if self.on_load is not None:
+            self.on_load(slot, adapter)
+        self.load(slot, adapter.placed)
         self.resident[adapter.identity] = slot
 
+    @torch.no_grad()
+    def load(self, slot: int, placed: dict[str, list]) -> None:
+        """Fill ``slot`` with an adapter's placed parts (LoRAAdapter.placed: linear path
+        -> [(shard index, A, B)], whole; each layer cuts its rank's part)."""
+        for path, layer in self.layers.items():
+            layer.set_slot(slot, placed.get(path, []))
 
-def lora_rows(slots: LoRASlots | None, rows: Sequence[LoRAAdapter | None],
-              total: int, compiled: bool = False) -> AbstractContextManager:
-    """The context one forward pass of ``total`` rows runs in: each of ``rows`` under its
-    adapter (the rest, padding, as base). Without LoRA, or without an adapter row, nothing:
-    the base graph. A compiled pass reads every slot (one graph per bucket, not one per
-    number of slots in use)."""
-    if slots is None or not any(a is not None for a in rows):
+
+def lora_rows(slots: LoRASlots | None, idx: Sequence[int], total: int,
+              compiled: bool = False) -> AbstractContextManager:
+    """The context one forward pass of ``total`` rows runs in: row t under slot idx[t] - 1
+    (0: the base; rows past len(idx), padding, too). Without LoRA, or without an adapter
+    row, nothing: the base graph. A compiled pass reads every slot (one graph per
+    bucket, not one per number of slots in use)."""
+    if slots is None or not any(idx):
         return nullcontext()
-    onehot = slots.onehot(rows, total)
-    used = slots.max_loras if compiled else max(slots.resident[a.identity] for a in rows if a) + 1
-    return slots.state.rows(onehot, used)
+    used = slots.max_loras if compiled else max(idx)
+    return slots.state.rows(slots.onehot(idx, total), used)
 
 
 def warm_rows(slots: LoRASlots | None, total: int) -> AbstractContextManager:

@@ -164,6 +164,8 @@ def follower_main(rank: int, world: int, port: int, device: str, parent: int,
         elif op is Op.SHIFT:
             delta, *blocks = body.tolist()
             runner.shift_keys(blocks, delta)
+        elif op is Op.LORA:
+            runner.follow_adapter(body)
         elif op in (Op.GATHER_KV, Op.SCATTER_KV):
             runner.follow_kv(op, body.tolist(), control)
         elif op is Op.CLOSE:

@@ -32,6 +32,8 @@ class Op(enum.IntEnum):
     SHIFT = 8
     """Re-rotate the keys of some blocks (a bounded KV policy dropped blocks before them):
     the payload is the shift in positions, then the block ids."""
+    LORA = 9
+    """Fill a LoRA slot with an adapter: the payload is an AdapterSlot."""
 
 
 @dataclass
@@ -52,21 +54,23 @@ class StepInputs:
     prompt_chunks: list[tuple[int, int]] = field(default_factory=list)
     """Row ranges [start, stop) the LM head runs on, in order, for prompt logprobs (rank 0
     turns them into logprobs; in a group every rank must run the same LM-head calls)."""
+    lora_slots: list[int] = field(default_factory=list)
+    """Each row's LoRA slot + 1 (0: the base model); empty: every row the base."""
 
     def encode(self) -> torch.Tensor:
         """Lengths first, then each list: a flat int64 tensor ``decode`` reads back."""
         head = [self.num_prefills, int(self.decode_only), len(self.ids), len(self.query_lens),
-                len(self.logit_rows), len(self.prompt_chunks)]
+                len(self.logit_rows), len(self.prompt_chunks), len(self.lora_slots)]
         body = (self.ids + self.positions + self.query_lens + self.seq_lens + self.logit_rows
-                + [b for chunk in self.prompt_chunks for b in chunk]
+                + [b for chunk in self.prompt_chunks for b in chunk] + self.lora_slots
                 + [len(t) for t in self.tables] + [b for t in self.tables for b in t])
         return torch.tensor(head + body, dtype=torch.int64)
 
     @classmethod
     def decode(cls, flat: torch.Tensor) -> StepInputs:
         values = flat.tolist()
-        num_prefills, decode_only, n, q, r, c = values[:6]
-        at = 6
+        num_prefills, decode_only, n, q, r, c, a = values[:7]
+        at = 7
 
         def take(k: int) -> list[int]:
             nonlocal at
@@ -74,10 +78,41 @@ class StepInputs:
             return values[at - k:at]
 
         ids, positions, qlens, slens, rows = take(n), take(n), take(q), take(q), take(r)
-        bounds = take(2 * c)
+        bounds, slots = take(2 * c), take(a)
         tables = [take(k) for k in take(q)]
         return cls(ids, positions, qlens, slens, num_prefills, tables, rows, bool(decode_only),
-                   list(zip(bounds[::2], bounds[1::2])))
+                   list(zip(bounds[::2], bounds[1::2])), slots)
+
+
+@dataclass
+class AdapterSlot:
+    """An adapter rank 0 makes resident in a slot, as every rank fills it: per part, the
+    index of the linear (in LoRASlots.layers' order, the same on every rank), the shard
+    of that linear, A [r, K] and B [N, r], whole (each rank cuts its own part). The
+    weights travel as their fp32 bits in the int64 payload (still no pickle)."""
+
+    slot: int
+    parts: list[tuple[int, int, torch.Tensor, torch.Tensor]]
+
+    def encode(self) -> torch.Tensor:
+        head = [self.slot, len(self.parts)]
+        for layer, shard, a, b in self.parts:
+            head += [layer, shard, a.shape[0], a.shape[1], b.shape[0]]
+        weights = [t.float().reshape(-1) for _, _, a, b in self.parts for t in (a, b)]
+        flat = torch.cat([*weights, torch.zeros(sum(w.numel() for w in weights) % 2)])
+        return torch.cat([torch.tensor(head, dtype=torch.int64), flat.view(torch.int64)])
+
+    @classmethod
+    def decode(cls, flat: torch.Tensor) -> AdapterSlot:
+        slot, n = flat[:2].tolist()
+        shapes = flat[2:2 + 5 * n].view(n, 5).tolist()
+        weights, at, parts = flat[2 + 5 * n:].view(torch.float32), 0, []
+        for layer, shard, r, k, rows in shapes:
+            a = weights[at:at + r * k].view(r, k)
+            b = weights[at + r * k:at + r * k + rows * r].view(rows, r)
+            at += r * k + rows * r
+            parts.append((layer, shard, a, b))
+        return cls(slot, parts)
 
 
 @dataclass

@@ -7,7 +7,9 @@ the inputs to the other ranks, then runs its own shard; the gathered logits land
 every rank, and rank 0 samples. A step at TP > 1 is never interrupted between layers
 (the other ranks would wait in the next collective), and it runs eagerly: the compiled
 decode step is not built for shards. Packed weights (--quantization) are: each rank
-packs its shard as TP 1 packs that part of the weight (engine/parallel/shard.py).
+packs its shard as TP 1 packs that part of the weight (engine/parallel/shard.py). LoRA
+adapters are too: rank 0 picks each step's slots and sends an adapter to the others as
+it makes it resident (each rank keeps its part, engine/lora/layers.py).
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from engine.models import MODELS
 from engine.models.base import CausalLM, meta_skeleton
 from engine.parallel.channel import config_to_tensor
 from engine.parallel.group import GroupFailed, Rendezvous, TPGroup
-from engine.parallel.plan import Copies, Op, StepInputs
+from engine.parallel.plan import AdapterSlot, Copies, Op, StepInputs
 from engine.parallel.kv_heads import gather_heads, scatter_heads
 from engine.parallel.shard import check_shardable, kv_head_map, local_kv_heads, shard_model
 
@@ -50,6 +52,8 @@ class ShardedRunner(ModelRunner):
         what rank 0 sends); owns_group: close() ends the group as well."""
         self.rank, self.world, self.group, self.owns_group = rank, world, group, owns_group
         super().__init__(rank_config(config), ckpt, max_model_len)
+        if self.lora is not None and group is not None:
+            self.lora.on_load = self._send_adapter
 
     @property
     def kv_heads(self) -> int:
@@ -61,7 +65,7 @@ class ShardedRunner(ModelRunner):
         return model
 
     def _run(self, inputs: StepInputs, should_stop: Callable[[], bool] | None = None,
-             adapters: list | None = None, owed: list = (), scores: dict | None = None):
+             owed: list = (), scores: dict | None = None):
         if scores:  # h2o is refused at start-up and per request under TP (check_scores)
             raise ValueError("h2o attention scores are not kept with --tensor-parallel-size > 1")
         if self.group is None:
@@ -70,6 +74,22 @@ class ShardedRunner(ModelRunner):
         with self._group_op("a step"):
             self.group.send(Op.STEP, inputs.encode())
             return super()._run(inputs, owed=owed)  # no should_stop: every rank finishes it
+
+    def _send_adapter(self, slot: int, adapter) -> None:
+        """Rank 0, before it fills ``slot`` with ``adapter`` (engine/lora/slots.py): every
+        other rank fills it too, each with its part of every linear's A or B."""
+        index = {path: i for i, path in enumerate(self.lora.layers)}
+        parts = [(index[path], shard, a, b) for path, found in adapter.placed.items()
+                 for shard, a, b in found]
+        with self._group_op("an adapter load"):
+            self.group.send(Op.LORA, AdapterSlot(slot, parts).encode())
+
+    def follow_adapter(self, body: torch.Tensor) -> None:
+        """Another rank's part of _send_adapter."""
+        load, paths, placed = AdapterSlot.decode(body), list(self.lora.layers), {}
+        for layer, shard, a, b in load.parts:
+            placed.setdefault(paths[layer], []).append((shard, a, b))
+        self.lora.load(load.slot, placed)
 
     def copy_blocks(self, swap_out: list[tuple[list[int], list[int]]],
                     swap_in: list[tuple[list[int], list[int]]],

@@ -8,6 +8,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from engine.layers.linear import move_forward_hooks
 from engine.quant.base import QuantMethod, Source, get_method
 from engine.native import simd_flags
 from engine.quant.blocks import BLOCK_KERNEL, kernel_path
@@ -88,8 +89,7 @@ def quantize_model(model: nn.Module, method_name: str, dtype: torch.dtype,
         parent_path, _, attr = path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
         swapped = QuantLinear(mod, packed, method.describe(packed))
-        for hook in mod._forward_hooks.values():  # a tensor-parallel split's collective
-            swapped.register_forward_hook(hook)
+        move_forward_hooks(mod, swapped)  # a tensor-parallel split's collective
         setattr(parent, attr, swapped)
         report.packed[path] = method.describe(packed)
         report.packed_bytes += packed.nbytes()

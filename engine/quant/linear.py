@@ -30,6 +30,7 @@ class QuantLinear(nn.Module):
         self.in_features, self.out_features = dense.in_features, dense.out_features
         self.weight = dense.weight  # [N, K]; shared with a tied embedding
         self.bias = dense.bias  # [N] or None; the model's .to(dtype) casts it with the weight
+        self.shard = getattr(dense, "shard", None)  # a tensor-parallel rank's part (LoRA cuts by it)
         self.kind, self.group_size, self.label = packed.kind, packed.group_size, label
         self.layout, self.activations = packed.layout, packed.activations
         self.register_buffer("qdata", packed.data, persistent=False)

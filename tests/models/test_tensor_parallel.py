@@ -20,7 +20,9 @@ from engine.llm_engine import LLMEngine
 from engine.parallel import collectives
 from engine.parallel.group import TPGroup
 from kvtransfer.base import block_view
-from tests.models.families import FAMILIES, build_checkpoint, engine_last_logits, prompts
+from tests.models.adapters import ALL_LINEARS, make_adapter
+from tests.models.families import (FAMILIES, build_checkpoint, engine_last_logits,
+                                   load_reference, prompts)
 from tests.models.gguf_files import write_gguf
 
 NEW_TOKENS = 32
@@ -100,7 +102,6 @@ def test_a_split_that_does_not_divide_is_refused_before_any_rank_starts(checkpoi
 @pytest.mark.parametrize("flag, value, name", [
     ("speculative_model", "self:1", "--speculative-model self:N"),
     ("kv_offload_dir", "/tmp/kv", "--kv-offload-dir"),
-    ("enable_lora", True, "--enable-lora/--lora-modules"),
     ("kv_policy", "h2o:heavy=16,recent=48", "--kv-policy h2o")])
 def test_combinations_not_built_are_refused_naming_both_flags(flag: str, value, name: str) -> None:
     extra = {"speculative_model": {"speculative_method": "draft"},
@@ -130,6 +131,48 @@ def test_speculative_decoding_at_tp2_equals_tp1(checkpoint, group, method: str) 
         counters = two.speculator.counters.get(method)
         assert counters.verifications > 0 and counters.accepted > 0, counters
         two.leak_check()
+    finally:
+        two.close()
+
+
+@pytest.mark.parametrize("family, targets, quantization", [
+    ("llama", ALL_LINEARS, "none"),
+    ("llama", ("q_proj", "v_proj", "o_proj", "down_proj"), "int8"),
+    ("phi3", ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), "none")])
+def test_lora_adapters_at_tp2_equal_tp1(tmp_path, checkpoint, group, family: str,
+                                        targets: tuple[str, ...], quantization: str) -> None:
+    """Each rank keeps its part of every adapter (B's rows where its linear is split by
+    rows, A's columns where by columns; the all-reduce sums base and adapter): three
+    adapters over two slots, so slots are refilled while the batch runs (rank 0 sends
+    each adapter to the other rank as it makes it resident). A batch mixing them with
+    the base model, and each adapter on its own, gives TP 1's greedy tokens; every
+    adapter changes them. Phi-3's fused q/k/v is one shard cut in three places; int8
+    wraps packed linears."""
+    pytest.importorskip("peft", reason="PEFT writes the adapters")
+    path = checkpoint(family)
+    base = load_reference(path)
+    modules = tuple(f"{name}={make_adapter(base, tmp_path / name, seed, targets, r=4 * seed)[0]}"
+                    for seed, name in enumerate("abc", start=1))
+    kw = dict(lora_modules=modules, max_loras=2, quantization=quantization)
+    if quantization != "none":
+        kw["quant_packed_max_rows"] = 256  # every step on the packed kernels
+    one = LLMEngine(config(path, 1, **kw))
+    two = LLMEngine(config(path, 2, **kw), tp_group=group)
+    try:
+        batch = prompts(8, seed=6)
+        names = ["a", "", "b", "a", "c", "", "b", "a"]
+        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+        runs = []
+        for eng in (one, two):
+            mixed = [c.token_ids for c in eng.generate(batch, params, names[:4])]
+            mixed += [c.token_ids for c in eng.generate(batch[4:], params, names[4:])]
+            each = {n: [c.token_ids for c in eng.generate(batch[:3], params, [n] * 3)]
+                    for n in ("", "c", "a", "b")}
+            runs.append((mixed, each))
+            eng.leak_check()
+        assert runs[1] == runs[0]
+        each = runs[0][1]
+        assert all(each[n] != each[""] for n in "abc")
     finally:
         two.close()
 
