@@ -2,6 +2,8 @@
 the dequantized weights, bad shapes are named, and quantized engines stay batch-invariant."""
 from __future__ import annotations
 
+import json
+import logging
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -347,6 +349,7 @@ def test_the_kernel_choice_is_kept_for_the_next_start(tmp_path, monkeypatch) -> 
     cache, timed = tmp_path / "kernel_paths.json", []
     monkeypatch.setattr(select, "measure", lambda group: timed.append(len(group)) or
                         (len(timed), [(1, 2.0, 3.0)]))
+    monkeypatch.setattr(select, "UNDISTURBED", 0.0)  # an instant pass shows no CPU share
     first = layers(48, 3) + layers(64, 1)
     select.choose_paths(first, None, cache)
     assert timed == [3, 1] and [lr.packed_max_rows for lr in first] == [1, 1, 1, 2]
@@ -365,3 +368,54 @@ def test_the_kernel_choice_is_kept_for_the_next_start(tmp_path, monkeypatch) -> 
     (tmp_path / "a-file").write_text("")  # a cache that cannot be written (even as root)
     select.choose_paths(layers(32, 1), None, tmp_path / "a-file" / "kernel_paths.json")
     assert timed == [3, 1, 2, 1, 1]
+
+
+def test_a_kernel_timing_disturbed_by_another_process_is_not_kept(tmp_path, monkeypatch,
+                                                                  caplog) -> None:
+    """A timing pass whose threads did not get their CPU time (here: it sleeps, as a
+    thread does while another process holds its core) is timed once more, and if that
+    one is disturbed too its choice holds for this start only: the cache stays without
+    it, so the next start times it again. Before, one start beside a test suite left
+    a Q4_1 shape running dense at one row in kernel_paths.json for every later start."""
+    from engine.quant import select
+
+    dense = torch.nn.Linear(64, 32, bias=False)
+    packed, _ = get_method("int8").pack("w", dense.weight.float(), torch.float32)
+    cache, timed = tmp_path / "kernel_paths.json", []
+
+    def starved(group):
+        timed.append(len(group))
+        time.sleep(0.05)  # wall time passes, no CPU time
+        return 0, [(1, 9.0, 3.0)]
+
+    monkeypatch.setattr(select, "measure", starved)
+    layers = [QuantLinear(dense, packed, "int8")]
+    with caplog.at_level(logging.WARNING, logger="engine.quant.select"):
+        select.choose_paths(layers, None, cache)
+    assert timed == [1, 1] and layers[0].packed_max_rows == 0
+    assert not cache.exists()
+    assert "disturbed twice" in caplog.text and "not kept" in caplog.text
+
+    def busy(group):  # every thread of the pass busy for its whole wall time
+        timed.append(len(group))
+        return 4, [(1, 1.0, 3.0)]
+
+    monkeypatch.setattr(select, "measure", busy)
+    monkeypatch.setattr(select, "CpuShare", _FullShare)
+    select.choose_paths(layers, None, cache)
+    assert timed == [1, 1, 1] and layers[0].packed_max_rows == 4
+    assert [v[0] for v in json.loads(cache.read_text()).values()] == [4]
+
+
+class _FullShare:
+    """CpuShare of a pass that got all its threads' time (what a quiet machine gives)."""
+
+    def __init__(self, threads: int) -> None:
+        self.share = 1.0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
