@@ -456,6 +456,12 @@ class ParallelConfig:
     tp_join_timeout_s: float = 300.0
     """With --tp-rendezvous: seconds rank 0 waits for every other rank to join, and a
     follower rank keeps trying to reach rank 0's store."""
+    enable_expert_parallel: bool = False
+    """At --tensor-parallel-size > 1, split a mixture-of-experts layer by experts (each
+    rank keeps E / N whole experts and runs the tokens routed to them; the sum over ranks
+    is the all-reduce the layer ends with anyway) instead of splitting every expert's
+    width. Whole experts run wider matmuls; the ranks' loads then follow the routing
+    (docs/tensor-parallel.md has the measurements). No effect at 1 or on dense models."""
 
     def __post_init__(self) -> None:
         at_least("--tensor-parallel-size", self.tensor_parallel_size, 1)
@@ -517,7 +523,8 @@ class EngineConfig:
         "compile_max_batch", "speculative_method", "speculative_model",
         "num_speculative_tokens", "speculative_max_batch", "enable_lora", "lora_modules",
         "max_loras", "max_lora_rank", "max_cpu_loras", "tensor_parallel_size",
-        "tp_rendezvous", "tp_ranks_per_node", "tp_join_timeout_s", "activation_quant")
+        "tp_rendezvous", "tp_ranks_per_node", "tp_join_timeout_s", "enable_expert_parallel",
+        "activation_quant")
     """Every group's fields in the order --help lists their flags: that of the flat config
     the groups replaced, so the help users know reads unchanged."""
 

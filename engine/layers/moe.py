@@ -37,6 +37,9 @@ class FusedExperts(nn.Module):
         (``experts.{e}.<name>.weight``)."""
         super().__init__()
         self.num_experts, self.inter, self.act, self.names = num_experts, inter, act, tuple(names)
+        self.first, self.owned = 0, num_experts
+        """The experts held here: [first, first + owned) (a tensor-parallel rank under
+        expert parallelism holds a share, engine/parallel/shard.py); all by default."""
         self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden), requires_grad=False)
         self.down = nn.Parameter(torch.empty(num_experts, hidden, inter), requires_grad=False)
 
@@ -53,12 +56,17 @@ class FusedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H]; ids, weights [T, k] (each token's experts and their fp32 weights)
-        -> sum over k of weight * expert(x) [T, H]."""
+        -> sum over k of weight * expert(x) [T, H], over the experts held here."""
         k = ids.shape[1]
-        order = ids.flatten().argsort(stable=True)  # (token, slot) pairs grouped by expert
-        counts = torch.bincount(ids.flatten(), minlength=self.num_experts).tolist()
-        token = order // k  # [T k] the token of each sorted pair
-        rows = x[token]  # [T k, H]
+        ids, weights = ids.flatten(), weights.flatten()
+        token = torch.arange(ids.shape[0], device=ids.device) // k  # of each (token, slot)
+        if self.owned != self.num_experts:  # a share of the experts: only their pairs
+            mine = (ids >= self.first) & (ids < self.first + self.owned)
+            ids, weights, token = ids[mine] - self.first, weights[mine], token[mine]
+        order = ids.argsort(stable=True)  # (token, slot) pairs grouped by expert
+        counts = torch.bincount(ids, minlength=self.owned).tolist()
+        token = token[order]
+        rows = x[token]  # [pairs, H]
         out = torch.empty_like(rows)
         start = 0
         for e, n in enumerate(counts):
@@ -66,7 +74,7 @@ class FusedExperts(nn.Module):
                 h = gated(F.linear(rows[start:start + n], self.gate_up[e]), self.act)  # [n, I]
                 out[start:start + n] = F.linear(h, self.down[e])  # [n, H]
                 start += n
-        scaled = (out * weights.flatten()[order, None]).to(x.dtype)
+        scaled = (out * weights[order, None]).to(x.dtype)
         return torch.zeros_like(x).index_add_(0, token, scaled)
 
 

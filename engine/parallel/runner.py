@@ -61,7 +61,7 @@ class ShardedRunner(ModelRunner):
 
     def _build(self, ckpt: LoadedCheckpoint, max_model_len: int) -> CausalLM:
         model = super()._build(ckpt, max_model_len)
-        shard_model(model, self.rank, self.world)
+        shard_model(model, self.rank, self.world, self.config.parallel.enable_expert_parallel)
         return model
 
     def _run(self, inputs: StepInputs, should_stop: Callable[[], bool] | None = None,
@@ -180,7 +180,8 @@ def make_runner(config: EngineConfig, ckpt: LoadedCheckpoint, max_model_len: int
     if world == 1:
         return ModelRunner(config, ckpt, max_model_len)
     with meta_skeleton():
-        check_shardable(MODELS.load(ckpt.config.architecture)(ckpt.config, max_model_len), world)
+        check_shardable(MODELS.load(ckpt.config.architecture)(ckpt.config, max_model_len), world,
+                        config.parallel.enable_expert_parallel)
     if group is not None and group.world != world:
         raise ValueError(f"--tensor-parallel-size {world} on a group of {group.world} ranks")
     owned = group is None

@@ -7,7 +7,10 @@ Each rank keeps, of every layer:
   computation), o_proj by its input columns, whose partial sums are all-reduced;
 - the gated MLP, and each expert of a mixture: its share of the intermediate width
   (gate/up by rows, down by columns), all-reduced after the block. Every rank runs the
-  (replicated) router, so every rank picks the same experts for every token;
+  (replicated) router, so every rank picks the same experts for every token. Under
+  --enable-expert-parallel a mixture is split by experts instead: a rank keeps E / N
+  whole experts and runs only the (token, expert) pairs routed to them (every rank
+  holds every token's hidden state, so no token moves); the same all-reduce sums them;
 - the embedding and the LM head: its share of the vocabulary. An embedding row outside
   the share contributes zeros and the rows are all-reduced; the logits are gathered.
 
@@ -34,9 +37,10 @@ from engine.parallel.collectives import all_gather, all_reduce
 from engine.quant.base import Shard
 
 FLAG = "--tensor-parallel-size"
+EP_FLAG = "--enable-expert-parallel"
 
 
-def check_shardable(model: CausalLM, world: int) -> None:
+def check_shardable(model: CausalLM, world: int, expert_parallel: bool = False) -> None:
     """ValueError naming the flag and the numbers when ``world`` ranks cannot split this
     model evenly (works on a model still on the meta device: nothing is loaded yet)."""
     cfg = model.cfg
@@ -45,6 +49,8 @@ def check_shardable(model: CausalLM, world: int) -> None:
         mlp = layer.mlp
         if isinstance(mlp, GatedMLP):
             counts.append(("MLP intermediate width", mlp.down_proj.in_features))
+        elif isinstance(mlp, SparseMoE) and expert_parallel:
+            counts.append((f"experts ({EP_FLAG})", mlp.experts.num_experts))
         elif isinstance(mlp, SparseMoE):
             counts.append(("expert intermediate width", mlp.experts.inter))
         else:
@@ -71,13 +77,15 @@ def kv_head_map(num_kv_heads: int, world: int) -> list[list[int]]:
     return [list(range(first, first + n)) for first in firsts]
 
 
-def shard_model(model: CausalLM, rank: int, world: int) -> None:
+def shard_model(model: CausalLM, rank: int, world: int, expert_parallel: bool = False) -> None:
     """Keep rank's share of every split weight (in place) and hook the collectives in."""
-    check_shardable(model, world)
+    check_shardable(model, world, expert_parallel)
     for layer in model.model.layers:
         _shard_attention(layer.self_attn, rank, world)
         if isinstance(layer.mlp, GatedMLP):
             _shard_mlp(layer.mlp, rank, world)
+        elif expert_parallel:
+            _split_experts(layer.mlp, rank, world)
         else:
             _shard_experts(layer.mlp, rank, world)
         layer.self_attn.o_proj.register_forward_hook(_all_reduce)
@@ -134,6 +142,14 @@ def _shard_experts(moe: SparseMoE, rank: int, world: int) -> None:
     _keep(ex, "gate_up", _rows(ex.gate_up, [(rank * n, n), (ex.inter + rank * n, n)], dim=1))
     _keep(ex, "down", ex.down.narrow(2, rank * n, n))
     ex.inter = n
+
+
+def _split_experts(moe: SparseMoE, rank: int, world: int) -> None:
+    ex = moe.experts
+    n = ex.num_experts // world
+    _keep(ex, "gate_up", ex.gate_up.narrow(0, rank * n, n))
+    _keep(ex, "down", ex.down.narrow(0, rank * n, n))
+    ex.first, ex.owned = rank * n, n
 
 
 class VocabShardEmbedding(nn.Module):

@@ -91,6 +91,36 @@ def test_fewer_kv_heads_than_ranks_replicates_them(tmp_path, group) -> None:
             alone=False, count=8)
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_expert_parallel_at_tp2_equals_tp1(family: str, checkpoint, group) -> None:
+    """--enable-expert-parallel: each rank keeps 4 of the 8 whole experts and runs the
+    pairs routed to them; the MLP all-reduce sums the two shares. 8 prompts batched and
+    alone, 32 tokens: TP 1's greedy tokens, last-position logits within 1e-4."""
+    compare(checkpoint(family), group, alone=True, count=8, enable_expert_parallel=True)
+
+
+def test_expert_parallel_keeps_whole_experts(checkpoint, group) -> None:
+    """Rank 0 holds experts 0-3 at their full width (the split that is not expert
+    parallel keeps all 8 at half width)."""
+    eng = LLMEngine(config(checkpoint("mixtral"), 2, enable_expert_parallel=True),
+                    tp_group=group)
+    try:
+        ex = eng.runner.model.model.layers[0].mlp.experts
+        assert (ex.first, ex.owned, ex.num_experts) == (0, 4, 8)
+        assert ex.gate_up.shape[:2] == (4, 2 * ex.inter) and ex.down.shape[0] == 4
+    finally:
+        eng.close()
+
+
+def test_expert_parallel_that_does_not_divide_the_experts_is_refused(tmp_path) -> None:
+    path = build_checkpoint(tmp_path, "mixtral", num_local_experts=3)
+    before = psutil.Process().children(recursive=True)
+    with pytest.raises(ValueError, match=r"--tensor-parallel-size 2 does not divide the "
+                                         r"model's 3 experts \(--enable-expert-parallel\)"):
+        LLMEngine(config(path, 2, enable_expert_parallel=True))
+    assert psutil.Process().children(recursive=True) == before
+
+
 def test_a_split_that_does_not_divide_is_refused_before_any_rank_starts(checkpoint) -> None:
     before = psutil.Process().children(recursive=True)
     with pytest.raises(ValueError, match=r"--tensor-parallel-size 3 does not divide the "
