@@ -577,9 +577,7 @@ class EngineConfig:
             return
         unbuilt = {"--speculative-model self:N": self.spec.speculative_method == "draft"
                    and self.spec.speculative_model.startswith("self:"),
-                   "--kv-offload-dir": bool(self.cache.kv_offload_dir),
-                   "--kv-policy h2o": getattr(parse_kv_policy(self.cache.kv_policy, "--kv-policy"),
-                                              "scored", False)}
+                   "--kv-offload-dir": bool(self.cache.kv_offload_dir)}
         for flag, used in unbuilt.items():
             if used:
                 raise ValueError(f"{flag} is not supported with --tensor-parallel-size {tp} "

@@ -17,7 +17,7 @@ from engine.config import EngineConfig
 from engine.cpu_limit import default_threads
 from core.kv import kv_format_block_bytes
 from engine.kv_cache.manager import NULL_BLOCK
-from engine.kv_cache.h2o import keep_scores, step_scores
+from engine.kv_cache.h2o import compact, keep_scores, step_scores
 from engine.kv_cache.policy import cache_view
 from engine.kv_cache.quant import row_width, storage_dtype
 from engine.kv_cache.shift import shift_keys
@@ -346,11 +346,11 @@ class ModelRunner:
         masks = self._submit_masks([r.sampling for r in sampled], [r.draft for r in sampled])
         if self.lora is not None:  # one per row of ids; makes the step's adapters resident
             inputs.lora_slots = self.lora.assign([req.lora for req, n in entries for _ in range(n)])
-        scores = step_scores(lay.scored, self.model_config.num_layers, self.kv_heads, self.device)
+        scores = step_scores(lay.scored, self.model_config.num_layers,
+                             self.model_config.num_kv_heads, self.device)
         try:
             logits, prompt = self._run(inputs, should_stop, lay.owed, scores)
-            keep_scores(lay.scored, scores, dict(enumerate(lay.qtables)), self.kv, self.model,
-                        self.kv_quant)
+            keep_scores(lay.scored, scores, dict(enumerate(lay.qtables)), self.compact_slots)
             if logits is None:
                 return StepTokens([], [], [], prompt)
         finally:  # the masks are done before anything else touches their matchers
@@ -401,6 +401,11 @@ class ModelRunner:
         if not inputs.logit_rows:
             return None, prompt
         return self.model.compute_logits(hidden[inputs.logit_rows]), prompt
+
+    def compact_slots(self, table: list[int], victims: torch.Tensor, slots: int) -> None:
+        """Evict h2o's victims [L, Hkv] from a full cache of ``slots`` tokens over
+        ``table`` (engine/kv_cache/h2o.py compact; at TP > 1 every rank its heads)."""
+        compact(self.kv, self.model, table, victims, slots, self.kv_quant)
 
     def raise_if_broken(self) -> None:
         """Raise when this runner can no longer run a step (a tensor-parallel group

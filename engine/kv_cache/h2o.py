@@ -21,11 +21,14 @@ memory. Evicting whole blocks would have to drop B tokens that score low togethe
 which H2O's scores do not group (unlike streaming's fixed order).
 
 The scores live on the request (``Request.kv_scores``): they follow its slots through a
-swap, are rebuilt by a recompute (from its first token), and go with the request.
+swap, are rebuilt by a recompute (from its first token), and go with the request. They
+cover every KV head of the model: at --tensor-parallel-size > 1 rank 0 keeps them, each
+rank adds its heads' share of a step (engine/parallel/runner.py), and rank 0 picks the
+victims, which every rank then evicts from its own heads (``compact``).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -51,24 +54,39 @@ def step_scores(scored: list[tuple[Request, int, int]], layers: int, kv_heads: i
 
 @torch.inference_mode()
 def keep_scores(scored: list[tuple[Request, int, int]], scores: dict[int, torch.Tensor],
-                tables: dict[int, list[int]], kv: torch.Tensor, model: torch.nn.Module,
-                kv_quant: str | None) -> None:
+                tables: dict[int, list[int]],
+                compact_slots: Callable[[list[int], torch.Tensor, int], None]) -> None:
     """After a step's forward: each scored request takes its scores, and one whose last
-    slot this step filled evicts (``evict``)."""
+    slot this step filled evicts: its scores here (``evict``), its KV through
+    ``compact_slots(table, victims, slots)`` (the runner's: every rank its heads)."""
     for req, seq, n in scored:
         req.kv_scores = scores[seq]
         if kept_tokens(req.kv_policy, req.num_computed_tokens) + n == req.kv_policy.budget:
-            evict(kv, model, tables[seq], req.kv_scores, req.kv_policy.heavy, kv_quant)
+            victims = evict(req.kv_scores, req.kv_policy.heavy)
+            compact_slots(tables[seq], victims, req.kv_scores.shape[-1])
 
 
-def evict(kv: torch.Tensor, model: torch.nn.Module, table: list[int], scores: torch.Tensor,
-          heavy: int, kv_quant: str | None) -> None:
-    """In a full cache of slots = scores.shape[-1] tokens over ``table``'s blocks, drop per
-    (layer, KV head) the least-scored of the first ``heavy`` slots and move the later
-    ones down (keys re-rotated by -1); the last slot is then free (score 0)."""
-    layers, hkv, slots = scores.shape
+def evict(scores: torch.Tensor, heavy: int) -> torch.Tensor:
+    """In a full cache of slots = scores.shape[-1] tokens, pick per (layer, KV head) the
+    least-scored of the first ``heavy`` slots and move the later scores down (the last
+    slot then scores 0): the victims [L, Hkv] for ``compact``."""
+    slots = scores.shape[-1]
     victim = scores[:, :, :heavy].argmin(-1)  # [L, Hkv]
+    j = torch.arange(slots - 1, device=scores.device)
+    src = j.view(1, 1, -1) + (j.view(1, 1, -1) >= victim.unsqueeze(-1))
+    scores[:, :, :slots - 1] = scores.gather(-1, src)
+    scores[:, :, slots - 1] = 0
+    return victim
+
+
+def compact(kv: torch.Tensor, model: torch.nn.Module, table: list[int], victim: torch.Tensor,
+            slots: int, kv_quant: str | None) -> None:
+    """In a full cache of ``slots`` tokens over ``table``'s blocks, drop per (layer, KV
+    head) the slot ``victim`` [L, Hkv] names and move the later ones down (keys re-rotated
+    by -1); the last slot is then free."""
+    layers, hkv = victim.shape
     bs = kv.shape[3]
+    victim = victim.to(kv.device)
     lo = int(victim.min()) // bs * bs  # slots before lo's block stay where they are
     idx = torch.as_tensor(table[lo // bs: -(-slots // bs)], dtype=torch.long, device=kv.device)
     x = kv.index_select(0, idx)  # [n, L, 2, B, Hkv, R]
@@ -77,8 +95,6 @@ def evict(kv: torch.Tensor, model: torch.nn.Module, table: list[int], scores: to
     j = torch.arange(lo, slots - 1, device=kv.device)  # the slots that may change
     moved = j.view(1, 1, -1) >= victim.unsqueeze(-1)  # [L, Hkv, S']
     src = j.view(1, 1, -1) + moved  # each slot takes the next one's token from the victim on
-    scores[:, :, lo:slots - 1] = scores.gather(-1, src)
-    scores[:, :, slots - 1] = 0
     at = (src - lo).permute(0, 2, 1)  # [L, S', Hkv]
     rows = x.gather(2, at[:, None, :, :, None].expand(layers, 2, -1, hkv, row))
     keys = rows[:, 0]  # [L, S', Hkv, row]

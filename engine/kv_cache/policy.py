@@ -103,12 +103,7 @@ def request_policy(asked: str | None, server: KVPolicy | None, allowed: bool,
 
 def check_scores(runner: object, field: str) -> None:
     """FieldError naming ``field`` when the runner gives no attention scores (h2o evicts
-    by them): its attention backend does not (engine/attention/base.py), or it is a
-    rank of a tensor-parallel group."""
-    world = getattr(runner, "world", 1)
-    if world > 1:  # each rank holds its heads' scores; evicting per rank is not built
-        raise FieldError(field, f"{field}: h2o is not supported with --tensor-parallel-size "
-                                f"{world} (only with 1); use streaming")
+    by them): its attention backend does not (engine/attention/base.py)."""
     backend = getattr(runner, "backend", None)
     if backend is None or not backend.gives_scores:
         name = getattr(backend, "name", "of this runner")

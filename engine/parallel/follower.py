@@ -127,7 +127,8 @@ def _build(rank: int, world: int, body: torch.Tensor, control):
     try:
         config = config_from_tensor(body)
         ckpt = open_checkpoint(config.load)
-        runner = ShardedRunner(config, ckpt, context_window(config.load, ckpt.config), rank, world)
+        runner = ShardedRunner(config, ckpt, context_window(config.load, ckpt.config), rank, world,
+                               control=control)
     except Exception as e:  # noqa: BLE001 - rank 0 reports it, naming this rank
         error = f"{type(e).__name__}: {e}"
     exchange_errors(error, control)
@@ -166,6 +167,8 @@ def follower_main(rank: int, world: int, port: int, device: str, parent: int,
             runner.shift_keys(blocks, delta)
         elif op is Op.LORA:
             runner.follow_adapter(body)
+        elif op is Op.EVICT:
+            runner.follow_evict(body)
         elif op in (Op.GATHER_KV, Op.SCATTER_KV):
             runner.follow_kv(op, body.tolist(), control)
         elif op is Op.CLOSE:

@@ -7,6 +7,9 @@ after it sent the op (engine/parallel/plan.py Op.GATHER_KV / SCATTER_KV): a gath
 brings each rank's heads of the blocks to rank 0, a scatter gives each rank its heads.
 Blocks travel as raw bytes (uint8), so every KV dtype (int8 rows with their scales
 included) moves as stored; only whole heads are cut out of a block, never parts of rows.
+
+h2o's attention scores move the same way (``gather_scores``): rank 0 keeps every head's,
+and after a step each rank sends it its heads' share of the step.
 """
 from __future__ import annotations
 
@@ -51,3 +54,24 @@ def scatter_heads(kv: torch.Tensor, ids: list[int], head_map: list[list[int]] | 
         pieces = [full[..., rank_heads, :].contiguous() for rank_heads in head_map]
     dist.scatter(mine, pieces, src=0, group=control)
     pool[ids] = mine.to(pool.device)
+
+
+def gather_scores(local: list[torch.Tensor], head_map: list[list[int]] | None, control,
+                  into: list[torch.Tensor] | None = None) -> None:
+    """Every rank: send rank 0 this step's scores of its heads, one [L, its heads, slots]
+    tensor per scored sequence (``local``, in the step's order). Rank 0 (head_map given,
+    ``into`` the sequences' [L, every head, slots] accumulators) adds each rank's into its
+    heads: a head replicated on several ranks gets the sum of their query heads' shares,
+    as one rank holding all of its query heads would compute."""
+    flat = torch.cat([t.float().cpu().flatten() for t in local])
+    if head_map is None:
+        dist.gather(flat, None, dst=0, group=control)
+        return
+    parts = [torch.empty_like(flat) for _ in head_map]
+    dist.gather(flat, parts, dst=0, group=control)
+    for part, heads in zip(parts, head_map):
+        at = 0
+        for acc, mine in zip(into, local):
+            n = mine.numel()
+            acc[:, heads] += part[at:at + n].view(mine.shape).to(acc.device)
+            at += n

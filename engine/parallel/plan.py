@@ -34,6 +34,10 @@ class Op(enum.IntEnum):
     the payload is the shift in positions, then the block ids."""
     LORA = 9
     """Fill a LoRA slot with an adapter: the payload is an AdapterSlot."""
+    EVICT = 10
+    """Evict h2o's victims from a full cache (engine/kv_cache/h2o.py compact): the payload
+    is the slots, the table's length, the table, then the victims [L, Hkv] (every head's:
+    each rank takes its own)."""
 
 
 @dataclass
@@ -56,21 +60,26 @@ class StepInputs:
     turns them into logprobs; in a group every rank must run the same LM-head calls)."""
     lora_slots: list[int] = field(default_factory=list)
     """Each row's LoRA slot + 1 (0: the base model); empty: every row the base."""
+    scored: list[tuple[int, int]] = field(default_factory=list)
+    """(sequence index, slots) of each sequence whose attention scores h2o keeps: every
+    rank adds its heads' share into [L, its KV heads, slots] and sends it to rank 0."""
 
     def encode(self) -> torch.Tensor:
         """Lengths first, then each list: a flat int64 tensor ``decode`` reads back."""
         head = [self.num_prefills, int(self.decode_only), len(self.ids), len(self.query_lens),
-                len(self.logit_rows), len(self.prompt_chunks), len(self.lora_slots)]
+                len(self.logit_rows), len(self.prompt_chunks), len(self.lora_slots),
+                len(self.scored)]
         body = (self.ids + self.positions + self.query_lens + self.seq_lens + self.logit_rows
                 + [b for chunk in self.prompt_chunks for b in chunk] + self.lora_slots
+                + [x for pair in self.scored for x in pair]
                 + [len(t) for t in self.tables] + [b for t in self.tables for b in t])
         return torch.tensor(head + body, dtype=torch.int64)
 
     @classmethod
     def decode(cls, flat: torch.Tensor) -> StepInputs:
         values = flat.tolist()
-        num_prefills, decode_only, n, q, r, c, a = values[:7]
-        at = 7
+        num_prefills, decode_only, n, q, r, c, a, h = values[:8]
+        at = 8
 
         def take(k: int) -> list[int]:
             nonlocal at
@@ -78,10 +87,11 @@ class StepInputs:
             return values[at - k:at]
 
         ids, positions, qlens, slens, rows = take(n), take(n), take(q), take(q), take(r)
-        bounds, slots = take(2 * c), take(a)
+        bounds, slots, scored = take(2 * c), take(a), take(2 * h)
         tables = [take(k) for k in take(q)]
         return cls(ids, positions, qlens, slens, num_prefills, tables, rows, bool(decode_only),
-                   list(zip(bounds[::2], bounds[1::2])), slots)
+                   list(zip(bounds[::2], bounds[1::2])), slots,
+                   list(zip(scored[::2], scored[1::2])))
 
 
 @dataclass

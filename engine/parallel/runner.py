@@ -29,7 +29,7 @@ from engine.models.base import CausalLM, meta_skeleton
 from engine.parallel.channel import config_to_tensor
 from engine.parallel.group import GroupFailed, Rendezvous, TPGroup
 from engine.parallel.plan import AdapterSlot, Copies, Op, StepInputs
-from engine.parallel.kv_heads import gather_heads, scatter_heads
+from engine.parallel.kv_heads import gather_heads, gather_scores, scatter_heads
 from engine.parallel.shard import check_shardable, kv_head_map, local_kv_heads, shard_model
 
 
@@ -46,11 +46,13 @@ def rank_config(config: EngineConfig) -> EngineConfig:
 
 class ShardedRunner(ModelRunner):
     def __init__(self, config: EngineConfig, ckpt: LoadedCheckpoint, max_model_len: int,
-                 rank: int, world: int, group: TPGroup | None = None, owns_group: bool = False
-                 ) -> None:
+                 rank: int, world: int, group: TPGroup | None = None, owns_group: bool = False,
+                 control=None) -> None:
         """group: rank 0's handle on the group (None on the other ranks, which only run
-        what rank 0 sends); owns_group: close() ends the group as well."""
+        what rank 0 sends); owns_group: close() ends the group as well; control: another
+        rank's control process group (what it sends rank 0 a step's scores over)."""
         self.rank, self.world, self.group, self.owns_group = rank, world, group, owns_group
+        self.control = control
         super().__init__(rank_config(config), ckpt, max_model_len)
         if self.lora is not None and group is not None:
             self.lora.on_load = self._send_adapter
@@ -66,14 +68,45 @@ class ShardedRunner(ModelRunner):
 
     def _run(self, inputs: StepInputs, should_stop: Callable[[], bool] | None = None,
              owed: list = (), scores: dict | None = None):
-        if scores:  # h2o is refused at start-up and per request under TP (check_scores)
-            raise ValueError("h2o attention scores are not kept with --tensor-parallel-size > 1")
-        if self.group is None:
-            return super()._run(inputs)
-        inputs = dataclasses.replace(inputs, prompt_chunks=prompt_chunks(owed))
+        """scores (rank 0): every head's h2o accumulators by sequence; each rank adds its
+        heads' share of the step into zeros of its own, gathered into these after."""
+        if self.group is None:  # another rank: its share of the scores goes to rank 0
+            local = self._score_shares(inputs.scored)
+            out = super()._run(inputs, scores=local)
+            if local:
+                gather_scores(list(local.values()), None, self.control)
+            return out
+        scores = scores or {}
+        inputs = dataclasses.replace(inputs, prompt_chunks=prompt_chunks(owed),
+                                     scored=[(seq, t.shape[-1]) for seq, t in scores.items()])
         with self._group_op("a step"):
             self.group.send(Op.STEP, inputs.encode())
-            return super()._run(inputs, owed=owed)  # no should_stop: every rank finishes it
+            local = self._score_shares(inputs.scored)
+            out = super()._run(inputs, owed=owed, scores=local)  # no should_stop: every rank finishes it
+            if local:
+                gather_scores(list(local.values()), self.head_map, self.group.control,
+                              list(scores.values()))
+            return out
+
+    def _score_shares(self, scored: list[tuple[int, int]]) -> dict[int, torch.Tensor]:
+        """Zeros [L, this rank's KV heads, slots] per scored sequence, for a step to add into."""
+        return {seq: torch.zeros(self.model_config.num_layers, self.kv_heads, slots,
+                                 device=self.device) for seq, slots in scored}
+
+    def compact_slots(self, table: list[int], victims: torch.Tensor, slots: int) -> None:
+        """Rank 0: every rank evicts h2o's victims from its own heads."""
+        if self.group is None:
+            return super().compact_slots(table, victims, slots)
+        with self._group_op("an h2o eviction"):
+            self.group.send(Op.EVICT, torch.tensor(
+                [slots, len(table), *table, *victims.flatten().tolist()], dtype=torch.int64))
+            super().compact_slots(table, victims[:, self.head_map[0]], slots)
+
+    def follow_evict(self, body: torch.Tensor) -> None:
+        """Another rank's part of compact_slots."""
+        slots, n = body[:2].tolist()
+        table, victims = body[2:2 + n].tolist(), body[2 + n:].view(self.model_config.num_layers, -1)
+        super().compact_slots(table, victims[:, self.head_map[self.rank]], slots)
 
     def _send_adapter(self, slot: int, adapter) -> None:
         """Rank 0, before it fills ``slot`` with ``adapter`` (engine/lora/slots.py): every

@@ -131,8 +131,7 @@ def test_a_split_that_does_not_divide_is_refused_before_any_rank_starts(checkpoi
 
 @pytest.mark.parametrize("flag, value, name", [
     ("speculative_model", "self:1", "--speculative-model self:N"),
-    ("kv_offload_dir", "/tmp/kv", "--kv-offload-dir"),
-    ("kv_policy", "h2o:heavy=16,recent=48", "--kv-policy h2o")])
+    ("kv_offload_dir", "/tmp/kv", "--kv-offload-dir")])
 def test_combinations_not_built_are_refused_naming_both_flags(flag: str, value, name: str) -> None:
     extra = {"speculative_model": {"speculative_method": "draft"},
              "kv_offload_dir": {"kv_offload_cpu_gib": 0.5}}.get(flag, {})
@@ -243,29 +242,42 @@ def test_the_host_kv_tier_at_tp2_equals_tp1(checkpoint, group) -> None:
     assert runs[0][1] == (40, 0) and runs[0][2] == 5  # every prompt block from the host
 
 
-def test_streaming_kv_policy_at_tp2_equals_tp1(checkpoint, group) -> None:
-    """A streaming policy drops blocks and every rank re-rotates its heads' keys (Op.SHIFT):
-    generating 120 tokens past prompts of 12-30 (a budget of 32), TP 2's greedy tokens
-    equal TP 1's. h2o, whose scores each rank would hold for its own heads, is
-    refused per request, naming the field."""
-    path = checkpoint("llama")
-    policy = "streaming:sinks=4,window=28"  # 1 sink block + 4 recent blocks of 8
+@pytest.mark.parametrize("policy, kv_heads", [
+    ("streaming:sinks=4,window=28", 2),  # 1 sink block + 4 recent blocks of 8
+    ("h2o:heavy=8,recent=24", 2),
+    ("h2o:heavy=8,recent=24", 1)])
+def test_bounded_kv_policies_at_tp2_equal_tp1(tmp_path, checkpoint, group, policy: str,
+                                              kv_heads: int) -> None:
+    """Generating 120 tokens past prompts of 12-30 under a budget of 32, TP 2's greedy
+    tokens equal TP 1's. Streaming drops blocks and every rank re-rotates its heads'
+    keys (Op.SHIFT). h2o: rank 0 keeps every head's scores, each rank sends it its heads'
+    share of a step, and rank 0's victims are evicted by every rank from its own heads
+    (Op.EVICT); with one KV head both ranks hold it, and its score is the sum of their
+    query heads' shares. The request's scores equal TP 1's within fp32 summation order."""
+    path = (checkpoint("llama") if kv_heads == 2
+            else build_checkpoint(tmp_path, "llama", num_key_value_heads=1))
     batch = prompts(4, seed=7, low=12, high=30)
     params = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
-    got = []
+    got, scores = [], []
     for tp in (1, 2):
         eng = LLMEngine(config(path, tp, kv_policy=policy, allow_request_kv_policy=True),
                         tp_group=group if tp == 2 else None)
         try:
             got.append([c.token_ids for c in eng.generate(batch, params)])
-            if tp == 2:
-                with pytest.raises(FieldError, match="kv_policy: h2o is not supported with "
-                                                     "--tensor-parallel-size 2"):
-                    eng.make_request([5, 6, 7], params, kv_policy="h2o:heavy=8,recent=24")
+            if policy.startswith("h2o"):
+                rid = eng.add_request(batch[0], SamplingParams(max_tokens=40, temperature=0.0,
+                                                               ignore_eos=True))
+                req = eng.requests[rid]
+                while not req.finished:
+                    eng.step()
+                scores.append(req.kv_scores.clone())
             eng.leak_check()
         finally:
             eng.close()
     assert got[1] == got[0]
+    if scores:
+        assert scores[1].shape == scores[0].shape == (2, kv_heads, 32)
+        assert torch.allclose(scores[1], scores[0], atol=1e-4), (scores[1] - scores[0]).abs().max()
 
 
 def _prompt_logprobs(eng: LLMEngine, batch: list[list[int]], params: SamplingParams) -> list:
