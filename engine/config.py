@@ -575,9 +575,7 @@ class EngineConfig:
         tp = self.parallel.tensor_parallel_size
         if tp == 1:
             return
-        unbuilt = {"--speculative-model self:N": self.spec.speculative_method == "draft"
-                   and self.spec.speculative_model.startswith("self:"),
-                   "--kv-offload-dir": bool(self.cache.kv_offload_dir)}
+        unbuilt = {"--kv-offload-dir": bool(self.cache.kv_offload_dir)}
         for flag, used in unbuilt.items():
             if used:
                 raise ValueError(f"{flag} is not supported with --tensor-parallel-size {tp} "

@@ -393,7 +393,8 @@ class ModelRunner:
         ctx = ForwardContext(self.kv, meta, self.backend, should_stop)
         # a compiled step has no scores to give: steps with scored rows run eager
         hidden = self._forward(inputs.ids, inputs.positions, ctx,
-                               inputs.decode_only and not meta.scores, inputs.lora_slots)
+                               inputs.decode_only and not meta.scores, inputs.lora_slots,
+                               inputs.num_layers or None)
         prompt = self._prompt_logprobs(hidden, owed)
         if not owed:  # another rank of a group: rank 0's LM-head calls (their collectives)
             for lo, hi in inputs.prompt_chunks:
@@ -456,11 +457,14 @@ class ModelRunner:
         return StepTokens(sampled, tokens, logprobs)
 
     def _forward(self, ids: list[int], pos: list[int], ctx: ForwardContext,
-                 decode_only: bool, lora_slots: Sequence[int]) -> torch.Tensor:
+                 decode_only: bool, lora_slots: Sequence[int], num_layers: int | None = None
+                 ) -> torch.Tensor:
         """Hidden states [T, H]: a compiled bucket for decode-only steps, else eager.
-        lora_slots: each row's LoRA slot + 1 (0: the base model); empty: all base."""
+        lora_slots: each row's LoRA slot + 1 (0: the base model); empty: all base.
+        num_layers: the first this many layers only (a self-draft pass: eager)."""
         c = self.compiled
-        bucket = c.bucket(len(ids)) if c is not None and decode_only else None
+        bucket = (c.bucket(len(ids)) if c is not None and decode_only and num_layers is None
+                  else None)
         if bucket is not None:
             tids, tpos = c.pad(ids, pos, bucket)
             try:
@@ -473,7 +477,8 @@ class ModelRunner:
                        f"{str(e).strip().splitlines()[0][:300] if str(e) else ''}")
         with lora_rows(self.lora, lora_slots, len(ids)):
             return self.model(torch.tensor(ids, device=self.device),
-                              torch.tensor(pos, device=self.device), ctx)
+                              torch.tensor(pos, device=self.device), ctx,
+                              num_layers=num_layers)
 
     @torch.inference_mode()
     def _dummy_decode(self, rows: int, segments: Segments) -> None:
@@ -488,6 +493,13 @@ class ModelRunner:
                 self.model(tids, tpos, ctx, segments, rows=rows)
         hidden = self.model(tids, tpos, ctx, segments, rows=rows)
         self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def forward_logits(self, inputs: StepInputs) -> torch.Tensor:
+        """fp32 logits [N, V] of ``inputs``' logit rows from one forward pass outside the
+        scheduler's steps (a draft pass, engine/spec/draft.py); at TP > 1 every rank runs it."""
+        logits, _ = self._run(inputs)
+        return logits
 
     @torch.inference_mode()
     def prompt_logits(self, token_ids: list[int], table: list[int]) -> torch.Tensor:

@@ -63,12 +63,15 @@ class StepInputs:
     scored: list[tuple[int, int]] = field(default_factory=list)
     """(sequence index, slots) of each sequence whose attention scores h2o keeps: every
     rank adds its heads' share into [L, its KV heads, slots] and sends it to rank 0."""
+    num_layers: int = 0
+    """Run only the first this many layers, then the final norm and LM head (a self:N
+    draft pass, engine/spec/draft.py); 0: every layer."""
 
     def encode(self) -> torch.Tensor:
         """Lengths first, then each list: a flat int64 tensor ``decode`` reads back."""
         head = [self.num_prefills, int(self.decode_only), len(self.ids), len(self.query_lens),
                 len(self.logit_rows), len(self.prompt_chunks), len(self.lora_slots),
-                len(self.scored)]
+                len(self.scored), self.num_layers]
         body = (self.ids + self.positions + self.query_lens + self.seq_lens + self.logit_rows
                 + [b for chunk in self.prompt_chunks for b in chunk] + self.lora_slots
                 + [x for pair in self.scored for x in pair]
@@ -78,8 +81,8 @@ class StepInputs:
     @classmethod
     def decode(cls, flat: torch.Tensor) -> StepInputs:
         values = flat.tolist()
-        num_prefills, decode_only, n, q, r, c, a, h = values[:8]
-        at = 8
+        num_prefills, decode_only, n, q, r, c, a, h, layers = values[:9]
+        at = 9
 
         def take(k: int) -> list[int]:
             nonlocal at
@@ -91,7 +94,7 @@ class StepInputs:
         tables = [take(k) for k in take(q)]
         return cls(ids, positions, qlens, slens, num_prefills, tables, rows, bool(decode_only),
                    list(zip(bounds[::2], bounds[1::2])), slots,
-                   list(zip(scored[::2], scored[1::2])))
+                   list(zip(scored[::2], scored[1::2])), layers)
 
 
 @dataclass

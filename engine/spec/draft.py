@@ -26,9 +26,8 @@ from pathlib import Path
 
 import torch
 
-from engine.attention.metadata import build_metadata
 from engine.config import LoRAConfig, SpecConfig
-from engine.models.base import ForwardContext
+from engine.parallel.plan import StepInputs
 from engine.request import Request
 from engine.spec.base import Proposer
 
@@ -49,31 +48,33 @@ def parse_self_layers(spec: str, num_layers: int) -> int | None:
 class DraftProposer(Proposer):
     in_step = True
 
-    def __init__(self, model, kv: torch.Tensor, backend, block_size: int, device,
-                 num_layers: int | None, name: str, kv_quant: str | None = None) -> None:
-        self.model, self.kv, self.backend = model, kv, backend
-        self.kv_quant = kv_quant
-        """How ``kv`` stores rows (--kv-cache-dtype int8: quantized, as the target's)."""
-        self.block_size, self.device = block_size, device
+    def __init__(self, runner, num_layers: int | None, name: str) -> None:
+        """runner: what runs a draft pass (engine/model_runner.py forward_logits): the
+        target's own for self:N (at --tensor-parallel-size > 1 every rank of its group
+        runs the first N layers of its shard), a separate draft model's otherwise."""
+        self.runner = runner
+        self.block_size = runner.config.cache.block_size
         self.num_layers = num_layers
         """self-draft: layers of the target to run; None: a separate draft model."""
         self.name = name
         self.tables: dict[str, list[int]] = {}
 
+    @property
+    def kv(self) -> torch.Tensor:
+        """The cache the draft passes write (the target's own for self:N)."""
+        return self.runner.kv
+
     @classmethod
     def create(cls, config: SpecConfig, runner, tokenizer) -> DraftProposer:
         n = parse_self_layers(config.speculative_model, runner.model_config.num_layers)
-        block_size = runner.config.cache.block_size
         if n is not None:
-            out = cls(runner.model, runner.kv, runner.backend, block_size,
-                      runner.device, n, "self_draft", runner.kv_quant)
+            out = cls(runner, n, "self_draft")
             out.cost = step_weights(runner.model, n) / step_weights(runner.model)
             return out
         draft = _load_draft(config, runner, tokenizer)
         log.info("draft model %s: %d layers", config.speculative_model,
                  draft.model_config.num_layers)
-        out = cls(draft.model, draft.kv, draft.backend, block_size, runner.device,
-                  None, "draft", draft.kv_quant)
+        out = cls(draft, None, "draft")
         out.cost = step_weights(draft.model) / step_weights(runner.model)
         return out
 
@@ -121,13 +122,10 @@ class DraftProposer(Proposer):
             slens.append(starts[i] + len(inputs[i]))
             tables.append(self.tables[reqs[i].request_id])
             last.append(len(ids) - 1)
-        meta = build_metadata(qlens, slens, sum(1 for q in qlens if q > 1), tables,
-                              self.block_size, self.device, self.kv_quant)
-        ctx = ForwardContext(self.kv, meta, self.backend)
-        hidden = self.model(torch.tensor(ids, device=self.device),
-                            torch.tensor(pos, device=self.device), ctx,
-                            num_layers=self.num_layers)
-        best = self.model.compute_logits(hidden[last]).argmax(dim=1).tolist()
+        logits = self.runner.forward_logits(StepInputs(
+            ids, pos, qlens, slens, sum(1 for q in qlens if q > 1), tables, last, False,
+            num_layers=self.num_layers or 0))
+        best = logits.argmax(dim=1).tolist()
         by_row = dict(zip(order, best))
         return [by_row[i] for i in live]
 

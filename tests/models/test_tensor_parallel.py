@@ -130,26 +130,27 @@ def test_a_split_that_does_not_divide_is_refused_before_any_rank_starts(checkpoi
 
 
 @pytest.mark.parametrize("flag, value, name", [
-    ("speculative_model", "self:1", "--speculative-model self:N"),
     ("kv_offload_dir", "/tmp/kv", "--kv-offload-dir")])
 def test_combinations_not_built_are_refused_naming_both_flags(flag: str, value, name: str) -> None:
-    extra = {"speculative_model": {"speculative_method": "draft"},
-             "kv_offload_dir": {"kv_offload_cpu_gib": 0.5}}.get(flag, {})
+    extra = {"kv_offload_dir": {"kv_offload_cpu_gib": 0.5}}.get(flag, {})
     with pytest.raises(ValueError, match=f"{name} is not supported with "
                                          f"--tensor-parallel-size 2"):
         EngineConfig.from_flat(tensor_parallel_size=2, **{flag: value}, **extra)
 
 
-@pytest.mark.parametrize("method", ["ngram", "suffix", "draft"])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft", "self"])
 def test_speculative_decoding_at_tp2_equals_tp1(checkpoint, group, method: str) -> None:
     """Guesses come from rank 0 (a draft model runs there, unsplit, with its own cache;
-    here the target's own checkpoint, so most guesses hold); the verification rows (1 + k
-    tokens a sequence) run on every rank like any step: greedy tokens at TP 2 with
-    speculation equal TP 1's without, and guesses were verified (prompts that repeat
-    themselves, so the n-gram and suffix proposers find matches)."""
+    here the target's own checkpoint, so most guesses hold), or, for self:1, from the
+    target's first layer, a pass every rank runs on its shard; the verification rows
+    (1 + k tokens a sequence) run on every rank like any step: greedy tokens at TP 2
+    with speculation equal TP 1's without, and guesses were verified (prompts that
+    repeat themselves, so the n-gram and suffix proposers find matches)."""
     path = checkpoint("llama")
     one = LLMEngine(config(path, 1))
-    draft = {"speculative_model": str(path)} if method == "draft" else {}
+    draft = ({"speculative_model": str(path)} if method == "draft"
+             else {"speculative_model": "self:1"} if method == "self" else {})
+    name, method = ("self_draft", "draft") if method == "self" else (method, method)
     two = LLMEngine(config(path, 2, speculative_method=method, num_speculative_tokens=3,
                            **draft), tp_group=group)
     try:
@@ -157,7 +158,7 @@ def test_speculative_decoding_at_tp2_equals_tp1(checkpoint, group, method: str) 
         params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
         want = [c.token_ids for c in one.generate(batch, params)]
         assert [c.token_ids for c in two.generate(batch, params)] == want
-        counters = two.speculator.counters.get(method)
+        counters = two.speculator.counters.get(name)
         assert counters.verifications > 0 and counters.accepted > 0, counters
         two.leak_check()
     finally:
