@@ -22,8 +22,8 @@ Mixtral with 8 experts of width 768, top 2 (the same active MLP width per token 
 dense 1536), and runs TP 2 twice: each expert split by width (the default) and split
 by experts (--enable-expert-parallel), each row with the routed (token, expert) pairs
 the busier rank's experts got against the average (1.00: even; under expert
-parallelism the busier rank sets the pace). Random routers route near evenly; a
-trained model's do not, which this cannot show.
+parallelism the busier rank sets the pace: the mean over layer calls). Random routers
+route near evenly over many tokens; a trained model's do not, which this cannot show.
 
     python bench/tp_allreduce.py [--model DIR] [--decode-steps 16] [--prefills 3] [--tp1]
         [--moe]
@@ -94,13 +94,15 @@ def prompt(n: int, vocab: int, g: torch.Generator) -> list[int]:
 
 
 class Routing:
-    """Counts, from rank 0's (replicated) routers, the (token, expert) pairs each half
-    of the experts gets: what each rank runs under expert parallelism."""
+    """From rank 0's (replicated) routers, for each MoE layer call: the (token, expert)
+    pairs the busier half of the experts got over the mean of the two halves (what each
+    rank runs under expert parallelism; the all-reduce after the layer waits for the
+    busier one)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         from engine.layers.moe import SparseMoE
 
-        self.pairs = [0, 0]
+        self.ratios: list[float] = []
         for m in model.modules():
             if isinstance(m, SparseMoE):
                 m.gate.register_forward_hook(self._count(m.top_k, m.experts.num_experts))
@@ -108,16 +110,15 @@ class Routing:
     def _count(self, k: int, experts: int):
         def hook(module, args, logits):
             ids = logits.float().topk(k, dim=-1).indices.flatten()
-            half = (ids >= experts // 2).long()
-            self.pairs[1] += int(half.sum())
-            self.pairs[0] += int(ids.numel() - half.sum())
+            upper = int((ids >= experts // 2).sum())
+            self.ratios.append(max(upper, ids.numel() - upper) / (ids.numel() / 2))
         return hook
 
     def take(self) -> float | None:
-        """The busier half's pairs over the mean since the last take (None: no MoE)."""
-        total, busier = sum(self.pairs), max(self.pairs)
-        self.pairs = [0, 0]
-        return busier / (total / 2) if total else None
+        """The mean over the layer calls since the last take (None: no MoE)."""
+        out = statistics.mean(self.ratios) if self.ratios else None
+        self.ratios = []
+        return out
 
 
 def timed_step(eng: LLMEngine, timer: CollectiveTimer, routing: Routing
