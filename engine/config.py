@@ -562,24 +562,11 @@ class EngineConfig:
                              f"{mode} (got {swap}); use "
                              "--preemption-mode recompute to run without a swap pool")
         self._check_kv_cache_dtype()
-        self._check_parallel()
         spec, window = self.spec, self.load.max_model_len
         if (spec.speculative_method != "none" and window is not None
                 and spec.num_speculative_tokens >= window):
             raise ValueError(f"--num-speculative-tokens {spec.num_speculative_tokens} is beyond "
                              f"the context window (--max-model-len {window})")
-
-    def _check_parallel(self) -> None:
-        """What is not built at --tensor-parallel-size > 1 is refused, naming both flags
-        (docs/tensor-parallel.md says why each is left out)."""
-        tp = self.parallel.tensor_parallel_size
-        if tp == 1:
-            return
-        unbuilt = {"--kv-offload-dir": bool(self.cache.kv_offload_dir)}
-        for flag, used in unbuilt.items():
-            if used:
-                raise ValueError(f"{flag} is not supported with --tensor-parallel-size {tp} "
-                                 f"(only with 1); drop one of them")
 
     def _check_kv_cache_dtype(self) -> None:
         name = self.cache.kv_cache_dtype

@@ -107,7 +107,8 @@ class LLMEngine:
         self.swap = SwapPool(self.runner.num_swap_blocks, slots) if self.runner.num_swap_blocks else None
         self.tiers = build_tiers(config.cache, self.kv, self.runner.kv, self.runner.swap_kv,
                                  slots, self.fingerprint, self.runner.kv_dtype,
-                                 self.runner.copy_blocks)
+                                 self.runner.copy_blocks, self.runner,
+                                 self.model_config.num_kv_heads)
         """Host and disk tiers below the device pool (--kv-offload-*); None: off."""
         self.connector = connector
         """Where KV comes from and goes to besides this engine; None: colocated."""

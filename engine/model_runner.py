@@ -403,6 +403,16 @@ class ModelRunner:
             return None, prompt
         return self.model.compute_logits(hidden[inputs.logit_rows]), prompt
 
+    def read_host_blocks(self, slots: list[int]) -> torch.Tensor:
+        """Host slots as a block file holds them: ``[n, block bytes]`` uint8 on the CPU,
+        every KV head (engine/kv_cache/tiers/tiered.py HostBlocks)."""
+        return self.swap_kv.view(torch.uint8)[slots].reshape(len(slots), -1)
+
+    def write_host_blocks(self, slots: list[int], blocks: torch.Tensor) -> None:
+        """Host slots := ``blocks`` (``[n, block bytes]`` uint8, every KV head)."""
+        host = self.swap_kv.view(torch.uint8)
+        host[slots] = blocks.view(len(slots), *host.shape[1:])
+
     def compact_slots(self, table: list[int], victims: torch.Tensor, slots: int) -> None:
         """Evict h2o's victims [L, Hkv] from a full cache of ``slots`` tokens over
         ``table`` (engine/kv_cache/h2o.py compact; at TP > 1 every rank its heads)."""

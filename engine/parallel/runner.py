@@ -165,12 +165,29 @@ class ShardedRunner(ModelRunner):
             self.group.send(Op.SCATTER_KV, torch.tensor(ids, dtype=torch.int64))
             scatter_heads(self.kv, ids, self.head_map, self.group.control, blocks)
 
+    def read_host_blocks(self, slots: list[int]) -> torch.Tensor:
+        """Rank 0: host slots with every KV head, gathered from the ranks (a block
+        spilled to the disk tier)."""
+        with self._group_op("a host block gather"):
+            self.group.send(Op.GATHER_HOST, torch.tensor(slots, dtype=torch.int64))
+            return gather_heads(self.swap_kv, slots, self.head_map, self.group.control)
+
+    def write_host_blocks(self, slots: list[int], blocks: torch.Tensor) -> None:
+        """Rank 0: host slots := ``blocks`` (every KV head), each rank its heads (a disk
+        read landing)."""
+        with self._group_op("a host block scatter"):
+            self.group.send(Op.SCATTER_HOST, torch.tensor(slots, dtype=torch.int64))
+            scatter_heads(self.swap_kv, slots, self.head_map, self.group.control,
+                          blocks.view(len(slots), -1))
+
     def follow_kv(self, op: Op, ids: list[int], control) -> None:
-        """Another rank's part of export_kv / import_kv."""
-        if op is Op.GATHER_KV:
-            gather_heads(self.kv, ids, None, control)
+        """Another rank's part of export_kv / import_kv, read_host_blocks /
+        write_host_blocks."""
+        pool = self.swap_kv if op in (Op.GATHER_HOST, Op.SCATTER_HOST) else self.kv
+        if op in (Op.GATHER_KV, Op.GATHER_HOST):
+            gather_heads(pool, ids, None, control)
         else:
-            scatter_heads(self.kv, ids, None, control)
+            scatter_heads(pool, ids, None, control)
 
     def raise_if_broken(self) -> None:
         if self.group is not None:

@@ -129,15 +129,6 @@ def test_a_split_that_does_not_divide_is_refused_before_any_rank_starts(checkpoi
     assert psutil.Process().children(recursive=True) == before
 
 
-@pytest.mark.parametrize("flag, value, name", [
-    ("kv_offload_dir", "/tmp/kv", "--kv-offload-dir")])
-def test_combinations_not_built_are_refused_naming_both_flags(flag: str, value, name: str) -> None:
-    extra = {"kv_offload_dir": {"kv_offload_cpu_gib": 0.5}}.get(flag, {})
-    with pytest.raises(ValueError, match=f"{name} is not supported with "
-                                         f"--tensor-parallel-size 2"):
-        EngineConfig.from_flat(tensor_parallel_size=2, **{flag: value}, **extra)
-
-
 @pytest.mark.parametrize("method", ["ngram", "suffix", "draft", "self"])
 def test_speculative_decoding_at_tp2_equals_tp1(checkpoint, group, method: str) -> None:
     """Guesses come from rank 0 (a draft model runs there, unsplit, with its own cache;
@@ -241,6 +232,46 @@ def test_the_host_kv_tier_at_tp2_equals_tp1(checkpoint, group) -> None:
             eng.close()
     assert runs[1] == runs[0]
     assert runs[0][1] == (40, 0) and runs[0][2] == 5  # every prompt block from the host
+
+
+def test_the_disk_kv_tier_at_tp2_is_tp1s_and_shares_its_files(tmp_path, checkpoint, group) -> None:
+    """A block file holds every KV head, so a group gathers a spilled host block from
+    its ranks before the writer gets it, and scatters a block read from disk to them:
+    a prompt written to disk by a TP 2 engine (a host tier of 2 blocks, so its 5 blocks
+    spill) comes back into a fresh TP 1 engine from those files, and one written at TP 1
+    into a fresh TP 2 engine, each with the tokens of a cold run."""
+    path = checkpoint("llama")
+    prompt, *fillers = prompts(4, seed=5, low=40, high=41)  # 5 full blocks of 8 each
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+    def engine(tp: int, directory) -> LLMEngine:
+        return LLMEngine(config(path, tp, num_kv_blocks=8, max_model_len=64,
+                                preemption_mode="recompute", swap_space=0,
+                                kv_offload_cpu_gib=2 * 4096 / tp / (1 << 30),
+                                kv_offload_dir=str(directory), kv_offload_disk_gib=0.01),
+                         tp_group=group if tp == 2 else None)
+
+    cold = None
+    for writer, reader in ((2, 1), (1, 2)):
+        directory = tmp_path / f"tp{writer}"
+        eng = engine(writer, directory)
+        try:
+            got = [eng.generate([p], params)[0].token_ids for p in [prompt, *fillers]]
+            cold = cold or got[0]
+            assert got[0] == cold
+            eng.leak_check()
+        finally:
+            eng.close()  # the disk writer's queue written
+        assert eng.tiers.disk.stats.written >= 5
+        eng = engine(reader, directory)
+        try:
+            done = eng.generate([prompt], params)[0]
+            assert (done.token_ids, done.cached_by_tier) == (cold, (0, 40))
+            assert eng.tiers.stats.disk_hits == 5
+            assert (eng.tiers.disk.stats.corrupt, eng.tiers.disk.stats.foreign) == (0, 0)
+            eng.leak_check()
+        finally:
+            eng.close()
 
 
 @pytest.mark.parametrize("policy, kv_heads", [

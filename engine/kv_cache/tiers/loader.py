@@ -1,11 +1,12 @@
 """Disk reads for promotions, off the step loop: a reader thread reads and checks a
-block's file (block_file.py) and copies it into the host slot reserved for it, while
-the engine thread goes on stepping; the block joins the host tier when the engine
-thread collects the read (``landed``), and only then can a request be promoted from it.
+block's file (block_file.py) while the engine thread goes on stepping; the engine
+thread collects the read (``landed``) and writes it into the host slot reserved for it
+(a copy of one block; at --tensor-parallel-size > 1 a scatter to the ranks, a group
+operation only the engine thread may run), and only then can a request be promoted
+from it.
 
-The engine thread owns the host tier; the reader thread touches only the slot it was
-given (pinned by the tier, so neither reused nor reclaimed meanwhile) and the disk tier
-(thread-safe).
+The engine thread owns the host tier and the host slots; the reader thread touches only
+the disk tier (thread-safe) and the bytes it read.
 """
 from __future__ import annotations
 
@@ -18,29 +19,24 @@ from engine.kv_cache.tiers.disk import DiskTier
 
 
 class DiskLoader:
-    def __init__(self, disk: DiskTier, host_kv: torch.Tensor) -> None:
+    def __init__(self, disk: DiskTier) -> None:
         self.disk = disk
-        self.host_kv = host_kv  # [host slots, L, 2, B, Hkv, row]
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="kv-disk-reader")
         self.pending: dict[BlockHash, cf.Future] = {}
 
-    def start(self, block_hash: BlockHash, tokens: tuple[int, ...], slot: int) -> None:
-        """Read the block into host slot ``slot`` in the background."""
-        self.pending[block_hash] = self._pool.submit(self._read, block_hash, tokens, slot)
+    def start(self, block_hash: BlockHash, tokens: tuple[int, ...]) -> None:
+        """Read the block in the background."""
+        self.pending[block_hash] = self._pool.submit(self._read, block_hash, tokens)
 
-    def _read(self, block_hash: BlockHash, tokens: tuple[int, ...], slot: int) -> bool:
-        """Reader thread: False when the file is gone, another block's, or fails its
-        checks (the disk tier counted and deleted it)."""
+    def _read(self, block_hash: BlockHash, tokens: tuple[int, ...]) -> torch.Tensor | None:
+        """Reader thread: the block's bytes (uint8), None when the file is gone, another
+        block's, or fails its checks (the disk tier counted and deleted it)."""
         payload = self.disk.read(block_hash, tokens)
-        if payload is None:
-            return False
-        dst = self.host_kv[slot].view(-1).view(torch.uint8)
-        dst.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
-        return True
+        return None if payload is None else torch.frombuffer(bytearray(payload), dtype=torch.uint8)
 
-    def landed(self) -> list[tuple[BlockHash, bool]]:
-        """The reads that ended since the last call: (block, whether it is in its slot)."""
-        done = [(h, f.exception() is None and f.result())
+    def landed(self) -> list[tuple[BlockHash, torch.Tensor | None]]:
+        """The reads that ended since the last call: (block, its bytes or None)."""
+        done = [(h, f.result() if f.exception() is None else None)
                 for h, f in self.pending.items() if f.done()]
         for h, _ in done:
             del self.pending[h]

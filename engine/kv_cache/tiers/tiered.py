@@ -2,8 +2,9 @@
 come down (``demote``), a prefix that misses on the device comes back up (``promote``).
 
 Every copy goes through the runner's ``copy_blocks`` (at --tensor-parallel-size > 1
-each rank copies its own heads; the disk tier is refused there, as its files hold
-every head). Demotion copies the evicted block into a host slot at once, on the engine
+each rank copies its own heads), and whole blocks go to and from disk through its
+``read_host_blocks``/``write_host_blocks`` (a block file holds every head: at TP > 1
+they are gathered from and scattered to the ranks' host slots, on the engine thread). Demotion copies the evicted block into a host slot at once, on the engine
 thread: an evicted block is about to be reused, and nothing writes a block between its
 eviction and the step's forward pass, so its bytes are still the cached ones. A host block that
 loses its slot is queued for the disk tier (a copy of its bytes; the writer thread
@@ -27,7 +28,7 @@ it from the host as above (docs/kv-offload.md).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 
@@ -59,19 +60,31 @@ CopyBlocks = Callable[[Pairs, Pairs], object]
 device ids)]): at --tensor-parallel-size > 1 every rank copies its heads' bytes."""
 
 
+class HostBlocks(Protocol):
+    """Whole blocks of host slots as a block file holds them (every KV head)."""
+
+    def read_host_blocks(self, slots: list[int]) -> torch.Tensor:
+        """``[n, block bytes]`` uint8 on the CPU."""
+
+    def write_host_blocks(self, slots: list[int], blocks: torch.Tensor) -> None:
+        """Host slots := ``blocks`` (``[n, block bytes]`` uint8, every head)."""
+
+
 class TieredCache:
     def __init__(self, device_kv: torch.Tensor, host_kv: torch.Tensor, slots: HostSlots,
-                 block_size: int, copy_blocks: CopyBlocks, disk: DiskTier | None = None
-                 ) -> None:
+                 block_size: int, copy_blocks: CopyBlocks, disk: DiskTier | None = None,
+                 host_blocks: HostBlocks | None = None) -> None:
         """copy_blocks: how bytes move between the device pool and host slots (the
-        runner's: at TP > 1 every rank copies its heads)."""
+        runner's: at TP > 1 every rank copies its heads); host_blocks: how the disk tier
+        reads and fills whole host blocks (the runner; needed with ``disk``)."""
         self.device_kv = device_kv  # [num_blocks, L, 2, B, Hkv, row]
         self.host_kv = host_kv  # [host slots, L, 2, B, Hkv, row], shared with the swap pool
         self.copy_blocks = copy_blocks
         self.slots = slots
         self.block_size = block_size
         self.disk = disk
-        self.loader = DiskLoader(disk, host_kv) if disk is not None else None
+        self.host_blocks = host_blocks
+        self.loader = DiskLoader(disk) if disk is not None else None
         self._unreadable: set[BlockHash] = set()
         """Blocks listed on disk whose read failed without the file being dropped (other
         tokens under the hash): misses, never read again."""
@@ -113,7 +126,7 @@ class TieredCache:
         """A host block loses its slot: the disk tier gets a copy (if there is one)."""
         self.events.append(TierEvent(KVEventKind.REMOVED, block_hash, MEDIUM_HOST))
         if self.disk is not None:
-            payload = self.host_kv[entry.slot].contiguous().view(torch.uint8).numpy().tobytes()
+            payload = self.host_blocks.read_host_blocks([entry.slot])[0].numpy().tobytes()
             self.disk.put(block_hash, entry.tokens, payload)
 
     # -- up -----------------------------------------------------------------------------
@@ -177,16 +190,18 @@ class TieredCache:
                 return waiting or bool(self._copies)
             entry = self.host.entries[h]
             entry.loading, entry.pins = True, entry.pins + 1
-            self.loader.start(h, tokens, slot)
+            self.loader.start(h, tokens)
             waiting = True
         return waiting
 
     def _land(self) -> None:
-        """Collect the disk reads that ended: host blocks now, or their slots back."""
-        for h, ok in self.loader.landed() if self.loader is not None else ():
+        """Collect the disk reads that ended: host blocks now (their bytes written into
+        their slots here, on the engine thread), or their slots back."""
+        for h, block in self.loader.landed() if self.loader is not None else ():
             entry = self.host.entries[h]
             entry.pins, entry.loading = entry.pins - 1, False
-            if ok:
+            if block is not None:
+                self.host_blocks.write_host_blocks([entry.slot], block.view(1, -1))
                 entry.from_disk = True
                 self.events.append(TierEvent(KVEventKind.STORED, h, MEDIUM_HOST, entry.tokens))
                 continue
