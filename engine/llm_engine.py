@@ -105,7 +105,7 @@ class LLMEngine:
         self.kv.on_shift = self.runner.shift_keys
         slots = HostSlots(self.runner.num_host_slots)
         self.swap = SwapPool(self.runner.num_swap_blocks, slots) if self.runner.num_swap_blocks else None
-        self.tiers = build_tiers(config.cache, self.kv, self.runner.kv, self.runner.swap_kv,
+        self.tiers = build_tiers(config.cache, self.kv, self.runner.kv,
                                  slots, self.fingerprint, self.runner.kv_dtype,
                                  self.runner.copy_blocks, self.runner,
                                  self.model_config.num_kv_heads)

@@ -515,6 +515,6 @@ class ModelRunner:
     def prompt_logits(self, token_ids: list[int], table: list[int]) -> torch.Tensor:
         """fp32 logits at every position of a prompt (for correctness tests)."""
         n = len(token_ids)
-        logits, _ = self._run(StepInputs(list(token_ids), list(range(n)), [n], [n],
-                                         1 if n > 1 else 0, [table], list(range(n)), False))
-        return logits
+        return self.forward_logits(StepInputs(list(token_ids), list(range(n)), [n], [n],
+                                              1 if n > 1 else 0, [table], list(range(n)),
+                                              False))

@@ -170,7 +170,7 @@ def follower_main(rank: int, world: int, port: int, device: str, parent: int,
         elif op is Op.EVICT:
             runner.follow_evict(body)
         elif op in (Op.GATHER_KV, Op.SCATTER_KV, Op.GATHER_HOST, Op.SCATTER_HOST):
-            runner.follow_kv(op, body.tolist(), control)
+            runner.follow_kv(op, body.tolist())
         elif op is Op.CLOSE:
             runner = None
             gc.collect()

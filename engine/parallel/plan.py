@@ -34,15 +34,15 @@ class Op(enum.IntEnum):
     the payload is the shift in positions, then the block ids."""
     LORA = 9
     """Fill a LoRA slot with an adapter: the payload is an AdapterSlot."""
+    EVICT = 10
+    """Evict h2o's victims from a full cache (engine/kv_cache/h2o.py compact): the payload
+    is the slots, the table's length, the table, then the victims [L, Hkv] (every head's:
+    each rank takes its own)."""
     GATHER_HOST = 11
     """As GATHER_KV, of host slots (the swap pool and host tier's tensor): the payload is
     the slots (a block spilled to the disk tier, whose files hold every head)."""
     SCATTER_HOST = 12
     """As SCATTER_KV, into host slots: the payload is the slots (a disk read landing)."""
-    EVICT = 10
-    """Evict h2o's victims from a full cache (engine/kv_cache/h2o.py compact): the payload
-    is the slots, the table's length, the table, then the victims [L, Hkv] (every head's:
-    each rank takes its own)."""
 
 
 @dataclass

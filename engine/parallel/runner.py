@@ -154,40 +154,44 @@ class ShardedRunner(ModelRunner):
         """Rank 0: blocks ``ids`` with every KV head, gathered from the ranks that hold
         them: ``[n, block bytes of all heads]`` uint8 on the CPU (what a KV transfer
         sends; engine/parallel/kv_heads.py)."""
-        with self._group_op("a KV gather"):
-            self.group.send(Op.GATHER_KV, torch.tensor(ids, dtype=torch.int64))
-            return gather_heads(self.kv, ids, self.head_map, self.group.control)
+        return self._gather(Op.GATHER_KV, ids, "a KV gather")
 
     def import_kv(self, ids: list[int], blocks: torch.Tensor) -> None:
         """Rank 0: write ``blocks`` (every KV head, as export_kv gives them) into blocks
         ``ids``, each rank its heads."""
-        with self._group_op("a KV scatter"):
-            self.group.send(Op.SCATTER_KV, torch.tensor(ids, dtype=torch.int64))
-            scatter_heads(self.kv, ids, self.head_map, self.group.control, blocks)
+        self._scatter(Op.SCATTER_KV, ids, blocks, "a KV scatter")
 
     def read_host_blocks(self, slots: list[int]) -> torch.Tensor:
         """Rank 0: host slots with every KV head, gathered from the ranks (a block
         spilled to the disk tier)."""
-        with self._group_op("a host block gather"):
-            self.group.send(Op.GATHER_HOST, torch.tensor(slots, dtype=torch.int64))
-            return gather_heads(self.swap_kv, slots, self.head_map, self.group.control)
+        return self._gather(Op.GATHER_HOST, slots, "a host block gather")
 
     def write_host_blocks(self, slots: list[int], blocks: torch.Tensor) -> None:
         """Rank 0: host slots := ``blocks`` (every KV head), each rank its heads (a disk
         read landing)."""
-        with self._group_op("a host block scatter"):
-            self.group.send(Op.SCATTER_HOST, torch.tensor(slots, dtype=torch.int64))
-            scatter_heads(self.swap_kv, slots, self.head_map, self.group.control,
-                          blocks.view(len(slots), -1))
+        self._scatter(Op.SCATTER_HOST, slots, blocks, "a host block scatter")
 
-    def follow_kv(self, op: Op, ids: list[int], control) -> None:
-        """Another rank's part of export_kv / import_kv, read_host_blocks /
-        write_host_blocks."""
-        pool = self.swap_kv if op in (Op.GATHER_HOST, Op.SCATTER_HOST) else self.kv
+    def _pool(self, op: Op) -> torch.Tensor:
+        """The tensor a head gather or scatter reads or writes: the host slots' or the
+        device pool."""
+        return self.swap_kv if op in (Op.GATHER_HOST, Op.SCATTER_HOST) else self.kv
+
+    def _gather(self, op: Op, ids: list[int], what: str) -> torch.Tensor:
+        with self._group_op(what):
+            self.group.send(op, torch.tensor(ids, dtype=torch.int64))
+            return gather_heads(self._pool(op), ids, self.head_map, self.group.control)
+
+    def _scatter(self, op: Op, ids: list[int], blocks: torch.Tensor, what: str) -> None:
+        with self._group_op(what):
+            self.group.send(op, torch.tensor(ids, dtype=torch.int64))
+            scatter_heads(self._pool(op), ids, self.head_map, self.group.control, blocks)
+
+    def follow_kv(self, op: Op, ids: list[int]) -> None:
+        """Another rank's part of _gather / _scatter."""
         if op in (Op.GATHER_KV, Op.GATHER_HOST):
-            gather_heads(pool, ids, None, control)
+            gather_heads(self._pool(op), ids, None, self.control)
         else:
-            scatter_heads(pool, ids, None, control)
+            scatter_heads(self._pool(op), ids, None, self.control)
 
     def raise_if_broken(self) -> None:
         if self.group is not None:

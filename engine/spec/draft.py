@@ -53,7 +53,6 @@ class DraftProposer(Proposer):
         target's own for self:N (at --tensor-parallel-size > 1 every rank of its group
         runs the first N layers of its shard), a separate draft model's otherwise."""
         self.runner = runner
-        self.block_size = runner.config.cache.block_size
         self.num_layers = num_layers
         """self-draft: layers of the target to run; None: a separate draft model."""
         self.name = name

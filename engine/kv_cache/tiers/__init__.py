@@ -30,7 +30,7 @@ def kv_format(fingerprint: str, kv_dtype: str, device_kv: torch.Tensor,
 
 
 def build_tiers(cache: CacheConfig, kv: KVCacheManager, device_kv: torch.Tensor,
-                host_kv: torch.Tensor | None, slots: HostSlots, fingerprint: str,
+                slots: HostSlots, fingerprint: str,
                 kv_dtype: str, copy_blocks: CopyBlocks, host_blocks: HostBlocks,
                 kv_heads: int) -> TieredCache | None:
     """The tiers the flags ask for, hooked into ``kv`` (None: --kv-offload-cpu-gib 0;
@@ -44,8 +44,7 @@ def build_tiers(cache: CacheConfig, kv: KVCacheManager, device_kv: torch.Tensor,
     if cache.kv_offload_dir:
         disk = DiskTier(cache.kv_offload_dir, int(cache.kv_offload_disk_gib * (1 << 30)),
                         kv_format(fingerprint, kv_dtype, device_kv, kv_heads))
-    tiers = TieredCache(device_kv, host_kv, slots, cache.block_size, copy_blocks, disk,
-                        host_blocks)
+    tiers = TieredCache(slots, cache.block_size, copy_blocks, disk, host_blocks)
     tiers.attach(kv.pool)
     kv.lower_tiers = tiers
     return tiers

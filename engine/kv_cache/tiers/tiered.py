@@ -4,9 +4,10 @@ come down (``demote``), a prefix that misses on the device comes back up (``prom
 Every copy goes through the runner's ``copy_blocks`` (at --tensor-parallel-size > 1
 each rank copies its own heads), and whole blocks go to and from disk through its
 ``read_host_blocks``/``write_host_blocks`` (a block file holds every head: at TP > 1
-they are gathered from and scattered to the ranks' host slots, on the engine thread). Demotion copies the evicted block into a host slot at once, on the engine
-thread: an evicted block is about to be reused, and nothing writes a block between its
-eviction and the step's forward pass, so its bytes are still the cached ones. A host block that
+they are gathered from and scattered to the ranks' host slots, on the engine thread).
+Demotion copies the evicted block into a host slot at once, on the engine thread: an
+evicted block is about to be reused, and nothing writes a block between its eviction
+and the step's forward pass, so its bytes are still the cached ones. A host block that
 loses its slot is queued for the disk tier (a copy of its bytes; the writer thread
 writes it).
 
@@ -71,14 +72,11 @@ class HostBlocks(Protocol):
 
 
 class TieredCache:
-    def __init__(self, device_kv: torch.Tensor, host_kv: torch.Tensor, slots: HostSlots,
-                 block_size: int, copy_blocks: CopyBlocks, disk: DiskTier | None = None,
-                 host_blocks: HostBlocks | None = None) -> None:
+    def __init__(self, slots: HostSlots, block_size: int, copy_blocks: CopyBlocks,
+                 disk: DiskTier | None = None, host_blocks: HostBlocks | None = None) -> None:
         """copy_blocks: how bytes move between the device pool and host slots (the
         runner's: at TP > 1 every rank copies its heads); host_blocks: how the disk tier
         reads and fills whole host blocks (the runner; needed with ``disk``)."""
-        self.device_kv = device_kv  # [num_blocks, L, 2, B, Hkv, row]
-        self.host_kv = host_kv  # [host slots, L, 2, B, Hkv, row], shared with the swap pool
         self.copy_blocks = copy_blocks
         self.slots = slots
         self.block_size = block_size
