@@ -20,6 +20,13 @@ and calls the same GEMM / weight-only kernels. On CUDA the segments are compiled
 with mode="reduce-overhead", which captures each of them as a CUDA graph per
 bucket. Compiled code is cached on disk by inductor (TORCHINDUCTOR_CACHE_DIR,
 default /tmp/torchinductor_$USER), so a restart recompiles much faster.
+
+Inductor's cache key leaves out the CPU vector width it generated code for (picked
+from the CPU's flags, or ATEN_CPU_CAPABILITY), so one cache directory read by two
+widths (a cache filled with ATEN_CPU_CAPABILITY=avx2 and read natively on an AVX-512
+CPU, or one directory shared by nodes of both kinds) ran 8-wide loops on 16-wide
+vectors and crashed. The CPU segments pin ``cpp.simdlen`` to the width picked here,
+which puts it in the key: an entry of another width misses and is compiled anew.
 """
 from __future__ import annotations
 
@@ -56,6 +63,14 @@ def inductor_cache_dir() -> str:
     return cache_dir()
 
 
+def vector_width() -> int | None:
+    """The SIMD width in bits inductor generates CPU code for in this process (None: no
+    vector ISA, scalar code)."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+    isa = pick_vec_isa()
+    return isa.bit_width() if isa else None
+
+
 def _slower(compiled: float, eager: float) -> bool:
     """The compiled step lost: its bucket runs eagerly."""
     return compiled > eager * SLOWER_MARGIN
@@ -78,6 +93,9 @@ class CompiledDecode:
             kw["mode"] = "reduce-overhead"  # CUDA graphs per bucket
         else:
             kw["options"] = dict(options or {})
+            width = vector_width()
+            if width is not None:  # part of the cache key (module docstring)
+                kw["options"].setdefault("cpp.simdlen", width)
         self.device = device
         self.disabled: str | None = None
         self.compile_seconds = 0.0

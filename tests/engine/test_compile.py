@@ -189,3 +189,56 @@ def test_compilation_prints_progress_at_the_default_log_level(monkeypatch, caplo
     show_progress(logging.ERROR)
     assert not progress.isEnabledFor(logging.INFO)
     show_progress(logging.WARNING)
+
+
+_ONE_RUN = """
+import json, sys
+from torch._dynamo.utils import counters
+from engine.compile.decode import vector_width
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from core.sampling import SamplingParams
+eng = LLMEngine(EngineConfig.from_flat(model=sys.argv[1], dtype="float32", num_kv_blocks=64,
+                                       max_num_seqs=1, compile=True, compile_max_batch=1))
+eng.runner.compiled.slower.clear()
+out = eng.generate([[5, 9, 14, 3, 7]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+print(json.dumps({"tokens": out[0].token_ids, "width": vector_width(),
+                  "hits": counters["inductor"]["fxgraph_cache_hit"]}))
+"""
+
+
+def _compiled_run(model: Path, cache: Path, capability: str | None) -> dict:
+    """One process compiling the decode step into ``cache`` at ATEN_CPU_CAPABILITY
+    ``capability`` (None: the CPU's own), and its greedy tokens."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("ATEN_CPU_CAPABILITY", "TANDEM_CPU_CAPABILITY")}
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
+    if capability is not None:
+        env["ATEN_CPU_CAPABILITY"] = env["TANDEM_CPU_CAPABILITY"] = capability
+    done = subprocess.run([sys.executable, "-c", _ONE_RUN, str(model)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"rc {done.returncode}: {done.stderr[-2000:]}"
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_cache_filled_at_one_vector_width_is_not_read_at_another(tiny_model_dir, tmp_path) -> None:
+    """Inductor's cache key leaves out the vector width it generated code for, so a
+    cache filled under ATEN_CPU_CAPABILITY=avx2 and read natively on an AVX-512 CPU ran
+    8-wide loops on 16-wide vectors and crashed (as running the suite forced to AVX2,
+    then natively, did). The compiled step pins cpp.simdlen to its width: a second
+    process at the CPU's own width reads the first one's entries only when that width
+    is AVX2's too, and both give the eager step's tokens."""
+    first = _compiled_run(tiny_model_dir, tmp_path / "cache", "avx2")
+    second = _compiled_run(tiny_model_dir, tmp_path / "cache", None)
+    assert first["width"] == 256
+    assert (second["hits"] > 0) == (second["width"] == 256), second
+    eager = LLMEngine(EngineConfig.from_flat(model=str(tiny_model_dir), dtype="float32",
+                                             num_kv_blocks=64, max_num_seqs=1, compile=False))
+    want = eager.generate([[5, 9, 14, 3, 7]], SamplingParams(max_tokens=8, temperature=0,
+                                                             ignore_eos=True))[0].token_ids
+    assert first["tokens"] == second["tokens"] == want
