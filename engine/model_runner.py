@@ -177,14 +177,19 @@ class ModelRunner:
             model = MODELS.load(ckpt.config.architecture)(ckpt.config, max_model_len)
         for params in model.attention_params():
             self.backend.check(params)
+        self.lora_targets = target_map(model)  # unsplit, before quantization swaps the Linears
+        self._split(model)
         model = model.to_empty(device=self.device)  # no random init: every weight is loaded
         model.tie_weights()  # to_empty gives each module its own new Parameter
         try:
             model.load_weights(ckpt.tensors)
         except ValueError as e:
             raise ValueError(f"{ckpt.path}: {e}") from e
-        self.lora_targets = target_map(model)  # unsplit, before quantization swaps the Linears
         return model
+
+    def _split(self, model: CausalLM) -> None:
+        """A tensor-parallel rank's share of the meta skeleton (engine/parallel/runner.py);
+        one device holds all of it."""
 
     def _allocate_kv(self, ckpt: LoadedCheckpoint) -> torch.Tensor:
         """The block-major cache [num_blocks, L, 2, B, Hkv, row] (core/kv/layout.py):

@@ -37,6 +37,8 @@ class FusedExperts(nn.Module):
         (``experts.{e}.<name>.weight``)."""
         super().__init__()
         self.num_experts, self.inter, self.act, self.names = num_experts, inter, act, tuple(names)
+        self.checkpoint_inter = inter
+        """Each checkpoint expert's width, which a tensor-parallel split of ``inter`` keeps."""
         self.first, self.owned = 0, num_experts
         """The experts held here: [first, first + owned) (a tensor-parallel rank under
         expert parallelism holds a share, engine/parallel/shard.py); all by default."""
@@ -46,11 +48,11 @@ class FusedExperts(nn.Module):
     def checkpoint_places(self, path: str) -> dict[str, tuple[str, object]]:
         """Checkpoint tensor -> (our parameter, the index it fills): engine/models/weights.py."""
         gate, up, down = self.names
-        out = {}
+        inter, out = self.checkpoint_inter, {}
         for e in range(self.num_experts):
             pre = f"{path}.{e}."
-            out[pre + gate + ".weight"] = (f"{path}.gate_up", (e, slice(0, self.inter)))
-            out[pre + up + ".weight"] = (f"{path}.gate_up", (e, slice(self.inter, 2 * self.inter)))
+            out[pre + gate + ".weight"] = (f"{path}.gate_up", (e, slice(0, inter)))
+            out[pre + up + ".weight"] = (f"{path}.gate_up", (e, slice(inter, 2 * inter)))
             out[pre + down + ".weight"] = (f"{path}.down", e)
         return out
 

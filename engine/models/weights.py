@@ -3,9 +3,15 @@
 A ``Linear`` (engine/layers/linear.py) says which checkpoint tensors stack into it; any
 other parameter is filled by the tensor of its own name. So a family declares its
 checkpoint layout once, where it builds its layers, and loading needs no table of its own.
+
+A tensor-parallel rank holds a part of some parameters (engine/parallel/shard.py cuts
+the meta skeleton before anything is allocated, and records each part as a ``Cut`` in
+its module's ``cuts``): each checkpoint tensor is cut as it is copied, so a rank never
+allocates more than its share plus the one checkpoint tensor being read.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import torch
@@ -14,7 +20,67 @@ from torch import nn
 from engine.layers.linear import Linear
 
 Place = tuple[str, object]
-"""(parameter name, the index into it a tensor fills: a row slice, or None for all)."""
+"""(parameter name, the index into it a tensor fills: None for all, a row slice, an
+expert (int), or an (expert, row slice) pair)."""
+
+
+@dataclass(frozen=True)
+class Cut:
+    """The part of an unsplit parameter (shape ``full``) that one tensor-parallel rank
+    holds: along ``dim``, the (start, length) pieces, concatenated in order. zero: the
+    rank holds zeros instead (a row-split bias beyond rank 0: added once, not per rank).
+    absmax: filled, as the weight loads, with each unsplit row's max |w| (a row split's
+    int8 scale is the whole row's, engine/quant/base.py Shard)."""
+
+    full: tuple[int, ...]
+    dim: int = 0
+    pieces: tuple[tuple[int, int], ...] = ()
+    zero: bool = False
+    absmax: torch.Tensor | None = None
+
+    def load(self, param: torch.Tensor, index: object, w: torch.Tensor) -> None:
+        """Copy this rank's part of ``w`` (which fills ``unsplit[index]``) into param."""
+        if self.zero:
+            param.zero_()
+            return
+        if self.absmax is not None:  # a Linear weight [out, in]; index: its rows or all
+            rows = w.to(param.dtype).abs().amax(dim=-1).float().to(self.absmax.device)
+            self.absmax[slice(None) if index is None else index] = rows
+        idx = _entries(index)
+        idx += (slice(None),) * (self.dim + 1 - len(idx))
+        at = idx[self.dim]
+        if isinstance(at, int):  # one expert along the cut: held here or not at all
+            local = self._local(at, at + 1)
+            if local:
+                param[idx[:self.dim] + (local[0][0],) + idx[self.dim + 1:]].copy_(w)
+            return
+        a, b, _ = at.indices(self.full[self.dim])
+        w_dim = self.dim - sum(isinstance(i, int) for i in idx[:self.dim])
+        for start, lo, hi in self._local(a, b):
+            place = idx[:self.dim] + (slice(start, start + hi - lo),) + idx[self.dim + 1:]
+            param[place].copy_(w.narrow(w_dim, lo - a, hi - lo))
+
+    def _local(self, a: int, b: int) -> list[tuple[int, int, int]]:
+        """(local start, unsplit lo, unsplit hi) of each overlap of [a, b) with a piece."""
+        out, offset = [], 0
+        for s, n in self.pieces:
+            lo, hi = max(a, s), min(b, s + n)
+            if lo < hi:
+                out.append((offset + lo - s, lo, hi))
+            offset += n
+        return out
+
+
+def _entries(index: object) -> tuple:
+    if index is None:
+        return ()
+    return index if isinstance(index, tuple) else (index,)
+
+
+def cuts_of(model: nn.Module) -> dict[str, Cut]:
+    """Parameter name -> its Cut, for every parameter a rank holds a part of."""
+    return {f"{path}.{name}".lstrip("."): cut for path, mod in model.named_modules()
+            for name, cut in getattr(mod, "cuts", {}).items()}
 
 
 def checkpoint_map(model: nn.Module, skip: set[str] = frozenset()) -> dict[str, Place]:
@@ -48,6 +114,7 @@ def load_tensors(model: nn.Module, where: dict[str, Place],
     the wrong shape, or never came. renames: (checkpoint substring, ours) applied to
     each name first (a family whose checkpoints name a module otherwise)."""
     params = dict(model.named_parameters(remove_duplicate=False))
+    cuts = cuts_of(model)
     seen: set[str] = set()
     for name, w in tensors:
         if any(name == i or i in name for i in ignored):
@@ -59,12 +126,17 @@ def load_tensors(model: nn.Module, where: dict[str, Place],
             raise ValueError(f"checkpoint tensor {name} has no place in the {architecture} "
                              f"model (does config.json describe this checkpoint?)")
         pname, index = where[key]
-        target = params[pname] if index is None else params[pname][index]
+        cut = cuts.get(pname)
+        whole = params[pname] if cut is None else torch.empty(cut.full, device="meta")
+        target = whole if index is None else whole[index]
         if tuple(target.shape) != tuple(w.shape):
             raise ValueError(f"checkpoint tensor {name} has shape {list(w.shape)}; the "
                              f"{architecture} model config.json describes needs "
                              f"{list(target.shape)}")
-        target.copy_(w)
+        if cut is None:
+            target.copy_(w)
+        else:
+            cut.load(params[pname], index, w)
         seen.add(key)
     missing = sorted(set(where) - seen)
     if missing:

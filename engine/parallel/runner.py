@@ -61,10 +61,8 @@ class ShardedRunner(ModelRunner):
     def kv_heads(self) -> int:
         return local_kv_heads(self.model_config.num_kv_heads, self.world)
 
-    def _build(self, ckpt: LoadedCheckpoint, max_model_len: int) -> CausalLM:
-        model = super()._build(ckpt, max_model_len)
+    def _split(self, model: CausalLM) -> None:
         shard_model(model, self.rank, self.world, self.config.parallel.enable_expert_parallel)
-        return model
 
     def _run(self, inputs: StepInputs, should_stop: Callable[[], bool] | None = None,
              owed: list = (), scores: dict | None = None):

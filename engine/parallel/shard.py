@@ -15,7 +15,12 @@ Each rank keeps, of every layer:
   the share contributes zeros and the rows are all-reduced; the logits are gathered.
 
 So a layer costs two all-reduces of [T, H]. Biases after a row split stay on rank 0
-only (every rank adding one would add it world-size times). Each split linear records
+only (every rank adding one would add it world-size times).
+
+The split is made on the meta skeleton, before any weight is allocated: each split
+parameter gets its share's shape and a ``Cut`` (engine/models/weights.py) that cuts
+each checkpoint tensor as it loads, so a rank allocates its share and never the whole
+model (a model larger than one device loads on a group). Each split linear records
 its part of the unsplit weight (``linear.shard``), so --quantization packs a shard with
 the codes and scales TP 1 gives that part: a GGUF's own blocks cut at block boundaries,
 int4's groups, int8's per-row scales taken over the whole row. The collectives are
@@ -33,6 +38,7 @@ from engine.layers.attention import Attention
 from engine.layers.mlp import GatedMLP
 from engine.layers.moe import SparseMoE
 from engine.models.base import CausalLM
+from engine.models.weights import Cut
 from engine.parallel.collectives import all_gather, all_reduce
 from engine.quant.base import Shard
 
@@ -78,7 +84,8 @@ def kv_head_map(num_kv_heads: int, world: int) -> list[list[int]]:
 
 
 def shard_model(model: CausalLM, rank: int, world: int, expert_parallel: bool = False) -> None:
-    """Keep rank's share of every split weight (in place) and hook the collectives in."""
+    """Give every split parameter of the meta skeleton ``model`` its share's shape and Cut
+    (in place, before loading) and hook the collectives in."""
     check_shardable(model, world, expert_parallel)
     for layer in model.model.layers:
         _shard_attention(layer.self_attn, rank, world)
@@ -93,28 +100,30 @@ def shard_model(model: CausalLM, rank: int, world: int, expert_parallel: bool = 
     _shard_vocab(model, rank, world)
 
 
-def _keep(module: nn.Module, name: str, value: torch.Tensor) -> None:
+def _keep(module: nn.Module, name: str, dim: int, pieces: list[tuple[int, int]],
+          zero: bool = False, absmax: torch.Tensor | None = None) -> None:
+    """module.name (on meta) becomes its (start, length) pieces along dim, concatenated,
+    with the Cut that fills it at load time in the module's ``cuts``."""
+    w = getattr(module, name)
+    value = torch.cat([w.narrow(dim, s, n) for s, n in pieces], dim)
     setattr(module, name, nn.Parameter(value.contiguous(), requires_grad=False))
-
-
-def _rows(w: torch.Tensor, pieces: list[tuple[int, int]], dim: int = 0) -> torch.Tensor:
-    """The (start, length) pieces of w along dim, concatenated."""
-    return torch.cat([w.narrow(dim, s, n) for s, n in pieces], dim)
+    module.cuts = {**getattr(module, "cuts", {}),
+                   name: Cut(tuple(w.shape), dim, tuple(pieces), zero, absmax)}
 
 
 def _column_split(linear: nn.Linear, pieces: list[tuple[int, int]]) -> None:
-    _keep(linear, "weight", _rows(linear.weight, pieces))
+    _keep(linear, "weight", 0, pieces)
     if linear.bias is not None:
-        _keep(linear, "bias", _rows(linear.bias, pieces))
+        _keep(linear, "bias", 0, pieces)
     linear.out_features = linear.weight.shape[0]
     linear.shard = Shard(rows=tuple(pieces))  # --quantization packs it as TP 1 would
 
 
 def _row_split(linear: nn.Linear, start: int, n: int, rank: int) -> None:
-    absmax = linear.weight.detach().abs().amax(dim=1).float()  # the whole rows', for int8
-    _keep(linear, "weight", linear.weight.narrow(1, start, n))
+    absmax = torch.zeros(linear.out_features)  # the whole rows', filled as the weight loads
+    _keep(linear, "weight", 1, [(start, n)], absmax=absmax)
     if linear.bias is not None and rank:
-        _keep(linear, "bias", torch.zeros_like(linear.bias))
+        _keep(linear, "bias", 0, [(0, linear.out_features)], zero=True)
     linear.in_features = n
     linear.shard = Shard(cols=(start, n), row_absmax=absmax)
 
@@ -139,16 +148,16 @@ def _shard_mlp(mlp: GatedMLP, rank: int, world: int) -> None:
 def _shard_experts(moe: SparseMoE, rank: int, world: int) -> None:
     ex = moe.experts
     n = ex.inter // world
-    _keep(ex, "gate_up", _rows(ex.gate_up, [(rank * n, n), (ex.inter + rank * n, n)], dim=1))
-    _keep(ex, "down", ex.down.narrow(2, rank * n, n))
+    _keep(ex, "gate_up", 1, [(rank * n, n), (ex.inter + rank * n, n)])
+    _keep(ex, "down", 2, [(rank * n, n)])
     ex.inter = n
 
 
 def _split_experts(moe: SparseMoE, rank: int, world: int) -> None:
     ex = moe.experts
     n = ex.num_experts // world
-    _keep(ex, "gate_up", ex.gate_up.narrow(0, rank * n, n))
-    _keep(ex, "down", ex.down.narrow(0, rank * n, n))
+    _keep(ex, "gate_up", 0, [(rank * n, n)])
+    _keep(ex, "down", 0, [(rank * n, n)])
     ex.first, ex.owned = rank * n, n
 
 
@@ -156,9 +165,10 @@ class VocabShardEmbedding(nn.Module):
     """Rank's rows [start, start + n) of the embedding; the full rows come from an
     all-reduce (each token's row is nonzero on exactly one rank)."""
 
-    def __init__(self, weight: torch.Tensor, start: int) -> None:
+    def __init__(self, embed: nn.Embedding, start: int, n: int) -> None:
         super().__init__()
-        self.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+        self.weight = embed.weight
+        _keep(self, "weight", 0, [(start, n)])
         self.start = start
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
@@ -172,13 +182,12 @@ class VocabShardEmbedding(nn.Module):
 
 def _shard_vocab(model: CausalLM, rank: int, world: int) -> None:
     n = model.cfg.vocab_size // world
-    embed = model.model.embed_tokens
-    model.model.embed_tokens = VocabShardEmbedding(embed.weight.narrow(0, rank * n, n), rank * n)
+    model.model.embed_tokens = VocabShardEmbedding(model.model.embed_tokens, rank * n, n)
     head = model.lm_head
     if model.cfg.tie_word_embeddings:
-        head.weight = model.model.embed_tokens.weight
+        head.weight = model.model.embed_tokens.weight  # tied again after loading (tie_weights)
     else:
-        _keep(head, "weight", head.weight.narrow(0, rank * n, n))
+        _keep(head, "weight", 0, [(rank * n, n)])
     head.out_features = n
     head.shard = Shard(rows=((rank * n, n),))
     head.register_forward_hook(_gather_vocab)

@@ -45,7 +45,8 @@ class Int8Method(QuantMethod):
     def pack(self, name, weight, dtype, sources=None, shard: Shard | None = None
              ) -> tuple[PackedWeight, torch.Tensor]:
         check_shape(name, "int8", *weight.shape)
-        return _int8(weight, dtype, shard.row_absmax if shard is not None else None)
+        absmax = shard.row_absmax if shard is not None else None  # filled on the CPU
+        return _int8(weight, dtype, None if absmax is None else absmax.to(weight.device))
 
 
 class Int4Method(QuantMethod):

@@ -12,11 +12,13 @@ import sys
 import psutil
 import pytest
 import torch
+from torch import nn
 
 from core.errors import FieldError
 from core.sampling import SamplingParams
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.models.base import CausalLM
 from engine.parallel import collectives
 from engine.parallel.group import TPGroup
 from kvtransfer.base import block_view
@@ -89,6 +91,36 @@ def test_fewer_kv_heads_than_ranks_replicates_them(tmp_path, group) -> None:
     """One KV head, two ranks: each rank holds a copy of it and half the query heads."""
     compare(build_checkpoint(tmp_path, "llama", num_key_value_heads=1), group,
             alone=False, count=8)
+
+
+def test_row_split_biases_at_tp2_equal_tp1(tmp_path, group) -> None:
+    """Biases on every linear (attention_bias, mlp_bias): o_proj's and down_proj's are
+    added once, by rank 0 (rank 1 holds zeros), q/k/v's and gate/up's are split."""
+    path = build_checkpoint(tmp_path, "llama", attention_bias=True, mlp_bias=True)
+    compare(path, group, alone=False, count=8)
+
+
+def test_a_rank_allocates_only_its_share_of_the_weights(checkpoint, group, monkeypatch) -> None:
+    """The split is made on the meta skeleton: what a rank allocates for its weights is
+    its share (about half at TP 2, the norms and router replicated), never the whole
+    model, and each checkpoint tensor is cut as it loads."""
+    allocated = []
+
+    def to_empty(self, **kw):
+        allocated.append(sum(p.numel() * p.element_size() for p in self.parameters()))
+        return nn.Module.to_empty(self, **kw)
+
+    monkeypatch.setattr(CausalLM, "to_empty", to_empty)
+    for family in ("llama", "mixtral"):
+        one = LLMEngine(config(checkpoint(family), 1))
+        two = LLMEngine(config(checkpoint(family), 2), tp_group=group)
+        try:
+            held = sum(p.numel() * p.element_size() for p in two.runner.model.parameters())
+            whole, share = allocated[-2:]
+            assert share == held, f"{family}: rank 0 allocated {share} bytes, holds {held}"
+            assert share < 0.55 * whole, f"{family}: rank 0 allocated {share} of {whole} bytes"
+        finally:
+            two.close()
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
