@@ -10,6 +10,9 @@ What one costs is process start-up and loading the tiny checkpoint; compilation 
 in the suite (TANDEM_COMPILE=0, tests/conftest.py). The request is short: 8 new tokens."""
 from __future__ import annotations
 
+import time
+
+import psutil
 import pytest
 
 from core.tokenizer import Tokenizer
@@ -46,3 +49,35 @@ def test_tandem_up_serves_a_family_checkpoint(tmp_path, family: str) -> None:
                                              extra_body={"ignore_eos": True})
     assert got.usage.prompt_tokens == len(ids) and got.usage.completion_tokens == NEW_TOKENS
     assert got.choices[0].message.content == tok.decode(want), family
+
+
+def _followers() -> set[int]:
+    """PIDs of the tensor-parallel ranks beyond rank 0 running on this machine."""
+    return {p.pid for p in psutil.process_iter(["cmdline"])
+            if "engine.parallel.follower" in (p.info["cmdline"] or [])}
+
+
+def test_tandem_up_passes_tensor_parallel_flags_to_a_pool(tmp_path) -> None:
+    """`tandem up --prefill-arg=--tensor-parallel-size=2`: the prefill worker runs a group
+    of two ranks (one more process), its KV reaches the TP 1 decode worker over TCP
+    (every head gathered from both ranks), the answer is transformers' tokens, and
+    Ctrl-C leaves no rank behind."""
+    openai = pytest.importorskip("openai")
+    path = build_checkpoint(tmp_path / "llama", "llama")
+    write_chat_template(path)
+    tok = Tokenizer.load(path)
+    ids = tok.apply_chat_template(MESSAGES, tokenize=True)
+    want = hf_greedy(load_reference(path), ids, NEW_TOKENS)
+    before = _followers()
+    with tandem_up(path, ARGS + ["--prefill-arg=--tensor-parallel-size=2"]) as url:
+        assert len(_followers() - before) == 1, "the prefill worker's rank 1"
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        got = client.chat.completions.create(model=client.models.list().data[0].id,
+                                             messages=MESSAGES, max_tokens=NEW_TOKENS,
+                                             temperature=0, extra_body={"ignore_eos": True})
+    assert got.choices[0].message.content == tok.decode(want)
+    assert got.usage.prompt_tokens == len(ids)
+    deadline = time.monotonic() + 15  # rank 1 leaves once its rank 0 is gone
+    while _followers() - before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _followers() - before, "a rank outlived `tandem up`"
