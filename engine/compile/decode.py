@@ -71,6 +71,17 @@ def vector_width() -> int | None:
     return isa.bit_width() if isa else None
 
 
+def cpu_options(options: dict | None = None) -> dict:
+    """torch.compile options for CPU code: ``options`` with ``cpp.simdlen`` pinned to
+    this process's vector width, which puts the width in inductor's cache key (module
+    docstring). Every CPU compile should take them."""
+    out = dict(options or {})
+    width = vector_width()
+    if width is not None:
+        out.setdefault("cpp.simdlen", width)
+    return out
+
+
 def _slower(compiled: float, eager: float) -> bool:
     """The compiled step lost: its bucket runs eagerly."""
     return compiled > eager * SLOWER_MARGIN
@@ -92,10 +103,7 @@ class CompiledDecode:
         if device.type == "cuda":
             kw["mode"] = "reduce-overhead"  # CUDA graphs per bucket
         else:
-            kw["options"] = dict(options or {})
-            width = vector_width()
-            if width is not None:  # part of the cache key (module docstring)
-                kw["options"].setdefault("cpp.simdlen", width)
+            kw["options"] = cpu_options(options)
         self.device = device
         self.disabled: str | None = None
         self.compile_seconds = 0.0

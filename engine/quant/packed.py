@@ -104,6 +104,9 @@ class PackedWeight:
     activations: ActivationQuant = "none"
     """blocks only: ``int8`` multiplies activations quantized per 32 (tandem::block_mm_i8,
     --activation-quant int8); ``none`` the activations as they are (exact)."""
+    amx_min_rows: int = 2**62
+    """tiles only: calls with this many rows or more use AMX (``amx_min_rows()`` when
+    packed: a plain number here, so a traced matmul never reads /proc/cpuinfo)."""
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] -> x @ W^T [M, N], in x's dtype."""
@@ -115,7 +118,7 @@ class PackedWeight:
             return torch.ops.aten._weight_int8pack_mm(x, self.data, self.scales)
         if self.layout == "tiles":
             return torch.ops.tandem.int4_mm(x, self.data, self.scales, self.group_size,
-                                            amx_min_rows())
+                                            self.amx_min_rows)
         if x.device.type == "cuda":
             return torch.ops.aten._weight_int4pack_mm(x, self.data, self.group_size, self.scales)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.data, self.group_size,
@@ -173,7 +176,8 @@ def pack_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_
         codes = (c[..., 0] | (c[..., 1] << 4)).permute(0, 2, 1).contiguous()  # [N/16, K/2, 16]
         sz = (torch.stack([scales, zeros]).view(2, n // 16, 16, k // group_size)
               .permute(1, 3, 0, 2).to(dtype).contiguous())  # [N/16, K/g, 2, 16]
-        return PackedWeight("int4", codes, sz, n, k, group_size, "tiles")
+        return PackedWeight("int4", codes, sz, n, k, group_size, "tiles",
+                            amx_min_rows=amx_min_rows())
     sz = torch.stack([scales.t(), zeros.t()], dim=-1).to(dtype).contiguous()  # [K/g, N, 2]
     codes = q.to(torch.int32).contiguous()
     if codes.device.type == "cuda":

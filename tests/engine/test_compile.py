@@ -226,7 +226,8 @@ def _compiled_run(model: Path, cache: Path, capability: str | None) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_a_cache_filled_at_one_vector_width_is_not_read_at_another(tiny_model_dir, tmp_path) -> None:
+def test_a_cache_filled_at_one_vector_width_is_not_read_at_another(tiny_model_dir,
+                                                                    tmp_path) -> None:
     """Inductor's cache key leaves out the vector width it generated code for, so a
     cache filled under ATEN_CPU_CAPABILITY=avx2 and read natively on an AVX-512 CPU ran
     8-wide loops on 16-wide vectors and crashed (as running the suite forced to AVX2,
@@ -242,3 +243,23 @@ def test_a_cache_filled_at_one_vector_width_is_not_read_at_another(tiny_model_di
     want = eager.generate([[5, 9, 14, 3, 7]], SamplingParams(max_tokens=8, temperature=0,
                                                              ignore_eos=True))[0].token_ids
     assert first["tokens"] == second["tokens"] == want
+
+
+def test_int4_tiles_decode_step_compiles_and_equals_eager(tiny_model_dir) -> None:
+    """bf16 int4 weights on our AVX-512 kernel (the tiles layout): the compiled step
+    traces their matmul (it read /proc/cpuinfo for the AMX threshold while traced, which
+    broke the graph, so the step ran eagerly on every AVX-512 BF16 CPU) and gives the
+    eager step's tokens."""
+    from engine.quant.packed import INT4_KERNEL
+
+    if INT4_KERNEL.unavailable() is not None:
+        pytest.skip(f"int4 kernel: {INT4_KERNEL.unavailable()}")
+    kw = dict(model=str(tiny_model_dir), dtype="bfloat16", quantization="int4",
+              num_kv_blocks=128, max_num_seqs=4, compile_max_batch=4, quant_packed_max_rows=4)
+    compiled = LLMEngine(EngineConfig.from_flat(compile=True, **kw))
+    assert compiled.runner.compiled.disabled is None
+    assert {m.layout for m in compiled.runner.model.modules() if hasattr(m, "layout")} == {"tiles"}
+    compiled.runner.compiled.slower.clear()
+    eager = LLMEngine(EngineConfig.from_flat(compile=False, **kw))
+    assert ([c.token_ids for c in compiled.generate(_prompts(4), GREEDY)]
+            == [c.token_ids for c in eager.generate(_prompts(4), GREEDY)])
