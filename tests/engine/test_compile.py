@@ -2,7 +2,11 @@
 token-identical, batch-invariant, interruptible, and a compile failure falls back loudly."""
 from __future__ import annotations
 
+import json
 import logging
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -210,11 +214,6 @@ print(json.dumps({"tokens": out[0].token_ids, "width": vector_width(),
 def _compiled_run(model: Path, cache: Path, capability: str | None) -> dict:
     """One process compiling the decode step into ``cache`` at ATEN_CPU_CAPABILITY
     ``capability`` (None: the CPU's own), and its greedy tokens."""
-    import json
-    import os
-    import subprocess
-    import sys
-
     env = {k: v for k, v in os.environ.items()
            if k not in ("ATEN_CPU_CAPABILITY", "TANDEM_CPU_CAPABILITY")}
     env["TORCHINDUCTOR_CACHE_DIR"] = str(cache)

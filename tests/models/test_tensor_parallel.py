@@ -14,7 +14,6 @@ import pytest
 import torch
 from torch import nn
 
-from core.errors import FieldError
 from core.sampling import SamplingParams
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -112,7 +111,7 @@ def test_a_rank_allocates_only_its_share_of_the_weights(checkpoint, group, monke
 
     monkeypatch.setattr(CausalLM, "to_empty", to_empty)
     for family in ("llama", "mixtral"):
-        one = LLMEngine(config(checkpoint(family), 1))
+        LLMEngine(config(checkpoint(family), 1))  # what the whole model allocates
         two = LLMEngine(config(checkpoint(family), 2), tp_group=group)
         try:
             held = sum(p.numel() * p.element_size() for p in two.runner.model.parameters())

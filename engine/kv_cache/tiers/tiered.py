@@ -182,7 +182,7 @@ class TieredCache:
                 continue
             if h in self._unreadable or h in self.host.entries or h not in self.disk:
                 break
-            if (slot := self.host.reserve(h, tokens)) is None:
+            if self.host.reserve(h, tokens) is None:
                 # every slot pinned: by this step's promotions (free after its flush, so
                 # wait a step for the rest of the prefix), or by the swap pool (go on)
                 return waiting or bool(self._copies)
