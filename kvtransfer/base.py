@@ -205,7 +205,7 @@ class CompatRecord:
         """Raise ValueError unless ``kv`` is a contiguous tensor this record describes."""
         if not isinstance(kv, torch.Tensor):  # a GroupKV (kvtransfer/group_kv.py)
             raise ValueError("this KV transfer backend moves one tensor's blocks; a tensor-"
-                             "parallel group's KV moves over --kv-transfer tcp only")
+                             "parallel group's KV moves over --kv-transfer tcp or nixl")
         if not kv.is_contiguous():
             raise ValueError("kv must be contiguous (block b is one region of block_bytes)")
         quantized = is_quantized(self.kv_cache_dtype)
@@ -393,6 +393,15 @@ class KVSource(ABC):
     @abstractmethod
     def handshake_info(self, worker_id: str) -> SourceInfo:
         """What a reader needs to connect; pure, after ``serve``."""
+
+    stages: bool = False
+    """Whether blocks must be ``stage``d before a reader may read them (nixl serving a
+    tensor-parallel group); False: ``stage`` does nothing and need not be called."""
+
+    def stage(self, block_ids: Sequence[int]) -> None:
+        """Make blocks ``block_ids``, leased just now, readable: call it before their
+        handle leaves the worker. Blocking (a group's gather waits for the engine
+        thread): never call it on the event loop. Nothing by default."""
 
     @abstractmethod
     def close(self) -> None:

@@ -28,6 +28,16 @@ Teardown: UCX aborts the whole process (an arbiter assertion) when an agent
 is destroyed while requests to a peer that died are still queued; ``close``
 progresses the agent for ~20 ms first, which flushes them.
 
+A tensor-parallel group (kvtransfer/group_kv.py): each rank holds only its heads, and a
+READ cannot gather them, so rank 0 registers the group's mirror (every head, row b for
+block b) instead of a pool. The source ``stage``s a request's blocks into its mirror
+(one gather, on the engine thread) before the request's handle leaves the worker; the
+reader READs into its own mirror's rows of the plan's local blocks and, once NIXL says
+DONE, scatters them to the ranks on a thread of its own (the read stays PENDING until
+the scatter is over, so no step reads a block before every rank holds it). The mirror's
+rows belong to whoever owns their blocks (the lease, the pull): no accounting of their
+own. It costs rank 0 one host copy of the pool with every head, on either side.
+
 Release does not use NIXL notifications: it travels over the KVLink gRPC
 ``Release`` for every backend, and its reply is what validates a one-sided
 read (see base.py): NIXL cannot check a lease when the source's CPU is not
@@ -35,12 +45,13 @@ involved in the READ.
 """
 from __future__ import annotations
 
+import concurrent.futures as cf
 import logging
 import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -48,6 +59,7 @@ from nixl_cu12 import nixl_agent, nixl_agent_config
 
 from kvtransfer.base import (Backend, CompatRecord, KVReader, KVSource, KVTransferError,
                              LeaseCheck, PeerId, ReadHandle, ReadPlan, SourceInfo, TransferState)
+from kvtransfer.group_kv import GroupKV, registered
 from kvtransfer.in_flight import InFlightReads
 
 log = logging.getLogger(__name__)
@@ -96,19 +108,29 @@ class NixlSource(KVSource):
         self._agent: nixl_agent | None = None
         self._reg = None
         self._kv: torch.Tensor | None = None
+        """What readers READ: the KV tensor, or a group's mirror."""
+        self._group: GroupKV | None = None
         self._compat: CompatRecord | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def register(self, kv: torch.Tensor, compat: CompatRecord, lease_check: LeaseCheck) -> None:
+    def register(self, kv: torch.Tensor | GroupKV, compat: CompatRecord,
+                 lease_check: LeaseCheck) -> None:
         """``lease_check`` is unused: READs are one-sided, so the lease is
         validated by the gRPC Release reply instead (module docstring)."""
-        compat.check_tensor(kv)
+        _, group, _ = registered(kv, compat)
         with self._lock:
             if self._agent is not None:
                 raise RuntimeError("NixlSource.register called twice")
-            self._agent, self._reg = _agent_holding(kv, "tandem-kvsrc")
-            self._kv, self._compat = kv, compat
+            served = kv if group is None else group.mirror()
+            self._agent, self._reg = _agent_holding(served, "tandem-kvsrc")
+            self._kv, self._group, self._compat = served, group, compat
+            self.stages = group is not None
+
+    def stage(self, block_ids: Sequence[int]) -> None:
+        """A group's blocks ``block_ids`` into the mirror readers READ (module docstring)."""
+        if self._group is not None:
+            self._group.read(block_ids, into=self._kv)
 
     def serve(self, host: str = "127.0.0.1", port: int = 0) -> None:
         if self._agent is None:
@@ -178,22 +200,34 @@ class NixlReader(KVReader):
         self._reg = None
         self._local_dlist = None
         self._kv: torch.Tensor | None = None
+        """Where READs land: the KV tensor, or a group's mirror."""
+        self._group: GroupKV | None = None
+        self._scatters: dict[ReadHandle, cf.Future] = {}
+        """A group's reads that NIXL finished, while their scatter to the ranks runs."""
+        self._aborted: set[ReadHandle] = set()
+        """Of those, the ones aborted: they end FAILED when the scatter lets go."""
+        self._pool: cf.ThreadPoolExecutor | None = None
+        """The scatters' thread (a group only): a scatter waits for the engine thread."""
         self._compat: CompatRecord | None = None
         self._agents: dict[str, int] = {}
         """Remote agent name -> peer states using it (the agent is loaded while > 0)."""
         self._reads: InFlightReads[_Remote] = InFlightReads(self._peers, _release_xfer)
         """Each read's ``impl`` is its NIXL request (None until made, and once released)."""
 
-    def register(self, kv: torch.Tensor, compat: CompatRecord) -> None:
-        compat.check_tensor(kv)
+    def register(self, kv: torch.Tensor | GroupKV, compat: CompatRecord) -> None:
+        _, group, _ = registered(kv, compat)
         with self._lock:
             if self._agent is not None:
                 raise RuntimeError("NixlReader.register called twice")
-            self._agent, self._reg = _agent_holding(kv, "tandem-kvread")
-            mem, device = _mem(kv)
-            descs = _block_descs(kv.data_ptr(), compat.block_bytes, kv.shape[0], device)
+            landing = kv if group is None else group.mirror()
+            self._agent, self._reg = _agent_holding(landing, "tandem-kvread")
+            mem, device = _mem(landing)
+            descs = _block_descs(landing.data_ptr(), compat.block_bytes, landing.shape[0],
+                                 device)
             self._local_dlist = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs, mem)
-            self._kv, self._compat = kv, compat
+            self._kv, self._group, self._compat = landing, group, compat
+            if group is not None:
+                self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="kv-nixl-scatter")
 
     def connect(self, info: SourceInfo) -> PeerId:
         assert self._agent is not None and self._compat is not None, "register before connect"
@@ -227,17 +261,28 @@ class NixlReader(KVReader):
 
     def poll(self, handle: ReadHandle) -> TransferState:
         with self._lock:
-            if not handle.state.terminal and self._agent is not None:
+            if handle in self._scatters:
+                self._end_scatter(handle)
+            elif not handle.state.terminal and self._agent is not None:
                 self._advance(handle, lambda: self._agent.check_xfer_state(handle.impl))
         return handle.state
 
     def abort(self, handle: ReadHandle) -> None:
-        """Ends the read FAILED now: releasing its NIXL request aborts the READ."""
+        """Ends the read FAILED now: releasing its NIXL request aborts the READ. A
+        group's read whose scatter runs ends FAILED when the scatter is over (its blocks
+        are written until then)."""
         with self._lock:
+            if handle in self._scatters:
+                self._aborted.add(handle)
+                return
             self._reads.end(handle, TransferState.FAILED, KVTransferError("read aborted"))
 
     def close(self) -> None:
         with self._lock:
+            if self._pool is not None:  # not waited for: a scatter waits for the event loop
+                self._pool.shutdown(wait=False, cancel_futures=True)
+            self._scatters.clear()
+            self._aborted.clear()
             for handle in self._reads.pending():
                 self._reads.end(handle, TransferState.FAILED, KVTransferError("reader closed"))
             if self._agent is not None:
@@ -302,11 +347,38 @@ class NixlReader(KVReader):
             self._reads.end(handle, TransferState.FAILED,
                             KVTransferError(f"NIXL read from {handle.peer} failed: {e!r}"))
             return
-        if status == "DONE":
+        if status == "DONE" and self._group is not None:
+            self._start_scatter(handle)
+        elif status == "DONE":
             self._reads.end(handle, TransferState.DONE)
         elif status != "PROC":
             self._reads.end(handle, TransferState.FAILED,
                             KVTransferError(f"NIXL read from {handle.peer} ended in {status}"))
+
+    def _start_scatter(self, handle: ReadHandle) -> None:
+        """A group's read landed in the mirror: send each rank its heads (module
+        docstring), on the scatter thread; the read stays PENDING meanwhile."""
+        ids = list(handle.plan.local_block_ids)
+        rows = self._kv[torch.tensor(ids, dtype=torch.int64)]  # a copy: the READ is over
+        self._scatters[handle] = self._pool.submit(self._group.write, ids, rows)
+
+    def _end_scatter(self, handle: ReadHandle) -> None:
+        """End a scattering read once its scatter let go: DONE, or FAILED when it failed
+        or the read was aborted meanwhile."""
+        future = self._scatters[handle]
+        if not future.done():
+            return
+        del self._scatters[handle]
+        aborted = handle in self._aborted
+        self._aborted.discard(handle)
+        error = None if future.cancelled() else future.exception()
+        if aborted or future.cancelled():
+            self._reads.end(handle, TransferState.FAILED, KVTransferError("read aborted"))
+        elif error is not None:
+            self._reads.end(handle, TransferState.FAILED, KVTransferError(
+                f"the group's scatter of {handle.plan.num_blocks} blocks failed: {error!r}"))
+        else:
+            self._reads.end(handle, TransferState.DONE)
 
 
 def _release_xfer(handle: ReadHandle) -> Exception | None:

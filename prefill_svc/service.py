@@ -113,6 +113,7 @@ class PrefillService(WorkerBase, pb_grpc.PrefillServicer):
                 out.finish_reason, out.kept_blocks = FinishReason.ABORT, None
             else:
                 _bind(handle, req)
+                await self._stage(context, rid, handle)
         await self.abort_if_engine_died(context, out)
         if out.error:
             await context.abort(grpc.StatusCode.INTERNAL, out.error)
@@ -156,6 +157,25 @@ class PrefillService(WorkerBase, pb_grpc.PrefillServicer):
             self.worker_id, self.endpoint, rid, lease.epoch, tuple(kept),
             lease.deadline_unix_ms, num_tokens, lease.token,
             tuple(index) if bounded else ()))
+
+    async def _stage(self, context, rid: str, handle: kv_link_pb2.KVHandle) -> None:
+        """Make the leased blocks readable before the handle leaves (a tensor-parallel
+        group's NIXL source gathers them into its mirror: kvtransfer/nixl.py). Cancelled,
+        or failed (the engine is gone): the lease and the blocks go, nothing is held."""
+        if not self.source.stages:
+            return
+        try:
+            await asyncio.to_thread(self.source.stage, list(handle.block_ids))
+        except asyncio.CancelledError:
+            self._drop(rid)
+            raise
+        except Exception as e:  # noqa: BLE001 - reported to the caller, nothing kept
+            self._drop(rid)
+            log.error("request %s: staging %d KV blocks failed: %r", rid,
+                      len(handle.block_ids), e)
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"request {rid}: the prefill group could not stage its KV "
+                                f"for the decode worker: {e}")
 
     def _drop(self, rid: str) -> None:
         """End rid's lease (if any) and free its held blocks (or abort it running)."""

@@ -130,8 +130,14 @@ class WorkerBase:
             call = asyncio.run_coroutine_threadsafe(self.engine.run(fn), loop)
             return call.result(timeout=ENGINE_CALL_S)
 
+        def export(engine: LLMEngine, ids: list[int], then) -> torch.Tensor:
+            blocks = engine.runner.export_kv(ids)
+            if then is not None:
+                then(blocks)
+            return blocks
+
         return GroupKV(self.engine.kv_tensor, compat,
-                       gather=lambda ids: on_engine(lambda e: e.runner.export_kv(ids)),
+                       gather=lambda ids, then: on_engine(lambda e: export(e, ids, then)),
                        scatter=lambda ids, blocks: on_engine(
                            lambda e: e.runner.import_kv(ids, blocks)))
 

@@ -90,7 +90,7 @@ class WorkerConfig:
         if self.otlp_traces_endpoint is not None:
             traces_url(self.otlp_traces_endpoint)
         tp = self.engine.parallel.tensor_parallel_size
-        if tp > 1 and self.kv.backend != "tcp":  # a group's blocks are gathered per read
+        if tp > 1 and self.kv.backend == "local":  # in-process tests: one tensor only
             raise ValueError(f"--kv-transfer {self.kv.backend} is not supported with "
                              f"--tensor-parallel-size {tp} (a group's KV moves over "
-                             f"--kv-transfer tcp; docs/tensor-parallel.md)")
+                             f"--kv-transfer tcp or nixl; docs/tensor-parallel.md)")

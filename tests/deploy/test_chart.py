@@ -555,6 +555,15 @@ def test_tensor_parallel_pools(rendered):
         one(docs, "Service", f"{FULL}-prefill")["spec"]["selector"])
 
 
+def test_a_tensor_parallel_pool_takes_either_kv_transfer(chart):
+    """A group's KV moves over nixl (the default) as over tcp (docs/tensor-parallel.md)."""
+    for kv in ("nixl", "tcp"):
+        docs = render(chart, {"config": {"kvTransfer": kv}, "decode": {"tensorParallelSize": 2}})
+        assert _flag(container(one(docs, "Deployment", f"{FULL}-decode"))["args"],
+                     "tensor-parallel-size") == "2"
+        assert one(docs, "ConfigMap", f"{FULL}-config")["data"]["TANDEM_KV_TRANSFER"] == kv
+
+
 def test_default_pools_pass_no_tensor_parallel_flags(rendered):
     for name in ("default", "gpu"):
         for dep in by_kind(rendered[name], "Deployment").values():
@@ -735,8 +744,6 @@ def test_created_api_key_is_random_when_not_given(chart):
 @pytest.mark.parametrize("values, message", [
     ({"metrics": {"serviceMonitor": {"enabled": True}, "podMonitor": {"enabled": True}}}, "not both"),
     ({"httpRoute": {"enabled": True}}, "parentRefs"),
-    ({"decode": {"tensorParallelSize": 2}},
-     "decode.tensorParallelSize 2 needs config.kvTransfer tcp \\(got nixl\\)"),
     ({"config": {"kvTransfer": "tcp"}, "decode": {"tensorParallelSize": 6, "gpusPerNode": 4,
                                                   "gpu": {"enabled": True}}},
      "decode.tensorParallelSize 6 must be a multiple of decode.gpusPerNode 4"),

@@ -401,14 +401,16 @@ def test_tandem_generate_at_tp2_prints_tp1_text_and_leaves_no_rank(checkpoint) -
     assert _ranks_of(proc.pid) == []
 
 
-@pytest.mark.parametrize("backend", ["nixl", "local"])
-def test_workers_at_tp2_refuse_a_kv_transfer_that_cannot_gather_heads(backend: str) -> None:
+def test_workers_at_tp2_refuse_the_in_process_kv_transfer() -> None:
+    """local moves one tensor of one process; tcp and nixl serve a group (the handoffs:
+    tests/services/test_tp_handoff.py)."""
     from worker.config import KVTransferConfig, WorkerConfig
 
-    with pytest.raises(ValueError, match=f"--kv-transfer {backend} is not supported with "
-                                         f"--tensor-parallel-size 2"):
+    with pytest.raises(ValueError, match="--kv-transfer local is not supported with "
+                                         "--tensor-parallel-size 2"):
+        WorkerConfig(EngineConfig.from_flat(tensor_parallel_size=2), KVTransferConfig("local"))
+    for backend in ("tcp", "nixl"):
         WorkerConfig(EngineConfig.from_flat(tensor_parallel_size=2), KVTransferConfig(backend))
-    WorkerConfig(EngineConfig.from_flat(tensor_parallel_size=2), KVTransferConfig("tcp"))
 
 
 @pytest.mark.parametrize("kv_heads", [2, 1])

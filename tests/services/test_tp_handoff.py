@@ -1,22 +1,25 @@
 """Prefill and decode workers at --tensor-parallel-size 2 (each a worker process and one
-gloo rank process beside it) hand KV to workers at 1 and at 2, over TCP: a prompt
+gloo rank process beside it) hand KV to workers at 1 and at 2, over TCP and over NIXL
+(whose one-sided READs go through rank 0's mirror of the pool): a prompt
 prefilled on one side and decoded on the other gets exactly the greedy tokens of a
 colocated engine at TP 1, for P 2 -> D 1, P 1 -> D 2 and P 2 -> D 2; the decode side's
 `tandem:kv_transfer_bytes_total` grows by exactly the bytes of every KV head of the
 blocks moved; both sides end idle with no block, request or lease held. A decode worker
 whose model has other head numbers refuses the KV at connect time, naming both layouts.
 
-One set of workers serves the module: the two TP-2 workers are processes started once
-(this process can be rank 0 of one group only, and stays out of any); the TP-1 workers
-run in this process, started by the test that needs them."""
+One set of workers serves the module per backend: the two TP-2 workers are processes
+started once (this process can be rank 0 of one group only, and stays out of any); the
+TP-1 workers run in this process, started by the test that needs them."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import tempfile
+import threading
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -29,8 +32,8 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from proto import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from tests.cluster.launch import Cluster, Proc, _spawn
-from tests.services.conftest import (generate_after, leak_check, refused_handoff, sampling,
-                                     worker_config)
+from tests.services.conftest import (generate_after, leak_check, prefill_worker,
+                                     refused_handoff, sampling, worker_config)
 from tests.models.conftest import checkpoint  # noqa: F401 - the shared checkpoint fixture
 from tests.models.families import build_checkpoint
 
@@ -63,8 +66,14 @@ def model(checkpoint):  # noqa: F811
     return checkpoint("llama")
 
 
+@pytest.fixture(scope="module", params=["tcp", "nixl"])
+def backend(request) -> str:
+    """--kv-transfer of every worker of the module."""
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def tp2(model):
+def tp2(model, backend):
     """A prefill and a decode worker at TP 2 (processes): role -> Proc."""
     c = Cluster()
     with tempfile.TemporaryDirectory() as tmp:
@@ -73,7 +82,7 @@ def tp2(model):
             ready = Path(tmp) / role
             procs[role] = Proc(role, _spawn([
                 role, "--model", str(model), "--port", "0", "--metrics-port", "0",
-                "--ready-file", str(ready), "--kv-transfer", "tcp", "--num-threads", "1",
+                "--ready-file", str(ready), "--kv-transfer", backend, "--num-threads", "1",
                 *FLAGS]))
             procs[role].ready = ready
         c.prefill, c.decode = [procs["prefill"]], [procs["decode"]]
@@ -108,13 +117,13 @@ def bytes_moved(metrics_text: str) -> float:
 
 
 @contextlib.asynccontextmanager
-async def tp1_worker(role: str, model_dir):
+async def tp1_worker(role: str, model_dir, backend: str):
     """A prefill or decode worker at TP 1 in this process, with the module's flags."""
     from decode_svc.service import DecodeService
     from prefill_svc.service import PrefillService
 
     svc = (PrefillService if role == "prefill" else DecodeService)(
-        worker_config(model_dir, "tcp", ENGINE))
+        worker_config(model_dir, backend, ENGINE))
     await svc.start()
     try:
         yield svc
@@ -149,10 +158,10 @@ def stubs(c: Cluster, proc: Proc):
                 else decode_pb2_grpc.DecodeStub)(ch)
 
 
-def test_p2_to_d1(tp2, colocated, model) -> None:
+def test_p2_to_d1(tp2, colocated, model, backend) -> None:
     async def body():
         ch, pstub = stubs(tp2, tp2.prefill[0])
-        async with tp1_worker("decode", model) as d:
+        async with tp1_worker("decode", model, backend) as d:
             d.kv_peers = KVPeerList((tp2.prefill[0].addr,))
             dch = auth_channel(f"127.0.0.1:{d.port}", d.secret)
             results = await handoffs(pstub, decode_pb2_grpc.DecodeStub(dch), "p2d1")
@@ -165,11 +174,11 @@ def test_p2_to_d1(tp2, colocated, model) -> None:
     tp2.leak_check()
 
 
-def test_p1_to_d2_and_p2_to_d2(tp2, colocated, model) -> None:
+def test_p1_to_d2_and_p2_to_d2(tp2, colocated, model, backend) -> None:
     async def body():
         ch, dstub = stubs(tp2, tp2.decode[0])
         pch, p2stub = stubs(tp2, tp2.prefill[0])
-        async with tp1_worker("prefill", model) as p:
+        async with tp1_worker("prefill", model, backend) as p:
             await dstub.SetKVPeers(decode_pb2.KVPeers(
                 router_id="test", prefill_endpoints=[f"127.0.0.1:{p.port}",
                                                      tp2.prefill[0].addr]))
@@ -188,14 +197,14 @@ def test_p1_to_d2_and_p2_to_d2(tp2, colocated, model) -> None:
     tp2.leak_check()
 
 
-def test_other_head_numbers_are_refused_naming_both_layouts(tp2, tmp_path) -> None:
+def test_other_head_numbers_are_refused_naming_both_layouts(tp2, tmp_path, backend) -> None:
     """A decode worker whose model has 4 KV heads (of 16) against the TP-2 prefill
     group's 2: refused at connect time; the reason gives both sides' numbers."""
     other = build_checkpoint(tmp_path, "llama", num_key_value_heads=4)
 
     async def body():
         ch, pstub = stubs(tp2, tp2.prefill[0])
-        async with tp1_worker("decode", other) as d:
+        async with tp1_worker("decode", other, backend) as d:
             d.kv_peers = KVPeerList((tp2.prefill[0].addr,))
             dch = auth_channel(f"127.0.0.1:{d.port}", d.secret)
             why = await refused_handoff(pstub, decode_pb2_grpc.DecodeStub(dch), "heads",
@@ -210,3 +219,41 @@ def test_other_head_numbers_are_refused_naming_both_layouts(tp2, tmp_path) -> No
             "remote 2 KV heads x head_dim 16 over TP 2 (ranks hold [0] [1])") in why, why
     tp2.leak_check()
 
+
+
+@pytest.mark.parametrize("how", ["fails", "cancelled"])
+def test_a_prefill_whose_staging_fails_or_is_cancelled_keeps_nothing(model, how: str) -> None:
+    """A NIXL source serving a group stages a request's blocks before its handle leaves
+    (kvtransfer/nixl.py). Staging that fails answers UNAVAILABLE naming it; a caller that
+    goes away while it runs: either way the lease and the blocks go (played on a TP-1
+    worker whose source is told it stages)."""
+    async def body():
+        async with prefill_worker(model) as (p, stub):
+            started, gate = threading.Event(), threading.Event()
+
+            def stage(ids):
+                started.set()
+                gate.wait(10)
+                if how == "fails":
+                    raise RuntimeError("the engine has stopped")
+
+            p.source.stages, p.source.stage = True, stage
+            call = stub.Prefill(prefill_pb2.PrefillRequest(
+                request_id="staged", token_ids=SHAPES[0], sampling=sampling(NEW_TOKENS)))
+            if how == "fails":
+                gate.set()
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await call
+                assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert e.value.details() == (
+                    "request staged: the prefill group could not stage its KV for the decode "
+                    "worker: the engine has stopped")
+            else:
+                while not started.is_set():
+                    await asyncio.sleep(0.01)
+                assert p.leases.active() == 1
+                call.cancel()
+                await asyncio.sleep(0.2)
+                gate.set()
+            await leak_check(p)
+    asyncio.run(body())

@@ -32,9 +32,6 @@ spec:
 {{- $tp := int $p.tensorParallelSize -}}
 {{- $perNode := int $p.gpusPerNode -}}
 {{- $lws := and $p.gpu.enabled (gt $tp $perNode) -}}
-{{- if and (gt $tp 1) (ne .root.Values.config.kvTransfer "tcp") -}}
-{{- fail (printf "%s.tensorParallelSize %d needs config.kvTransfer tcp (got %s): a tensor-parallel group's KV moves over TCP (docs/tensor-parallel.md)" .component $tp .root.Values.config.kvTransfer) -}}
-{{- end -}}
 {{- if and $lws (ne (mod $tp $perNode) 0) -}}
 {{- fail (printf "%s.tensorParallelSize %d must be a multiple of %s.gpusPerNode %d (each pod of its LeaderWorkerSet holds gpusPerNode ranks)" .component $tp .component $perNode) -}}
 {{- end -}}
