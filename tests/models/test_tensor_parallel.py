@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from core.sampling import SamplingParams
+from core.kv.layout import SCALE_BYTES
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.models.base import CausalLM
@@ -413,17 +414,20 @@ def test_workers_at_tp2_refuse_the_in_process_kv_transfer() -> None:
         WorkerConfig(EngineConfig.from_flat(tensor_parallel_size=2), KVTransferConfig(backend))
 
 
-@pytest.mark.parametrize("kv_heads", [2, 1])
+@pytest.mark.parametrize("kv_heads, kv_cache_dtype", [(2, "auto"), (1, "auto"), (2, "int8")])
 def test_a_group_exports_and_imports_every_kv_head_of_its_blocks(tmp_path, checkpoint, group,
-                                                                 kv_heads: int) -> None:
+                                                                 kv_heads: int,
+                                                                 kv_cache_dtype: str) -> None:
     """export_kv gathers a prompt's blocks from both ranks with every KV head, as TP 1
     holds them (values within 1e-4: the ranks compute them in other sums); import_kv
     scatters them into other blocks, each rank its heads, and exporting those gives the
-    same bytes. With one KV head both ranks hold a copy: the export carries it once."""
+    same bytes. With one KV head both ranks hold a copy: the export carries it once.
+    int8 KV: each head's rows move whole, codes with their bf16 scale (codes within one
+    step of TP 1's, scales within 1e-3, for the same reason)."""
     path = (checkpoint("llama") if kv_heads == 2
             else build_checkpoint(tmp_path, "llama", num_key_value_heads=1))
-    one = LLMEngine(config(path, 1))
-    two = LLMEngine(config(path, 2), tp_group=group)
+    one = LLMEngine(config(path, 1, kv_cache_dtype=kv_cache_dtype))
+    two = LLMEngine(config(path, 2, kv_cache_dtype=kv_cache_dtype), tp_group=group)
     try:
         ids = prompts(1, seed=4, low=24, high=25)[0]  # 3 whole blocks of 8
         tables = [eng.kv.pool.allocate(3) for eng in (one, two)]
@@ -433,7 +437,15 @@ def test_a_group_exports_and_imports_every_kv_head_of_its_blocks(tmp_path, check
         got = two.runner.export_kv(tables[1])
         assert got.shape == want.shape == (3, one.runner.block_bytes)
         assert two.runner.block_bytes * (2 if kv_heads == 2 else 1) == one.runner.block_bytes
-        assert torch.allclose(got.view(torch.float32), want.view(torch.float32), atol=LOGIT_ATOL)
+        if kv_cache_dtype == "int8":  # [n, L, 2, B, heads, head_dim codes + bf16 scale]
+            rows = [b.view(torch.int8).view(3, 2, 2, 8, kv_heads, -1) for b in (got, want)]
+            codes = [r[..., :-SCALE_BYTES].int() for r in rows]
+            scales = [r[..., -SCALE_BYTES:].contiguous().view(torch.bfloat16).float() for r in rows]
+            assert (codes[0] - codes[1]).abs().max() <= 1
+            assert torch.allclose(scales[0], scales[1], rtol=1e-3)
+        else:
+            assert torch.allclose(got.view(torch.float32), want.view(torch.float32),
+                                  atol=LOGIT_ATOL)
         spare = two.kv.pool.allocate(3)
         two.runner.import_kv(spare, want)
         assert torch.equal(two.runner.export_kv(spare), want)
