@@ -1,8 +1,11 @@
 """What loading a model costs one rank in memory at --tensor-parallel-size 1 and 2: rank
 0's peak private resident memory (RssAnon, sampled every 2 ms) while the engine starts,
 less what the process held before (Python, torch and the engine imported), beside the
-bytes of the weights it keeps. File pages are left out: safetensors maps the file, and
-its pages are the page cache's, shared by the ranks.
+bytes of the weights it keeps. File pages are left out of that: safetensors maps the
+file, and its pages are the page cache's, shared by the ranks. What of the checkpoint a
+rank touches is shown apart: the pages of each ``.safetensors`` file mapped into its
+process (/proc/self/smaps) when the loader is done with the file, summed. The kernel
+maps a few neighbouring pages per fault, so small tensors count whole.
 
 A rank splits the model's meta skeleton before anything is allocated and cuts each
 checkpoint tensor to its part as it loads (engine/models/weights.py ``Cut``), so at
@@ -38,6 +41,25 @@ def anon_mb():  # this process's private resident memory (file pages, e.g. mmap,
     for line in open("/proc/self/status"):
         if line.startswith("RssAnon:"):
             return int(line.split()[1]) / 1024
+def checkpoint_mb():  # pages of the checkpoint's files mapped into this process now
+    kb, mine = 0, False
+    for line in open("/proc/self/smaps"):
+        if not line[0].isupper():  # a mapping's header: address range ... path
+            mine = line.rstrip().endswith(".safetensors")
+        elif mine and line.startswith("Rss:"):
+            kb += int(line.split()[1])
+    return kb / 1024
+import engine.loader.hf_loader as hf_loader
+pages, real_open = [0.0], hf_loader.safe_open
+class CountedOpen:  # what each file has mapped when the loader is done with it
+    def __init__(self, *args, **kw):
+        self._file = real_open(*args, **kw)
+    def __enter__(self):
+        return self._file.__enter__()
+    def __exit__(self, *exc):
+        pages[0] += checkpoint_mb()
+        return self._file.__exit__(*exc)
+hf_loader.safe_open = CountedOpen
 peak, done = [anon_mb()], threading.Event()
 def watch():
     while not done.wait(0.002):
@@ -52,7 +74,7 @@ eng = LLMEngine(EngineConfig.from_flat(model=sys.argv[1], dtype="float32", quant
 done.set()
 held = sum(p.numel() * p.element_size() for p in eng.runner.model.parameters()) / 2**20
 eng.close()
-print(json.dumps({"held": held, "peak": max(peak) - before}))
+print(json.dumps({"held": held, "peak": max(peak) - before, "pages": pages[0]}))
 """
 
 
@@ -78,10 +100,11 @@ def main() -> int:
             model = build_model(Path(tmp), args.layers)
         files = sum(f.stat().st_size for f in model.glob("*.safetensors")) / 2**20
         print(f"model {model.name}: {files:.0f} MB of safetensors")
-        print(f"{'TP':>3} {'weights held MB':>16} {'peak private memory added MB':>29}")
+        print(f"{'TP':>3} {'weights held MB':>16} {'peak private memory added MB':>29} "
+              f"{'checkpoint pages touched MB':>28}")
         for tp in (1, 2):
             r = measure(model, tp)
-            print(f"{tp:>3} {r['held']:>16.0f} {r['peak']:>29.0f}")
+            print(f"{tp:>3} {r['held']:>16.0f} {r['peak']:>29.0f} {r['pages']:>28.0f}")
     return 0
 
 

@@ -178,7 +178,8 @@ class ModelRunner:
         for params in model.attention_params():
             self.backend.check(params)
         self.lora_targets = target_map(model)  # unsplit, before quantization swaps the Linears
-        self._split(model)
+        self._split(model, row_scales=resolve_method(self.config.quant.quantization,
+                                                     ckpt.reader is not None) == "int8")
         model = model.to_empty(device=self.device)  # no random init: every weight is loaded
         model.tie_weights()  # to_empty gives each module its own new Parameter
         try:
@@ -187,9 +188,10 @@ class ModelRunner:
             raise ValueError(f"{ckpt.path}: {e}") from e
         return model
 
-    def _split(self, model: CausalLM) -> None:
+    def _split(self, model: CausalLM, row_scales: bool) -> None:
         """A tensor-parallel rank's share of the meta skeleton (engine/parallel/runner.py);
-        one device holds all of it."""
+        one device holds all of it. row_scales: the weights will be packed as int8, whose
+        row-split scales come from whole rows."""
 
     def _allocate_kv(self, ckpt: LoadedCheckpoint) -> torch.Tensor:
         """The block-major cache [num_blocks, L, 2, B, Hkv, row] (core/kv/layout.py):

@@ -30,7 +30,8 @@ class Cut:
     holds: along ``dim``, the (start, length) pieces, concatenated in order. zero: the
     rank holds zeros instead (a row-split bias beyond rank 0: added once, not per rank).
     absmax: filled, as the weight loads, with each unsplit row's max |w| (a row split's
-    int8 scale is the whole row's, engine/quant/base.py Shard)."""
+    int8 scale is the whole row's, engine/quant/base.py Shard); None unless the weights
+    will be packed as int8, so a rank reads no more than its columns."""
 
     full: tuple[int, ...]
     dim: int = 0

@@ -61,8 +61,9 @@ class ShardedRunner(ModelRunner):
     def kv_heads(self) -> int:
         return local_kv_heads(self.model_config.num_kv_heads, self.world)
 
-    def _split(self, model: CausalLM) -> None:
-        shard_model(model, self.rank, self.world, self.config.parallel.enable_expert_parallel)
+    def _split(self, model: CausalLM, row_scales: bool) -> None:
+        shard_model(model, self.rank, self.world, self.config.parallel.enable_expert_parallel,
+                    row_scales)
 
     def _run(self, inputs: StepInputs, should_stop: Callable[[], bool] | None = None,
              owed: list = (), scores: dict | None = None):

@@ -83,14 +83,17 @@ def kv_head_map(num_kv_heads: int, world: int) -> list[list[int]]:
     return [list(range(first, first + n)) for first in firsts]
 
 
-def shard_model(model: CausalLM, rank: int, world: int, expert_parallel: bool = False) -> None:
+def shard_model(model: CausalLM, rank: int, world: int, expert_parallel: bool = False,
+                row_scales: bool = False) -> None:
     """Give every split parameter of the meta skeleton ``model`` its share's shape and Cut
-    (in place, before loading) and hook the collectives in."""
+    (in place, before loading) and hook the collectives in. row_scales: a row split's
+    Cut also takes each whole row's max |w| as it loads (int8 packing's scales), which
+    reads the whole tensor; otherwise a rank reads only its columns."""
     check_shardable(model, world, expert_parallel)
     for layer in model.model.layers:
-        _shard_attention(layer.self_attn, rank, world)
+        _shard_attention(layer.self_attn, rank, world, row_scales)
         if isinstance(layer.mlp, GatedMLP):
-            _shard_mlp(layer.mlp, rank, world)
+            _shard_mlp(layer.mlp, rank, world, row_scales)
         elif expert_parallel:
             _split_experts(layer.mlp, rank, world)
         else:
@@ -119,8 +122,9 @@ def _column_split(linear: nn.Linear, pieces: list[tuple[int, int]]) -> None:
     linear.shard = Shard(rows=tuple(pieces))  # --quantization packs it as TP 1 would
 
 
-def _row_split(linear: nn.Linear, start: int, n: int, rank: int) -> None:
-    absmax = torch.zeros(linear.out_features)  # the whole rows', filled as the weight loads
+def _row_split(linear: nn.Linear, start: int, n: int, rank: int, row_scales: bool) -> None:
+    # the whole rows' max |w|, filled as the weight loads
+    absmax = torch.zeros(linear.out_features) if row_scales else None
     _keep(linear, "weight", 1, [(start, n)], absmax=absmax)
     if linear.bias is not None and rank:
         _keep(linear, "bias", 0, [(0, linear.out_features)], zero=True)
@@ -128,21 +132,21 @@ def _row_split(linear: nn.Linear, start: int, n: int, rank: int) -> None:
     linear.shard = Shard(cols=(start, n), row_absmax=absmax)
 
 
-def _shard_attention(attn: Attention, rank: int, world: int) -> None:
+def _shard_attention(attn: Attention, rank: int, world: int, row_scales: bool) -> None:
     d, hq, hkv = attn.d, attn.hq // world, local_kv_heads(attn.hkv, world)
     first_kv = kv_head_map(attn.hkv, world)[rank][0]
     k0, v0 = attn.hq * d, (attn.hq + attn.hkv) * d
     _column_split(attn.qkv_proj, [(rank * hq * d, hq * d), (k0 + first_kv * d, hkv * d),
                                   (v0 + first_kv * d, hkv * d)])
-    _row_split(attn.o_proj, rank * hq * d, hq * d, rank)
+    _row_split(attn.o_proj, rank * hq * d, hq * d, rank, row_scales)
     attn.hq, attn.hkv = hq, hkv
 
 
-def _shard_mlp(mlp: GatedMLP, rank: int, world: int) -> None:
+def _shard_mlp(mlp: GatedMLP, rank: int, world: int, row_scales: bool) -> None:
     inter = mlp.down_proj.in_features
     n = inter // world
     _column_split(mlp.gate_up_proj, [(rank * n, n), (inter + rank * n, n)])  # gate, up
-    _row_split(mlp.down_proj, rank * n, n, rank)
+    _row_split(mlp.down_proj, rank * n, n, rank, row_scales)
 
 
 def _shard_experts(moe: SparseMoE, rank: int, world: int) -> None:

@@ -19,6 +19,7 @@ from core.kv.layout import SCALE_BYTES
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.models.base import CausalLM
+from engine.models.weights import Cut
 from engine.parallel import collectives
 from engine.parallel.group import TPGroup
 from kvtransfer.base import block_view
@@ -121,6 +122,26 @@ def test_a_rank_allocates_only_its_share_of_the_weights(checkpoint, group, monke
             assert share < 0.55 * whole, f"{family}: rank 0 allocated {share} of {whole} bytes"
         finally:
             two.close()
+
+
+def test_a_row_split_reads_whole_rows_only_for_int8(checkpoint, group, monkeypatch) -> None:
+    """int8 packing scales a row-split weight by its whole rows, so those rows are read
+    whole as it loads (Cut.absmax); without int8 a rank reads only its columns of it
+    (the mapped file's pages of the other columns are never touched). Llama's 2 layers
+    have 2 row splits each (o_proj, down_proj)."""
+    whole_rows = []
+    real = Cut.load
+
+    def load(self, param, index, w):
+        whole_rows.append(self.absmax is not None)
+        return real(self, param, index, w)
+
+    monkeypatch.setattr(Cut, "load", load)
+    for quantization, rows in (("none", 0), ("int8", 4)):
+        whole_rows.clear()
+        LLMEngine(config(checkpoint("llama"), 2, quantization=quantization),
+                  tp_group=group).close()
+        assert sum(whole_rows) == rows, (quantization, whole_rows)
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
