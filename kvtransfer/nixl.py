@@ -33,7 +33,7 @@ READ cannot gather them, so rank 0 registers the group's mirror (every head, row
 block b) instead of a pool. The source ``stage``s a request's blocks into its mirror
 (one gather, on the engine thread) before the request's handle leaves the worker; the
 reader READs into its own mirror's rows of the plan's local blocks and, once NIXL says
-DONE, scatters them to the ranks on a thread of its own (the read stays PENDING until
+DONE, scatters them to the ranks on threads of its own (the read stays PENDING until
 the scatter is over, so no step reads a block before every rank holds it). The mirror's
 rows belong to whoever owns their blocks (the lease, the pull): no accounting of their
 own. It costs rank 0 one host copy of the pool with every head, on either side.
@@ -63,6 +63,9 @@ from kvtransfer.group_kv import GroupKV, registered
 from kvtransfer.in_flight import InFlightReads
 
 log = logging.getLogger(__name__)
+
+SCATTER_THREADS = 4
+"""A group reader's scatters at once (tcp's reader runs as many reads at once)."""
 
 
 def _new_agent(prefix: str) -> nixl_agent:
@@ -207,7 +210,8 @@ class NixlReader(KVReader):
         self._aborted: set[ReadHandle] = set()
         """Of those, the ones aborted: they end FAILED when the scatter lets go."""
         self._pool: cf.ThreadPoolExecutor | None = None
-        """The scatters' thread (a group only): a scatter waits for the engine thread."""
+        """The scatters' threads (a group only): a scatter waits for the engine thread,
+        so several pulls' scatters can run at one step boundary (as tcp's reads)."""
         self._compat: CompatRecord | None = None
         self._agents: dict[str, int] = {}
         """Remote agent name -> peer states using it (the agent is loaded while > 0)."""
@@ -227,7 +231,8 @@ class NixlReader(KVReader):
             self._local_dlist = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs, mem)
             self._kv, self._group, self._compat = landing, group, compat
             if group is not None:
-                self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="kv-nixl-scatter")
+                self._pool = cf.ThreadPoolExecutor(SCATTER_THREADS,
+                                                   thread_name_prefix="kv-nixl-scatter")
 
     def connect(self, info: SourceInfo) -> PeerId:
         assert self._agent is not None and self._compat is not None, "register before connect"
