@@ -128,7 +128,10 @@ class NixlSource(KVSource):
             served = kv if group is None else group.mirror()
             self._agent, self._reg = _agent_holding(served, "tandem-kvsrc")
             self._kv, self._group, self._compat = served, group, compat
-            self.stages = group is not None
+
+    @property
+    def stages(self) -> bool:
+        return self._group is not None
 
     def stage(self, block_ids: Sequence[int]) -> None:
         """A group's blocks ``block_ids`` into the mirror readers READ (module docstring)."""

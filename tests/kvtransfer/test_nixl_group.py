@@ -33,6 +33,11 @@ class Ranks:
         self.compat = CompatRecord.from_kv(self.parts[0], FINGERPRINT, head_map=HEAD_MAP)
         self.gate = threading.Event()
         self.gate.set()
+        self.scattering = threading.Event()
+        """Set when a scatter begins (the READ is over)."""
+        self.waiting = 0
+        """Scatters held by the gate now (under ``lock``)."""
+        self.lock = threading.Lock()
         self.fail = False
         self.scatters = 0
 
@@ -47,7 +52,12 @@ class Ranks:
             return blocks
 
         def scatter(ids, blocks):
+            self.scattering.set()
+            with self.lock:
+                self.waiting += 1
             self.gate.wait(30)
+            with self.lock:
+                self.waiting -= 1
             if self.fail:
                 raise RuntimeError("rank 1 is gone")
             whole = blocks.view(self.full().dtype).view(len(ids), *self.full().shape[1:])
@@ -78,7 +88,7 @@ def test_a_group_source_is_read_after_staging_and_a_group_reader_scatters() -> N
     dst_ranks = Ranks(torch.zeros_like(make_kv(torch.float32, seed=2)))
     src, rd, peer = connected(src_ranks.group(), dst_ranks.group(), src_ranks.compat)
     try:
-        assert src.stages and not NixlSource.stages
+        assert src.stages
         src.stage([3, 4, 9])
         handle = read(rd, peer, (3, 4, 9), (0, 7, 2))
         assert handle.nbytes == 3 * src_ranks.compat.block_bytes  # every head of each block
@@ -100,12 +110,16 @@ def test_a_one_rank_reader_reads_a_group_source_whole() -> None:
     src.serve()
     rd = NixlReader()
     rd.register(dst, compat)
+    plain = NixlSource()
+    plain.register(dst, compat, lambda *a: None)
     try:
+        assert src.stages and not plain.stages  # one tensor: READs need no staging
         peer = rd.connect(src.handshake_info("prefill-0"))
         src.stage([5, 6])
         read(rd, peer, (5, 6), (1, 2))
         assert torch.equal(dst[[1, 2]], src_ranks.full()[[5, 6]])
     finally:
+        plain.close()
         rd.close()
         src.close()
 
@@ -124,7 +138,7 @@ def test_a_read_whose_scatter_runs_ends_only_when_it_let_go(how: str) -> None:
         src.stage([1])
         handle = rd.start_read(peer, ReadPlan("r", 1, (1,), (4,), "t"))
         deadline = time.monotonic() + 10
-        while handle not in rd._scatters:  # NIXL's READ is over; the scatter waits
+        while not dst_ranks.scattering.is_set():  # NIXL's READ is over; the scatter waits
             assert rd.poll(handle) is TransferState.PENDING and time.monotonic() < deadline
         if how == "close":
             rd.close()
@@ -140,6 +154,32 @@ def test_a_read_whose_scatter_runs_ends_only_when_it_let_go(how: str) -> None:
         assert str(handle.error) == ("read aborted" if how == "abort" else
                                      "the group's scatter of 1 blocks failed: "
                                      "RuntimeError('rank 1 is gone')")
+    finally:
+        dst_ranks.gate.set()
+        rd.close()
+        src.close()
+
+
+def test_several_pulls_scatter_at_once() -> None:
+    """A scatter waits for the engine thread's next step boundary; two pulls' scatters
+    wait side by side (not one per boundary): both are held by the gate together."""
+    src_ranks = Ranks(make_kv(torch.float32, seed=1))
+    dst_ranks = Ranks(torch.zeros_like(src_ranks.full()))
+    dst_ranks.gate.clear()
+    src, rd, peer = connected(src_ranks.group(), dst_ranks.group(), src_ranks.compat)
+    try:
+        src.stage([1, 2])
+        handles = [rd.start_read(peer, ReadPlan(f"r{i}", 1, (i + 1,), (i + 4,), "t"))
+                   for i in range(2)]
+        deadline = time.monotonic() + 10
+        while dst_ranks.waiting < 2:
+            for h in handles:
+                assert rd.poll(h) is TransferState.PENDING
+            assert time.monotonic() < deadline, f"{dst_ranks.waiting} scatter(s) at once"
+            time.sleep(0.001)
+        dst_ranks.gate.set()
+        assert [rd.wait(h, 10) for h in handles] == [TransferState.DONE] * 2
+        assert dst_ranks.scatters == 2 and rd.in_flight() == 0
     finally:
         dst_ranks.gate.set()
         rd.close()

@@ -253,7 +253,10 @@ def test_a_prefill_whose_staging_fails_or_is_cancelled_keeps_nothing(model, how:
                     await asyncio.sleep(0.01)
                 assert p.leases.active() == 1
                 call.cancel()
-                await asyncio.sleep(0.2)
+                deadline = time.monotonic() + 10
+                while p.leases.active():  # dropped while the staging still blocks
+                    assert time.monotonic() < deadline, "the lease outlived its caller"
+                    await asyncio.sleep(0.01)
                 gate.set()
             await leak_check(p)
     asyncio.run(body())
