@@ -136,6 +136,7 @@ class ModelRunner:
         model = self._build(ckpt, max_model_len)
         self.quant = self._quantize(model, ckpt)
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        self.prepack_fallback = self._prepack() if config.load.prepack_weights else None
         if self.quant is not None:
             select_paths(self.model, self.quant, config.quant.quant_packed_max_rows,
                          config.quant.activation_quant)
@@ -233,6 +234,23 @@ class ModelRunner:
                  report.packed_bytes / 1e6, report.dense_bytes / 1e6)
         return report
 
+    def _prepack(self) -> str | None:
+        """Prepack the dense weights for oneDNN (engine/layers/dense.py), before the packed
+        kernels are timed against them. -> why not, on a CPU where it cannot (None: done,
+        or a device whose GEMMs need none)."""
+        from engine.layers.dense import prepack_linears
+
+        if self.device.type != "cpu":
+            return None
+        count, nbytes, reason = prepack_linears(self.model)
+        if reason is not None:
+            log.warning("dense GEMMs run on plain weights (%s): large batches are slower",
+                        reason)
+            return reason
+        log.info("%d linears' dense weights prepacked for oneDNN GEMMs (%.1f MB more; "
+                 "--no-prepack-weights saves it)", count, nbytes / 1e6)
+        return None
+
     def _load_decode_kernel(self) -> None:
         """Build or load the paged decode kernel now, where the CPU SDPA backend will run
         it: a first build takes 14-25 s, which belongs to start-up, not to a first step
@@ -254,13 +272,16 @@ class ModelRunner:
         running (its kernel cannot run here); compile: the compiled decode step, disabled at
         start-up (the model declares it uncompilable, or compiling failed) or after a
         failed step; paged_decode: the in-place decode attention kernel;
-        block_mm, int4_mm: the weight kernels (engine/quant/apply.py kernel_fallbacks)."""
+        block_mm, int4_mm: the weight kernels (engine/quant/apply.py kernel_fallbacks);
+        prepack: the dense weights' oneDNN copies (engine/layers/dense.py) on a CPU."""
         from engine.attention.paged_decode import KERNEL
 
         out: dict[str, list[str]] = {"quantization": list(self.quant.fallbacks) if self.quant else [],
                                      "activation_quant": list(self.quant.activation_fallbacks)
                                      if self.quant else [],
                                      "compile": [], "paged_decode": [],
+                                     "prepack": [self.prepack_fallback] if self.prepack_fallback
+                                     else [],
                                      **kernel_fallbacks(self.model, self.dtype, self.device)}
         if self.compiled is not None and self.compiled.disabled:
             out["compile"].append(self.compiled.disabled)

@@ -17,6 +17,9 @@ dispatch and ours) caps the instruction sets Tandem sees and compiles for: ``avx
 hides AVX-512 and AMX (an Intel host then runs what an AVX2-only AMD EPYC runs: int4
 weights on aten's kernel, fp32 by default, the decode kernel built for AVX2),
 ``default`` hides AVX as well, ``avx512`` hides AMX. The test suite runs once so.
+The ceiling caps oneDNN's GEMMs too (``ONEDNN_MAX_CPU_ISA``, unless set: read at
+oneDNN's first primitive, after this module is imported): otherwise a capped run's dense
+matmuls kept AVX-512 and flattered the AVX2 path.
 """
 from __future__ import annotations
 
@@ -144,6 +147,21 @@ def cpu_capability() -> str | None:
     return aten if aten in _HIDDEN else None
 
 
+_ONEDNN_ISA = {"default": "SSE41", "avx2": "AVX2", "avx512": "AVX512_CORE_BF16"}
+"""Per capability, oneDNN's ISA ceiling (its ONEDNN_MAX_CPU_ISA names)."""
+
+
+def cap_onednn() -> None:
+    """Give oneDNN the capability ceiling, where one is asked for and oneDNN's own
+    variable is not set (module docstring)."""
+    try:
+        cap = cpu_capability()
+    except ValueError:  # a bad $TANDEM_CPU_CAPABILITY: named where the flags are read
+        return
+    if cap and "ONEDNN_MAX_CPU_ISA" not in os.environ and "DNNL_MAX_CPU_ISA" not in os.environ:
+        os.environ["ONEDNN_MAX_CPU_ISA"] = _ONEDNN_ISA[cap]
+
+
 def cpu_flags() -> set[str]:
     """The CPU's feature flags, less what the capability ceiling hides."""
     hidden = _HIDDEN.get(cpu_capability() or "", ())
@@ -183,3 +201,6 @@ def vec_flags() -> list[str]:
         if all(n in flags for n in need):
             return [f"-DCPU_CAPABILITY={isa}", f"-DCPU_CAPABILITY_{isa}"]
     return []
+
+
+cap_onednn()

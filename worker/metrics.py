@@ -66,7 +66,7 @@ class WorkerMetrics:
                                          "Steps abandoned mid-forward for a more important "
                                          "arrival")
         self.fallbacks = Gauge("tandem:engine_fallbacks", "Speed paths not running, by kind "
-                               "(quantization: linears left dense; compile; paged_decode): "
+                               "(quantization: linears left dense; compile; paged_decode; prepack): "
                                "the number of reasons; the log says which",
                                list(labels) + ["kind"], registry=r)
         self._spec_metrics(counter)
@@ -93,7 +93,7 @@ class WorkerMetrics:
             self.labelled(self.preemptions, mode=mode.value)
         for direction in ("in", "out"):
             self.labelled(self.swap_bytes, direction=direction)
-        for kind in ("quantization", "compile", "paged_decode"):
+        for kind in ("quantization", "compile", "paged_decode", "prepack"):
             self.labelled(self.fallbacks, kind=kind)
 
     def _spec_metrics(self, counter) -> None:

@@ -12,7 +12,11 @@ from __future__ import annotations
 
 from typing import Literal, Sequence
 
+import torch
+import torch.nn.functional as F
 from torch import nn
+
+from engine.layers import dense
 
 Parallel = Literal["column", "row", "replicated"]
 
@@ -26,6 +30,14 @@ class Linear(nn.Linear):
         super().__init__(in_features, sum(n for _, n in shards), bias=bias)
         self.shards = tuple(shards)
         self.parallel: Parallel = parallel
+        self.register_buffer("onednn_weight", None, persistent=False)
+        """The weight prepacked for oneDNN (engine/layers/dense.py), set once the model is
+        in its final dtype; None: F.linear on the plain weight."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.onednn_weight is not None:
+            return dense.linear(x, self.onednn_weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
     def tp_dim(self) -> int | None:
         """The weight dimension a tensor-parallel rank takes a slice of (None: all)."""

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.layers import dense
 from engine.quant.packed import PackedWeight
 
 
@@ -36,6 +37,8 @@ class QuantLinear(nn.Module):
         self.amx_min_rows = packed.amx_min_rows
         self.register_buffer("qdata", packed.data, persistent=False)
         self.register_buffer("qscales", packed.scales, persistent=False)
+        self.register_buffer("onednn_weight", None, persistent=False)
+        """The dense weight prepacked for oneDNN (engine/layers/dense.py); None: F.linear."""
         self.packed_max_rows = 0
         """Calls with at most this many rows use the packed kernel (set by select.py)."""
 
@@ -50,6 +53,8 @@ class QuantLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def dense_forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
+        if self.onednn_weight is not None:
+            return dense.linear(x, self.onednn_weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]

@@ -90,6 +90,24 @@ def test_an_avx2_ceiling_reaches_a_new_process() -> None:
     assert r.stdout.startswith("this CPU lacks avx512f"), r.stdout
 
 
+def test_an_avx2_ceiling_caps_onednns_gemms() -> None:
+    """The dense GEMMs (oneDNN) run AVX2 code under the ceiling too: a capped run on an
+    AVX-512 host used them with AVX-512 before."""
+    probe = ("import torch\n"
+             "import engine.native\n"
+             "from engine.layers import dense\n"
+             "w = torch.randn(64, 64)\n"
+             "dense.linear(torch.randn(8, 64), dense.prepack(w), None)\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_MAX_CPU_ISA",
+                                                              "DNNL_MAX_CPU_ISA")}
+    r = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120, env={**env, native.CAPABILITY_ENV: "avx2",
+                                         "ONEDNN_VERBOSE": "1"})
+    assert r.returncode == 0, r.stderr
+    isa = [ln for ln in r.stdout.splitlines() if ",isa:" in ln]
+    assert isa and isa[0].endswith("isa:Intel AVX2"), r.stdout[:2000]
+
+
 NO_SIMD_PROBE = """
 import logging, sys
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)
