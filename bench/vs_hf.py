@@ -23,7 +23,8 @@ from engine.config import dtype_name, resolve_dtype  # noqa: E402
 from tandem.bench import datasets, load, report, stats  # noqa: E402
 from tandem.bench.client import Endpoint  # noqa: E402
 from tandem.bench.hf_baseline import generate_timed, load_hf  # noqa: E402
-from tandem.bench.script import BenchRun, add_closed_loop_flags, closed_loop_requests  # noqa: E402
+from tandem.bench.script import (BenchRun, add_closed_loop_flags, batch1_requests,  # noqa: E402
+                                  closed_loop_requests)
 from tandem.bench.servers import tandem_up  # noqa: E402
 from tandem.fetch_model import default_model_path  # noqa: E402
 
@@ -42,7 +43,7 @@ def run_tandem(args, reqs: list[datasets.BenchRequest]) -> tuple[stats.Summary, 
         ep = Endpoint(srv.url, Path(args.model).name.removesuffix(".gguf"))
         load.run(ep, reqs[:4], concurrency=4, progress=False)  # warm-up
         c = load.run(ep, reqs, concurrency=args.concurrency, label=f"tandem c{args.concurrency}")
-        b1 = load.run(ep, reqs[:args.batch1_prompts], concurrency=1, label="tandem c1")
+        b1 = load.run(ep, batch1_requests(args), concurrency=1, label="tandem c1")
     return (stats.summarize(c.results, c.duration_s), stats.summarize(b1.results, b1.duration_s),
             [(c.label, c.results), (b1.label, b1.results)])
 
@@ -61,7 +62,7 @@ def main() -> None:
     from core.tokenizer import Tokenizer
 
     tok = Tokenizer.load(args.model)
-    hf_prompts = [tok.encode(r.prompt) for r in reqs[:args.batch1_prompts]]
+    hf_prompts = [tok.encode(r.prompt) for r in batch1_requests(args)]
     eng_dtype = dtype_name(resolve_dtype(args.dtype))
     hf32 = load_hf(Path(args.model))
     hf_sets = [("float32", hf32)]

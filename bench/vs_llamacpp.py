@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from tandem.bench import load, profile, report, stats  # noqa: E402
 from tandem.bench.client import Endpoint  # noqa: E402
 from tandem.bench.script import (BenchRun, add_closed_loop_flags, add_py_spy_flag,  # noqa: E402
-                                  closed_loop_requests)
+                                  batch1_requests, closed_loop_requests)
 from tandem.bench.servers import free_port, serve, tandem_up  # noqa: E402
 from tandem.fetch_model import default_model_path  # noqa: E402
 
@@ -62,7 +62,7 @@ def measure(ep: Endpoint, reqs, args, name: str, pid: int | None = None
     first --py-spy seconds of that process are sampled and summarised on stdout."""
     load.run(ep, reqs[:2], concurrency=1, progress=False)  # warm-up
     c = _phase(ep, reqs, args.concurrency, f"{name} c{args.concurrency}", args, pid)
-    b1 = _phase(ep, reqs[:args.batch1_prompts], 1, f"{name} c1", args, pid)
+    b1 = _phase(ep, batch1_requests(args), 1, f"{name} c1", args, pid)  # cold prompts
     for run in (c, b1):
         bad = [r for r in run.results if not r.ok or r.output_tokens != r.request.max_tokens]
         if bad:

@@ -39,21 +39,31 @@ def add_py_spy_flag(ap: argparse.ArgumentParser, process: str, phase: str) -> No
 
 
 def add_closed_loop_flags(ap: argparse.ArgumentParser, prompt_len: int, num_prompts: int) -> None:
-    """The workload of a script that runs one closed loop at --concurrency, then
-    --batch1-prompts of the same prompts one at a time (``closed_loop_requests``)."""
+    """The workload of a script that runs one closed loop at --concurrency
+    (``closed_loop_requests``), then --batch1-prompts new prompts of the same lengths one
+    at a time (``batch1_requests``)."""
     ap.add_argument("--prompt-len", type=int, default=prompt_len)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--num-prompts", type=int, default=num_prompts,
                     help="requests of the closed loop")
     ap.add_argument("--batch1-prompts", type=int, default=4,
-                    help="of those, the prompts then run one at a time")
+                    help="prompts then run one at a time, each new to the server (its TTFT "
+                         "is a cold prefill, never a prefix-cache hit)")
 
 
 def closed_loop_requests(args: Any) -> list[datasets.BenchRequest]:
     """The requests ``add_closed_loop_flags`` describes (seed 0)."""
     return datasets.synthetic(args.num_prompts, datasets.LengthDist.parse(args.prompt_len),
                               datasets.LengthDist.parse(args.output_len), seed=0)
+
+
+def batch1_requests(args: Any) -> list[datasets.BenchRequest]:
+    """The --batch1-prompts requests run one at a time after the closed loop: prompts of
+    its lengths that it never sent (seed 1), so a server's prefix cache cannot serve them
+    and TTFT measures a cold prefill (they were the loop's first prompts, all cache hits)."""
+    return datasets.synthetic(args.batch1_prompts, datasets.LengthDist.parse(args.prompt_len),
+                              datasets.LengthDist.parse(args.output_len), seed=1)
 
 
 def shared_prefix_requests(args: Any) -> list[datasets.BenchRequest]:

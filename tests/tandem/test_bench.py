@@ -302,3 +302,17 @@ def test_vs_peers_names_the_cpu_and_runs_vllm_at_its_best_dtype(monkeypatch, tmp
         line, bf16 = vs_peers.cpu_description()
         assert line.startswith(f"CPU: Test CPU {kind}; flags: avx2 fma")
         assert bf16 is want
+
+
+def test_the_batch1_prompts_are_new_to_the_server():
+    """vs_peers / vs_llamacpp / vs_hf time c1 TTFT as a cold prefill: the c1 prompts share
+    not even their first words with the closed loop's (they were its first prompts, all
+    prefix-cache hits), at the same lengths."""
+    from argparse import Namespace
+
+    from tandem.bench.script import batch1_requests, closed_loop_requests
+    args = Namespace(num_prompts=64, batch1_prompts=4, prompt_len=128, output_len=64)
+    loop, one = closed_loop_requests(args), batch1_requests(args)
+    assert len(one) == 4 and {r.prompt_len for r in one} == {128}
+    heads = {" ".join(r.prompt.split()[:4]) for r in loop}
+    assert not {" ".join(r.prompt.split()[:4]) for r in one} & heads
