@@ -5,11 +5,12 @@ Request life here: Prefill() queues the prompt as a prefill_only engine request
 prompts); when its first token is sampled the engine hands its blocks to the
 service's KV connector, which keeps them (held) and, in the same moment on the
 engine thread, grants the lease over them (kvtransfer/prefill_connector.py); the
-reply carries it as a KVHandle. The held blocks are freed
-exactly once, keyed by request id: when the decode worker's Release arrives, when
-the lease expires (a reaper runs every 250 ms), on Abort, or when the Prefill call
-is cancelled before its reply; and freeing them ends the lease, whichever path
-freed them (an Abort that overtakes the output: the reply says abort, no handle).
+reply carries it as a KVHandle. The held blocks are freed exactly once, keyed by
+request id: when the decode worker's Release arrives, when the lease expires (a reaper
+runs every 250 ms), on Abort, or when the Prefill call is cancelled or fails before its
+reply (while it prefills, or after the lease was granted); and freeing them ends the
+lease, whichever path freed them (an Abort that overtakes the output: the reply says
+abort, no handle). A reply lost after the handler returned it is the lease's TTL's.
 """
 from __future__ import annotations
 
@@ -111,13 +112,18 @@ class PrefillService(WorkerBase, pb_grpc.PrefillServicer):
                                   req.kv_policy is not None)
             if handle is None:  # an Abort freed the blocks before this handler woke
                 out.finish_reason, out.kept_blocks = FinishReason.ABORT, None
-            else:
+        try:
+            if handle is not None:
                 _bind(handle, req)
                 await self._stage(context, rid, handle)
-        await self.abort_if_engine_died(context, out)
-        if out.error:
-            await context.abort(grpc.StatusCode.INTERNAL, out.error)
-        return self._reply(request, out, handle, time.monotonic() - t0)
+            await self.abort_if_engine_died(context, out)
+            if out.error:
+                await context.abort(grpc.StatusCode.INTERNAL, out.error)
+            return self._reply(request, out, handle, time.monotonic() - t0)
+        except BaseException:  # cancelled or failed: the handle never reaches the caller
+            if handle is not None:
+                self._drop_lease(rid, handle.lease_epoch)
+            raise
 
     def _reply(self, request: pb.PrefillRequest, out, handle, seconds: float
                ) -> pb.PrefillResponse:
@@ -176,6 +182,15 @@ class PrefillService(WorkerBase, pb_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 f"request {rid}: the prefill group could not stage its KV "
                                 f"for the decode worker: {e}")
+
+    def _drop_lease(self, rid: str, epoch: int) -> None:
+        """_drop, when rid's lease is still this epoch's (a handle that will never reach
+        its caller; a retry under the same id holds a lease of its own)."""
+        lease = self.leases.get(rid)
+        if lease is not None and lease.epoch == epoch:
+            log.info("request %s: its Prefill call ended before the reply; its lease and "
+                     "%d KV blocks are freed", rid, len(lease.block_ids))
+            self._drop(rid)
 
     def _drop(self, rid: str) -> None:
         """End rid's lease (if any) and free its held blocks (or abort it running)."""

@@ -149,6 +149,32 @@ def test_cancelled_prefills_leave_nothing_held(tiny_model_dir, slow_steps) -> No
     _run(body())
 
 
+def test_a_prefill_cancelled_after_its_lease_frees_it_at_once(tiny_model_dir) -> None:
+    """A Prefill call cancelled after the engine granted its lease, before the reply
+    reached the caller: nobody will ever Release that handle, so the lease and its blocks
+    go when the call ends, not at the lease's expiry (30 s by default: they were held
+    that long)."""
+    async def body():
+        async with services(tiny_model_dir) as (p, d, ps, ds):
+            at_reply = asyncio.Event()
+            checked = p.abort_if_engine_died
+
+            async def hold_the_reply(context, out):  # the last await before the reply
+                at_reply.set()
+                await asyncio.sleep(5)
+                return await checked(context, out)
+            p.abort_if_engine_died = hold_the_reply
+            call = ps.Prefill(prefill_pb2.PrefillRequest(
+                request_id="gone", token_ids=_prompt(40, 5), sampling=sampling()))
+            await asyncio.wait_for(at_reply.wait(), BOUND_S)
+            assert p.leases.active() == 1
+            call.cancel()
+            t0 = time.monotonic()
+            await leak_check(p, d)  # gives a release 2 s
+            assert time.monotonic() - t0 < 5
+    _run(body())
+
+
 def test_an_abort_between_the_hold_and_the_reply_leases_nothing(tiny_model_dir) -> None:
     """Chaos run 21: the engine held a finished prefill's blocks and queued its output;
     the router's Abort ran before the Prefill handler woke and freed the blocks; the
