@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,8 +94,10 @@ def load_note() -> str:
     return f"load average {os.getloadavg()[0]:.2f} on {n} CPUs"
 
 
-def _proc_table() -> dict[int, tuple[int, int]]:
-    """pid -> (ppid, CPU ticks of it and its reaped children: utime+stime+cutime+cstime)."""
+def _proc_table() -> dict[int, tuple[int, int, int, int]]:
+    """pid -> (ppid, CPU ticks of it and its reaped children: utime+stime+cutime+cstime,
+    start time in ticks since boot (with the pid, it names one process), CPU ticks of it
+    alone: utime+stime)."""
     out = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -104,22 +107,70 @@ def _proc_table() -> dict[int, tuple[int, int]]:
         except OSError:
             continue
         f = stat[stat.rindex(")") + 2:].split()  # the fields after "pid (comm) "
-        out[int(entry)] = (int(f[1]), sum(int(x) for x in f[11:15]))
+        out[int(entry)] = (int(f[1]), sum(int(x) for x in f[11:15]), int(f[19]),
+                           int(f[11]) + int(f[12]))
     return out
 
 
-def _tree_ticks() -> int:
-    """CPU ticks used by this process and its descendants, live or reaped."""
-    table, me = _proc_table(), os.getpid()
-    children: dict[int, list[int]] = {}
-    for pid, (ppid, _) in table.items():
-        children.setdefault(ppid, []).append(pid)
-    total, todo = 0, [me]
-    while todo:
-        pid = todo.pop()
-        total += table.get(pid, (0, 0))[1]
-        todo += children.get(pid, [])
-    return total
+class _Tree:
+    """The CPU ticks of this process's tree, live or reaped, and of every process that
+    was in it once and left it: a server's helper (vLLM's engine core) re-parented to
+    init when the server stops is still ours, and so is its CPU time, which the tree
+    read at the end alone counted as another process's. Sampled every ``period`` s by
+    a daemon thread; time a leaver used after the last sample before it died is not
+    seen."""
+
+    def __init__(self, period: float = 0.25) -> None:
+        self.period = period
+        self.members: set[tuple[int, int]] = set()  # (pid, start) in the tree last sample
+        self.left: dict[tuple[int, int], int] = {}  # (pid, start) -> its ticks, last seen
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> _Tree:
+        self.ticks()
+        self._thread = threading.Thread(target=self._run, name="noise-tree", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            self.ticks()
+
+    def ticks(self) -> int:
+        """Our ticks now: the tree's (with what its members reaped), plus each process
+        that left it, and each of a leaver's descendants, on its own time as last seen
+        (its own: a leaver's reaped children are counted once, by themselves)."""
+        with self._lock:
+            table = _proc_table()
+            children: dict[int, list[int]] = {}
+            for pid, (ppid, *_) in table.items():
+                children.setdefault(ppid, []).append(pid)
+
+            def under(roots: list[int]) -> set[tuple[int, int]]:
+                found, todo = set(), list(roots)
+                while todo:
+                    pid = todo.pop()
+                    if pid in table:
+                        found.add((pid, table[pid][2]))
+                        todo += children.get(pid, [])
+                return found
+            tree = under([os.getpid()])
+            alive = {(pid, row[2]) for pid, row in table.items()}
+            for key in self.members - tree:
+                if key in alive:  # re-parented out of the tree: still ours
+                    self.left.setdefault(key, 0)
+            roots = [pid for pid, start in self.left if (pid, start) in alive]
+            outside = under(roots) - tree
+            for key in outside:
+                self.left[key] = table[key[0]][3]
+            self.members = tree
+            return sum(table[pid][1] for pid, _ in tree) + \
+                sum(t for key, t in self.left.items() if key not in tree)
 
 
 def _machine_busy_ticks() -> int:
@@ -131,20 +182,24 @@ def _machine_busy_ticks() -> int:
 
 class Noise:
     """CPU time used by processes outside this one's tree between start() and
-    report(): the machine's busy time minus our own. Other work on the box competes
-    with the measurement; this says how much (Linux only)."""
+    report(): the machine's busy time minus our own (``_Tree``: processes that left the
+    tree are still ours). Other work on the box competes with the measurement; this
+    says how much (Linux only)."""
 
     def __init__(self) -> None:
         self.t0 = 0.0
         self.busy0 = self.mine0 = 0
+        self.tree: _Tree | None = None
 
     def start(self) -> Noise:
-        self.t0, self.busy0, self.mine0 = time.monotonic(), _machine_busy_ticks(), _tree_ticks()
+        self.tree = _Tree().start()
+        self.t0, self.busy0, self.mine0 = time.monotonic(), _machine_busy_ticks(), \
+            self.tree.ticks()
         return self
 
     def others_cpu_s(self) -> float:
         busy = _machine_busy_ticks() - self.busy0
-        mine = _tree_ticks() - self.mine0
+        mine = self.tree.ticks() - self.mine0
         return max(0, busy - mine) / os.sysconf("SC_CLK_TCK")
 
     def report(self) -> str:
