@@ -152,8 +152,8 @@ def default_cache() -> Path:
 
 def _entry(key: tuple, group: list[QuantLinear], kernels: str) -> str:
     """What the timing depends on: the shape and how many layers a pass runs, the
-    activations' form, the dense GEMM's (prepacked or not), the CPU and its threads, torch, and the kernels' source (its
-    hash, ``kernels``, read once per choice)."""
+    activations' form, the dense GEMM timed against (prepacked or not), the CPU and its
+    threads, torch, and the kernels' source (its hash, ``kernels``, read once per choice)."""
     where = (torch.cuda.get_device_name() if key[5] == "cuda"
              else f"{_cpu_model()} {' '.join(simd_flags())}")
     dense = "onednn-prepacked" if group[0].onednn_weight is not None else "F.linear"

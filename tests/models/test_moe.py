@@ -13,7 +13,8 @@ from engine.llm_engine import LLMEngine
 from engine.models.base import compile_blocker
 
 MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
-           torch.ops.aten.matmul.default, torch.ops.aten.linear.default}
+           torch.ops.aten.matmul.default, torch.ops.aten.linear.default,
+           torch.ops.mkldnn._linear_pointwise.default}  # a prepacked linear (layers/dense.py)
 
 
 class CountMatmuls(TorchDispatchMode):
