@@ -141,6 +141,10 @@ class CompatRecord:
             object.__setattr__(self, "kv_scale_layout", scale_layout(self.kv_cache_dtype))
         object.__setattr__(self, "tensor_parallel_size", self.tensor_parallel_size or 1)
         object.__setattr__(self, "rank_kv_heads", tuple(self.rank_kv_heads))
+        tp, heads = self.tensor_parallel_size, len(self.rank_kv_heads)
+        if heads and heads % tp:  # a peer's record (Handshake): its group must be one
+            raise KVCompatError(f"rank_kv_heads: {heads} entries cannot be split evenly over "
+                                f"tensor_parallel_size {tp} ranks")
 
     @classmethod
     def from_kv(cls, kv: torch.Tensor, model_fingerprint: str, kv_cache_dtype: str = "",

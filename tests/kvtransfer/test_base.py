@@ -11,6 +11,19 @@ from kvtransfer.base import (CompatRecord, KVBackendUnavailable, KVCompatError, 
 from tests.kvtransfer.utils import SHAPE, make_kv
 
 
+@pytest.mark.parametrize("tp, ranks", [(2**31, (0,)), (3, (0, 1, 2, 3)), (2, (0, 1, 2))])
+def test_a_peer_record_whose_group_cannot_be_split_is_refused(tp: int, ranks) -> None:
+    """A Handshake's record with more ranks than rank_kv_heads entries (or not a multiple)
+    describes no group. It was accepted, and the check's head map then built one entry
+    per rank: 2**31 of them took a prefill worker to 23 GB (found by the gRPC fuzz)."""
+    with pytest.raises(KVCompatError, match=f"rank_kv_heads: {len(ranks)} entries cannot be "
+                                            f"split evenly over tensor_parallel_size {tp}"):
+        CompatRecord("m", "float32", 16, 2, 4, 8, tensor_parallel_size=tp, rank_kv_heads=ranks)
+    whole = CompatRecord("m", "float32", 16, 2, 4, 8, tensor_parallel_size=2,
+                         rank_kv_heads=(0, 1, 2, 3))
+    assert whole.head_map() == [(0, 1), (2, 3)]
+
+
 def test_compat_check_names_field_and_both_values() -> None:
     local = CompatRecord.from_kv(make_kv(torch.float32, 0, block_size=16), "m")
     remote = CompatRecord.from_kv(make_kv(torch.float32, 0, block_size=32), "m")

@@ -160,3 +160,24 @@ def test_fuzz_every_method(tiny_model_dir) -> None:
                 await ch.close()
             await leak_check(p, d)
     asyncio.run(asyncio.wait_for(body(), 300))
+
+
+def test_a_handshake_naming_two_billion_ranks_is_refused_at_once(tiny_model_dir) -> None:
+    """The message the fuzz once drew: a compat record of tensor_parallel_size 2**31 with
+    one rank_kv_heads entry. Checking it built a head map of 2**31 entries and took the
+    prefill worker to 23 GB (the OOM killer ended the suite); now it is refused."""
+    async def body():
+        async with services(tiny_model_dir) as (p, d, ps, ds):
+            ch = auth_channel(f"127.0.0.1:{p.port}", p.secret)
+            req = kv_link_pb2.HandshakeRequest(reader_id="fuzz", compat=kv_link_pb2.CompatRecord(
+                model_fingerprint="m", tensor_parallel_size=2**31, rank_kv_heads=[0]))
+            call = ch.unary_unary("/tandem.kvlink.KVLink/Handshake",
+                                  request_serializer=lambda m: m.SerializeToString(),
+                                  response_deserializer=lambda b: b)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call(req, timeout=10)
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "rank_kv_heads: 1 entries cannot be split evenly" in err.value.details()
+            await ch.close()
+            await leak_check(p, d)
+    asyncio.run(asyncio.wait_for(body(), 60))
