@@ -167,16 +167,13 @@ class PrefillService(WorkerBase, pb_grpc.PrefillServicer):
     async def _stage(self, context, rid: str, handle: kv_link_pb2.KVHandle) -> None:
         """Make the leased blocks readable before the handle leaves (a tensor-parallel
         group's NIXL source gathers them into its mirror: kvtransfer/nixl.py). Cancelled,
-        or failed (the engine is gone): the lease and the blocks go, nothing is held."""
+        or failed (the engine is gone): Prefill frees the lease and the blocks as it
+        unwinds (its ``except BaseException``), nothing is held."""
         if not self.source.stages:
             return
         try:
             await asyncio.to_thread(self.source.stage, list(handle.block_ids))
-        except asyncio.CancelledError:
-            self._drop(rid)
-            raise
         except Exception as e:  # noqa: BLE001 - reported to the caller, nothing kept
-            self._drop(rid)
             log.error("request %s: staging %d KV blocks failed: %r", rid,
                       len(handle.block_ids), e)
             await context.abort(grpc.StatusCode.UNAVAILABLE,

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from engine.native import cpu_flags
 
@@ -72,6 +73,15 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> 
     if torch.compiler.is_compiling():
         return _linear_op(x, packed, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def forward(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
+            bias: torch.Tensor | None) -> torch.Tensor:
+    """A dense linear's forward: on its prepacked weight when it has one, else
+    ``F.linear`` on the plain weight."""
+    if packed is not None:
+        return linear(x, packed, bias)
+    return F.linear(x, weight, bias)
 
 
 def prepack_linears(model: nn.Module) -> tuple[int, int, str | None]:

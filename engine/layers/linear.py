@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Literal, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.layers import dense
@@ -35,9 +34,7 @@ class Linear(nn.Linear):
         in its final dtype; None: F.linear on the plain weight."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.onednn_weight is not None:
-            return dense.linear(x, self.onednn_weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return dense.forward(x, self.weight, self.onednn_weight, self.bias)
 
     def tp_dim(self) -> int | None:
         """The weight dimension a tensor-parallel rank takes a slice of (None: all)."""

@@ -18,7 +18,6 @@ adding [N] to [M, N] here costs nothing next to it.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.layers import dense
@@ -53,9 +52,7 @@ class QuantLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def dense_forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
-        if self.onednn_weight is not None:
-            return dense.linear(x, self.onednn_weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return dense.forward(x, self.weight, self.onednn_weight, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
         if x.shape[0] <= self.packed_max_rows:

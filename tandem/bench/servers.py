@@ -203,10 +203,12 @@ class Noise:
         return max(0, busy - mine) / os.sysconf("SC_CLK_TCK")
 
     def report(self) -> str:
+        """The measurement's line; it ends the measurement (the tree's sampler stops)."""
         if not self.t0:
             return "other processes: not measured"
         wall = max(time.monotonic() - self.t0, 1e-9)
         cpu = self.others_cpu_s()
+        self.tree.stop()
         share = cpu / (wall * (os.cpu_count() or 1))
         return (f"other processes used {cpu:.1f} CPU-s over {wall:.0f}s "
                 f"({share:.0%} of the machine){'  <- results disturbed' if share > 0.05 else ''}")

@@ -351,3 +351,6 @@ def test_the_noise_meter_counts_a_helper_that_left_our_tree_as_ours():
     while time.monotonic() < deadline and os.path.exists(f"/proc/{grandchild}"):
         time.sleep(0.1)  # until the grandchild has burned its 1.5 s and is gone
     assert noise.others_cpu_s() < 0.75, noise.report()
+    noise.report()  # ends the measurement: the sampler thread stops
+    noise.tree._thread.join(timeout=5)
+    assert not noise.tree._thread.is_alive()
