@@ -1,10 +1,11 @@
 """torch scaled_dot_product_attention over the paged cache.
 
-Prefill sequences run one SDPA each over their gathered context (causal with the
-cached prefix in front: an explicit mask when a prefix exists or the layer has a
-sliding window, whose context is gathered from the first block the chunk's earliest
-query can see). On CUDA, SDPA dispatches to a FlashAttention kernel; on CPU to a
-fused kernel. A soft-capped layer takes the explicit fp32 form (base.masked_attention):
+Prefill sequences on CPU run paged_prefill.py's kernel, which reads K/V in place
+through the block table. Elsewhere (CUDA, a quantized cache, rows that owe h2o scores,
+no compiler) each runs one SDPA over its gathered context (causal with the cached
+prefix in front: an explicit mask when a prefix exists or the layer has a sliding
+window, whose context is gathered from the first block the chunk's earliest query can
+see). On CUDA, SDPA dispatches to a FlashAttention kernel; on CPU to a fused kernel. A soft-capped layer takes the explicit fp32 form (base.masked_attention):
 SDPA has no soft-cap. Decoding sequences (and speculative verification, whose 1 + k
 queries arrive as k + 1 decode rows) run through paged_decode.py: on CPU a kernel
 that reads K/V in place through the block tables, skipping keys before the window
@@ -27,6 +28,7 @@ from engine.attention.base import (AttentionBackend, LayerAttention, add_scores,
                                    visible)
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.paged_decode import paged_decode
+from engine.attention.paged_prefill import paged_prefill
 
 
 def _prefill_mask(qlen: int, slen: int, start: int, window: int | None,
@@ -55,6 +57,15 @@ class SDPABackend(AttentionBackend):
         start = 0
         for i in range(meta.num_prefills):
             qlen, slen = meta.query_lens[i], meta.seq_lens[i]
+            if i not in meta.scores and kv.is_cpu:  # in place over the paged cache
+                table = meta.cached(f"ptable{i}", lambda: torch.tensor(
+                    meta.block_tables[i], dtype=torch.long, device=q.device))
+                o = paged_prefill(q[start:start + qlen], kv, layer, table, slen, params,
+                                  meta.kv_quant)
+                if o is not None:
+                    out[start:start + qlen] = o
+                    start += qlen
+                    continue
             first = first_key(slen - qlen, params.window)
             ks, vs = gather_kv(layer, kv, meta.block_tables[i], slen, meta.kv_quant, q.dtype,
                                start=first)

@@ -39,9 +39,15 @@ def _case(rng: random.Random, block_size: int, hq: int, hkv: int, dtype=torch.fl
     return layers, q, k, v, kv, meta, tables
 
 
+@pytest.mark.parametrize("prefill", ["kernel", "gathered"])
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (6, 2), (9, 3), (8, 1)])
-def test_sdpa_matches_naive(block_size: int, hq: int, hkv: int) -> None:
+def test_sdpa_matches_naive(block_size: int, hq: int, hkv: int, prefill: str,
+                            monkeypatch) -> None:
+    """Prefills through the in-place kernel (engine/attention/paged_prefill.py) and
+    through the gathered SDPA path it falls back to."""
+    import engine.attention.paged_prefill as paged_prefill
+    monkeypatch.setattr(paged_prefill, "ENABLED", prefill == "kernel")
     rng = random.Random(block_size * 100 + hq * 10 + hkv)
     sdpa, naive = get_backend("sdpa"), NaiveBackend()
     for _ in range(3):

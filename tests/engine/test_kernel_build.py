@@ -65,6 +65,7 @@ def test_an_engine_loads_the_kernel_at_start_up_and_metrics_never_build(tiny_mod
     loaded yet (it used to build on the worker's first observed step)."""
     builds = []
     kernel = paged_decode.KERNEL
+    monkeypatch.setattr(kernel, "_reason", kernel._reason)  # restored after: later tests run it
     monkeypatch.setattr(kernel, "_tried", False)
     monkeypatch.setattr(kernel, "_build", lambda: builds.append(1) or "test: not built")
     eng = LLMEngine(EngineConfig.from_flat(model=str(tiny_model_dir), dtype="float32",
