@@ -387,7 +387,8 @@ class CompileConfig:
 
     compile: bool = os.environ.get("TANDEM_COMPILE", "1") != "0"
     """Compile the decode step at start-up (torch.compile per bucketed batch size 1, 2, 4,
-    ... up to --compile-max-batch; CUDA graphs on GPU); --no-compile runs every step eagerly.
+    ... up to --compile-max-batch; CUDA graphs on GPU), and on CPU the steps with a prefill
+    for any row count; --no-compile runs every step eagerly.
     TANDEM_COMPILE=0 in the environment makes --no-compile the default (the test suite's)."""
     compile_max_batch: int | None = None
     """Largest compiled decode batch (bigger decode batches run eagerly); None = max_num_seqs."""

@@ -161,10 +161,13 @@ class ModelRunner:
         self._masks = None
         self.compiled: CompiledDecode | None = None
         if config.compilation.compile:
-            self.compiled = CompiledDecode(self.model, self.device,
-                                           config.compilation.compile_max_batch
-                                           or config.scheduler.max_num_seqs)
-            self.compiled.warm_up(self._dummy_decode)
+            self.compiled = CompiledDecode(
+                self.model, self.device,
+                config.compilation.compile_max_batch or config.scheduler.max_num_seqs,
+                any_rows=config.scheduler.max_num_batched_tokens if self.lora is None else None)
+            self.compiled.warm_up(self._dummy_decode,
+                                  lambda rows, segments: self._dummy_decode(rows, segments,
+                                                                            logits=False))
         log.info("model loaded in %.1fs (%s, %s); attention=%s; KV pool %d blocks x %d tokens, "
                  "KV %s, %d bytes per block", time.perf_counter() - t0, self.dtype, self.device,
                  self.backend.name, self.num_blocks, config.cache.block_size, self.kv_dtype,
@@ -285,6 +288,8 @@ class ModelRunner:
                                      **kernel_fallbacks(self.model, self.dtype, self.device)}
         if self.compiled is not None and self.compiled.disabled:
             out["compile"].append(self.compiled.disabled)
+        if self.compiled is not None and self.compiled.any_failed:
+            out["compile"].append(self.compiled.any_failed)
         if self.device.type == "cpu" and getattr(self.backend, "name", "") == "sdpa":
             reason = KERNEL.known_reason()  # loaded at start-up; never built from here
             if reason:
@@ -420,9 +425,9 @@ class ModelRunner:
         meta.scores = scores or {}
         ctx = ForwardContext(self.kv, meta, self.backend, should_stop)
         # a compiled step has no scores to give: steps with scored rows run eager
-        hidden = self._forward(inputs.ids, inputs.positions, ctx,
-                               inputs.decode_only and not meta.scores, inputs.lora_slots,
-                               inputs.num_layers or None)
+        hidden = self._forward(inputs.ids, inputs.positions, ctx, inputs.decode_only,
+                               inputs.lora_slots, inputs.num_layers or None,
+                               compilable=not meta.scores)
         prompt = self._prompt_logprobs(hidden, owed)
         if not owed:  # another rank of a group: rank 0's LM-head calls (their collectives)
             for lo, hi in inputs.prompt_chunks:
@@ -495,14 +500,15 @@ class ModelRunner:
         return StepTokens(sampled, tokens, logprobs)
 
     def _forward(self, ids: list[int], pos: list[int], ctx: ForwardContext,
-                 decode_only: bool, lora_slots: Sequence[int], num_layers: int | None = None
-                 ) -> torch.Tensor:
-        """Hidden states [T, H]: a compiled bucket for decode-only steps, else eager.
-        lora_slots: each row's LoRA slot + 1 (0: the base model); empty: all base.
-        num_layers: the first this many layers only (a self-draft pass: eager)."""
-        c = self.compiled
-        bucket = (c.bucket(len(ids)) if c is not None and decode_only and num_layers is None
-                  else None)
+                 decode_only: bool, lora_slots: Sequence[int], num_layers: int | None = None,
+                 compilable: bool = True) -> torch.Tensor:
+        """Hidden states [T, H]: a compiled bucket for decode-only steps, the compiled
+        any-row segments for steps with a prefill (or more decode rows than the largest
+        bucket; CPU, no LoRA), else eager. lora_slots: each row's LoRA slot + 1 (0: the
+        base model); empty: all base. num_layers: the first this many layers only (a
+        self-draft pass: eager). compilable: False runs eagerly (rows owing h2o scores)."""
+        c = self.compiled if compilable and num_layers is None else None
+        bucket = c.bucket(len(ids)) if c is not None and decode_only else None
         if bucket is not None:
             tids, tpos = c.pad(ids, pos, bucket)
             try:
@@ -513,15 +519,25 @@ class ModelRunner:
             except Exception as e:  # a recompile that failed: this step and later ones eager
                 c.fail(f"compiled decode step for batch {bucket} failed: {type(e).__name__}: "
                        f"{str(e).strip().splitlines()[0][:300] if str(e) else ''}")
+        elif c is not None and self.lora is None and (segments := c.any_rows_for(
+                len(ids), decode_only)) is not None:
+            try:
+                with torch.compiler.set_stance("fail_on_recompile"):
+                    return self.model(torch.tensor(ids, device=self.device),
+                                      torch.tensor(pos, device=self.device), ctx, segments)
+            except StepInterrupted:
+                raise
+            except Exception as e:  # a graph start-up did not compile: eager from now on
+                c.fail_any_rows(len(ids), e)
         with lora_rows(self.lora, lora_slots, len(ids)):
             return self.model(torch.tensor(ids, device=self.device),
                               torch.tensor(pos, device=self.device), ctx,
                               num_layers=num_layers)
 
     @torch.inference_mode()
-    def _dummy_decode(self, rows: int, segments: Segments) -> None:
+    def _dummy_decode(self, rows: int, segments: Segments, logits: bool = True) -> None:
         """One decode step of ``rows`` one-token sequences in KV block 0 (start-up only:
-        the pool is empty, so nothing cached is overwritten)."""
+        the pool is empty, so nothing cached is overwritten); logits: and the LM head."""
         meta = build_metadata([1] * rows, [1] * rows, 0, [[0]] * rows, self.config.cache.block_size,
                               self.device, self.kv_quant)
         ctx = ForwardContext(self.kv, meta, self.backend)
@@ -530,7 +546,8 @@ class ModelRunner:
             with warm_rows(self.lora, rows):
                 self.model(tids, tpos, ctx, segments, rows=rows)
         hidden = self.model(tids, tpos, ctx, segments, rows=rows)
-        self.model.compute_logits(hidden)
+        if logits:
+            self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def forward_logits(self, inputs: StepInputs) -> torch.Tensor:

@@ -10,8 +10,16 @@ graph inputs), so a bucket costs three compiles, not one per layer.
 
 A decode-only step of n rows runs in the smallest bucket >= n, its input padded
 with token 0 at position 0; the padding rows are computed by the segments and
-dropped before attention (they never touch the KV cache). Steps with a prefill,
-or more rows than the largest bucket, run eagerly. A model that declares a layer
+dropped before attention (they never touch the KV cache). On CPU, steps with a prefill
+(and decode steps with more rows than the largest bucket) run the same segments compiled
+once more with the row count symbolic ("any-row" segments): every segment works row by
+row, so one graph serves every row count, unpadded. A Python branch on the row count (a
+packed linear's ``packed_max_rows``) splits it into a few graphs, all compiled at
+start-up (``any_row_sizes``); a step that would need another runs eagerly, and so does
+every later one (``fail_any_rows``), said in the log. LoRA steps and rows owing h2o
+scores run eagerly. A 512-token prompt of the embedded model took 393 ms instead of 433
+in process (the norms, RoPE, SiLU-mul and residuals fused; docs/performance.md). A
+model that declares a layer
 uncompilable (models/base.py compile_blocker: the MoE experts' data-dependent split) is
 not compiled at all: one progress line says why, and the runner lists it as a fallback.
 
@@ -35,6 +43,7 @@ import time
 from typing import Callable
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from core.progress import progress
 from engine.models.base import (EAGER, CausalLM, Segments, compile_blocker, first_segment,
@@ -82,6 +91,25 @@ def cpu_options(options: dict | None = None) -> dict:
     return out
 
 
+def any_row_sizes(model: torch.nn.Module, max_rows: int) -> list[int]:
+    """Row counts whose any-row graphs cover every count from 2 to max_rows: both sides of
+    each packed linear's ``packed_max_rows`` (the forward's only branch on rows), 2
+    and max_rows."""
+    edges = {m.packed_max_rows for m in model.modules() if hasattr(m, "packed_max_rows")}
+    sizes = {2, max_rows} | {n for p in edges for n in (p, p + 1)}
+    return sorted(n for n in sizes if 2 <= n <= max_rows)
+
+
+def _rows_symbolic(compiled: Callable) -> Callable:
+    """``compiled`` with dim 0 of every tensor it is given (the step's rows) symbolic."""
+    def run(*args):
+        for a in tree_leaves(args):
+            if isinstance(a, torch.Tensor) and a.dim() and a.shape[0] > 1:
+                torch._dynamo.maybe_mark_dynamic(a, 0)
+        return compiled(*args)
+    return run
+
+
 def _slower(compiled: float, eager: float) -> bool:
     """The compiled step lost: its bucket runs eagerly."""
     return compiled > eager * SLOWER_MARGIN
@@ -92,11 +120,22 @@ class CompiledDecode:
     anything did (``disabled``: None while compiled steps run)."""
 
     def __init__(self, model: CausalLM, device: torch.device, max_rows: int,
-                 options: dict | None = None) -> None:
+                 options: dict | None = None, any_rows: int | None = None) -> None:
+        """max_rows: the largest decode bucket; any_rows: the most rows a step with a
+        prefill has (the token budget), or None: no any-row segments."""
         import torch._dynamo
 
         self.model = model
         self.buckets = decode_buckets(max_rows)
+        self.any_rows: Segments | None = None
+        """The any-row segments (module docstring), None where steps with a prefill run
+        eagerly: on CUDA, with LoRA, after ``fail_any_rows``, or when they timed slower."""
+        self.any_sizes = (any_row_sizes(model, any_rows)
+                          if any_rows is not None and device.type == "cpu" else [])
+        self.any_failed: str | None = None
+        """Why the any-row segments were dropped after a failure (a fallback)."""
+        self.any_timing: tuple[float, float] | None = None
+        """(compiled ms, eager ms) of the largest any-row step, measured at start-up."""
         # one compiled graph per (segment, bucket); dynamo's default limit is 8
         torch._dynamo.config.cache_size_limit = max(64, 4 * len(self.buckets))
         kw: dict = {"dynamic": False, "fullgraph": True}
@@ -121,6 +160,10 @@ class CompiledDecode:
         try:
             self.segments = Segments(*(torch.compile(f, **kw)
                                        for f in (first_segment, middle_segment, last_segment)))
+            if self.any_sizes:
+                self.any_rows = Segments(*(_rows_symbolic(torch.compile(
+                    f, dynamic=None, fullgraph=True, options=kw["options"]))
+                    for f in (first_segment, middle_segment, last_segment)))
         except Exception as e:  # e.g. an unknown inductor option
             self.segments = Segments()
             self.fail(f"torch.compile refused the decode step: {type(e).__name__}: "
@@ -134,18 +177,38 @@ class CompiledDecode:
         b = next((b for b in self.buckets if b >= n), None)
         return b if b is not None and b not in self.slower else None
 
+    def any_rows_for(self, n: int, decode_only: bool) -> Segments | None:
+        """The any-row segments for a step of n rows that no bucket takes (a prefill, or
+        more decode rows than the largest bucket), or None: run it eagerly."""
+        if (self.disabled is not None or self.any_rows is None or n < 2
+                or (decode_only and n <= self.buckets[-1])):
+            return None
+        return self.any_rows
+
+    def fail_any_rows(self, rows: int, e: Exception) -> None:
+        """A step needed an any-row graph not compiled at start-up (or it failed): steps
+        with a prefill run eagerly from now on."""
+        self.any_rows = None
+        self.any_failed = (f"compiled step for {rows} rows (a prefill) failed: "
+                           f"{type(e).__name__}: "
+                           f"{str(e).strip().splitlines()[0][:300] if str(e) else ''}")
+        log.error("%s; steps with a prefill run eagerly from now on (--no-compile turns "
+                  "compilation off)", self.any_failed)
+
     def pad(self, ids: list[int], pos: list[int], bucket: int
             ) -> tuple[torch.Tensor, torch.Tensor]:
         extra = bucket - len(ids)
         return (torch.tensor(ids + [0] * extra, device=self.device),
                 torch.tensor(pos + [0] * extra, device=self.device))
 
-    def warm_up(self, run_bucket: Callable[[int, Segments], None]) -> None:
+    def warm_up(self, run_bucket: Callable[[int, Segments], None],
+                run_rows: Callable[[int, Segments], None] | None = None) -> None:
         """Compile every bucket now (``run_bucket(b, segments)`` runs one dummy step of b
         rows), printing a progress line per bucket, then time it against the eager step
         (best of 3 each, in turn; a "slower" timed again) and keep the compiled one
         unless it is clearly slower (``SLOWER_MARGIN``). A failure disables compiled steps,
-        logged."""
+        logged. ``run_rows`` (default ``run_bucket``) runs one dummy step of n rows
+        without the LM head, for the any-row segments."""
         t0 = time.perf_counter()
         if self.disabled is None:
             progress.info("compiling the decode step for batch sizes %s (inductor caches the "
@@ -170,9 +233,37 @@ class CompiledDecode:
                           "%.1f ms vs %.1f ms eager%s", i + 1, len(self.buckets), b,
                           time.perf_counter() - t, compiled, eager,
                           " (slower: this batch runs eagerly)" if slower else "")
+        if self.any_rows is not None and self.disabled is None:
+            self._warm_any_rows(run_rows or run_bucket)
         self.compile_seconds = time.perf_counter() - t0
-        progress.info("compiled decode steps for batches %s in %.1fs",
-                      ",".join(map(str, self.buckets)), self.compile_seconds)
+        progress.info("compiled decode steps for batches %s%s in %.1fs",
+                      ",".join(map(str, self.buckets)),
+                      " and prefill steps" if self.any_rows is not None else "",
+                      self.compile_seconds)
+
+    def _warm_any_rows(self, run_rows: Callable[[int, Segments], None]) -> None:
+        """Compile the any-row graphs (one dummy step per size of ``any_sizes``), then
+        time the largest against the eager step; kept unless clearly slower."""
+        t = time.perf_counter()
+        progress.info("compiling the prefill step for any row count (graphs at %s rows)",
+                      ",".join(map(str, self.any_sizes)))
+        try:
+            for n in self.any_sizes:
+                run_rows(n, self.any_rows)
+        except Exception as e:  # inductor/dynamo raise many types; all mean "eager"
+            self.fail_any_rows(n, e)
+            return
+        big = self.any_sizes[-1]
+        compiled, eager = (x * 1e3 for x in best_pair(
+            lambda: run_rows(big, self.any_rows), lambda: run_rows(big, EAGER),
+            retry_if=_slower))
+        self.any_timing = (compiled, eager)
+        slower = _slower(compiled, eager)
+        progress.info("compiled prefill step in %.1fs: %.1f ms vs %.1f ms eager at %d rows%s",
+                      time.perf_counter() - t, compiled, eager, big,
+                      " (slower: steps with a prefill run eagerly)" if slower else "")
+        if slower:
+            self.any_rows = None
 
     def fail(self, reason: str) -> None:
         self.disabled = reason

@@ -71,6 +71,61 @@ def test_compiled_quantized_tokens_equal_eager(tiny_model_dir: Path) -> None:
         [c.token_ids for c in b.generate(prompts, GREEDY)]
 
 
+def test_prefill_steps_run_the_any_row_segments_and_equal_eager(compiled: LLMEngine,
+                                                               tiny_model_dir: Path) -> None:
+    """Steps with a prefill (1 to 3 prompts of 5 to 41 tokens, decode rows beside them)
+    run the any-row segments compiled at start-up, unpadded, with no graph compiled
+    after it: the eager engine's tokens."""
+    from engine.models.base import Segments
+
+    c = compiled.runner.compiled
+    assert c.any_sizes == [2, 512] and c.any_rows is not None  # no packed linears
+    rows = []
+    inner = c.any_rows
+
+    def first(model, ids, pos):
+        rows.append(ids.shape[0])
+        return inner.first(model, ids, pos)
+
+    c.any_rows = Segments(first, inner.middle, inner.last)
+    try:
+        prompts = [[(11 * i + j) % 300 + 3 for j in range(5 + 12 * i)] for i in range(4)]
+        eager = _engine(tiny_model_dir, compile=False)
+        want = [d.token_ids for d in eager.generate(prompts, GREEDY)]
+        assert [d.token_ids for d in compiled.generate(prompts, GREEDY)] == want
+        assert [compiled.generate([p], GREEDY)[0].token_ids for p in prompts[2:]] == want[2:]
+    finally:
+        c.any_rows = inner
+    assert sorted(set(rows))[-1] == sum(map(len, prompts)) and min(rows) >= 2, rows
+    assert c.any_failed is None and compiled.runner.fallbacks()["compile"] == []
+    compiled.leak_check()
+
+
+def test_a_prefill_needing_a_graph_not_compiled_at_start_up_runs_eagerly(tiny_model_dir: Path,
+                                                                         caplog) -> None:
+    """A prefill whose row count needs an any-row graph start-up did not compile (here:
+    the packed linears' row limit moved after it, so the graphs' guard on it fails) is
+    never compiled while serving: the step runs eagerly, and so do later ones, said in
+    the log and as a compile fallback; the tokens are the eager engine's."""
+    eng = _engine(tiny_model_dir, compile=True, quantization="int8")
+    eager = _engine(tiny_model_dir, compile=False, quantization="int8")
+    for e in (eng, eager):
+        for m in e.runner.model.modules():
+            if hasattr(m, "packed_max_rows"):
+                m.packed_max_rows = 5
+    c = eng.runner.compiled
+    with caplog.at_level(logging.ERROR):
+        got = eng.generate([_prompts(1)[0][:4]], GREEDY)[0].token_ids
+    assert c.any_rows is None and "compiled step for 4 rows (a prefill) failed" in c.any_failed
+    assert "--no-compile" in caplog.text
+    assert eng.runner.fallbacks()["compile"] == [c.any_failed]
+    assert got == eager.generate([_prompts(1)[0][:4]], GREEDY)[0].token_ids
+    prompts = _prompts(3)
+    assert [d.token_ids for d in eng.generate(prompts, GREEDY)] == \
+        [d.token_ids for d in eager.generate(prompts, GREEDY)]
+    eng.leak_check()
+
+
 def test_compiled_step_is_interruptible(compiled: LLMEngine) -> None:
     """should_stop is asked between layers of a compiled step as of an eager one."""
     for i in range(2):
