@@ -5,6 +5,7 @@ prompt of each length with no cached prefix; best of 5 passes of 5 calls, the tw
 alternated.
 
     python bench/prefill_attention.py [--dtype bfloat16|float32] [--lens 128,512,2048]
+                                      [--fma-only]
 """
 from __future__ import annotations
 
@@ -29,13 +30,16 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     ap.add_argument("--lens", default="128,512,2048")
+    ap.add_argument("--fma-only", action="store_true",
+                    help="bf16 on the kernel's fp32 panels, not its bf16 dot products")
     args = ap.parse_args()
     if kernel_unavailable():
         print(f"no attention kernel here: {kernel_unavailable()}")
         return 1
     dt = getattr(torch, args.dtype)
     params = LayerAttention(D ** -0.5)
-    print(f"SIMD flags: {' '.join(simd_flags())}; {args.dtype}; torch threads "
+    print(f"SIMD flags: {' '.join(simd_flags())}; {args.dtype}"
+          f"{' on fp32 panels' if args.fma_only else ''}; torch threads "
           f"{torch.get_num_threads()}")
     print("prompt tokens | kernel ms | gathered + SDPA ms | speed-up")
     torch.manual_seed(0)
@@ -46,7 +50,7 @@ def main() -> int:
         q = torch.randn(n, HQ, D, dtype=dt)
 
         def kernel():
-            return pp.paged_prefill(q, kv, 0, table, n, params)
+            return pp.paged_prefill(q, kv, 0, table, n, params, fma_only=args.fma_only)
 
         def gathered():
             ks, vs = gather_kv(0, kv, table.tolist(), n)

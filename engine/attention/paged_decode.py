@@ -38,8 +38,8 @@ def _register_fakes() -> None:
         lambda q, kv, layer, tables, lens, scale, window=0, softcap=0.0, score_rows=None,
         logits=None: torch.empty_like(q))
     torch.library.register_fake("tandem::paged_prefill")(
-        lambda q, kv, layer, block_table, seq_len, scale, window=0, softcap=0.0:
-        torch.empty_like(q))
+        lambda q, kv, layer, block_table, seq_len, scale, window=0, softcap=0.0,
+        fma_only=False: torch.empty_like(q))
 
 
 KERNEL = NativeKernel("paged_decode", Path(__file__).parent / "csrc" / "paged_decode.cpp",

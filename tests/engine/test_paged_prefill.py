@@ -46,12 +46,15 @@ def _cache(rng: random.Random, slen: int, bs: int, hkv: int, d: int, dtype, laye
 TOL = {torch.float32: 2e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype,fma_only", [(torch.float32, False), (torch.bfloat16, False),
+                                            (torch.bfloat16, True), (torch.float16, False)])
 @pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 4, 32), (8, 2, 80), (6, 1, 128)])
-def test_the_kernel_computes_causal_attention(dtype, hq: int, hkv: int, d: int) -> None:
+def test_the_kernel_computes_causal_attention(dtype, fma_only: bool, hq: int, hkv: int,
+                                              d: int) -> None:
     """Prompts alone and over a cached prefix, block sizes below, at and above a tile,
     with a sliding window and with a soft-cap: within the output dtype's rounding of the
-    fp32 definition."""
+    fp32 definition. bf16 runs on bf16 dot products where the CPU has them (the softmax
+    weights rounded to bf16 for the V products) and on fp32 panels (fma_only)."""
     rng = random.Random(hq * 1000 + d)
     torch.manual_seed(hq * 1000 + d)
     for bs in (1, 16, 32):
@@ -60,7 +63,7 @@ def test_the_kernel_computes_causal_attention(dtype, hq: int, hkv: int, d: int) 
                 kv, table = _cache(rng, slen, bs, hkv, d, dtype)
                 q = torch.randn(t, hq, d, dtype=dtype)
                 params = LayerAttention(d ** -0.5, window, softcap)
-                out = paged_prefill(q, kv, 1, table, slen, params)
+                out = paged_prefill(q, kv, 1, table, slen, params, fma_only=fma_only)
                 ref = _reference(q, kv, 1, table, slen, params)
                 err = (out.float() - ref).abs().max().item()
                 assert err <= TOL[dtype], (bs, t, slen, window, softcap, err)
