@@ -5,8 +5,9 @@ through the block table. Elsewhere (CUDA, a quantized cache, rows that owe h2o s
 no compiler) each runs one SDPA over its gathered context (causal with the cached
 prefix in front: an explicit mask when a prefix exists or the layer has a sliding
 window, whose context is gathered from the first block the chunk's earliest query can
-see). On CUDA, SDPA dispatches to a FlashAttention kernel; on CPU to a fused kernel. A soft-capped layer takes the explicit fp32 form (base.masked_attention):
-SDPA has no soft-cap. Decoding sequences (and speculative verification, whose 1 + k
+see). On CUDA, SDPA dispatches to a FlashAttention kernel; on CPU to a fused kernel.
+A soft-capped layer takes the explicit fp32 form (base.masked_attention): SDPA has no
+soft-cap. Decoding sequences (and speculative verification, whose 1 + k
 queries arrive as k + 1 decode rows) run through paged_decode.py: on CPU a kernel
 that reads K/V in place through the block tables, skipping keys before the window
 (the CPU SDPA kernel was slow for single-token queries and needed every context

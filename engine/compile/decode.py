@@ -17,11 +17,12 @@ row, so one graph serves every row count, unpadded. A Python branch on the row c
 packed linear's ``packed_max_rows``) splits it into a few graphs, all compiled at
 start-up (``any_row_sizes``); a step that would need another runs eagerly, and so does
 every later one (``fail_any_rows``), said in the log. LoRA steps and rows owing h2o
-scores run eagerly. A 512-token prompt of the embedded model took 393 ms instead of 433
-in process (the norms, RoPE, SiLU-mul and residuals fused; docs/performance.md). A
-model that declares a layer
-uncompilable (models/base.py compile_blocker: the MoE experts' data-dependent split) is
-not compiled at all: one progress line says why, and the runner lists it as a fallback.
+scores run eagerly. A 512-token prompt of the embedded model took 394 ms instead of 432
+in process (the norms, RoPE, SiLU-mul and residuals fused; docs/performance.md).
+
+A model that declares a layer uncompilable (models/base.py compile_blocker: the MoE
+experts' data-dependent split) is not compiled at all: one progress line says why, and
+the runner lists it as a fallback.
 
 On CPU, inductor generates fused C++ for the norms, RoPE, SiLU-mul and residuals
 and calls the same GEMM / weight-only kernels. On CUDA the segments are compiled
