@@ -135,8 +135,6 @@ class CompiledDecode:
                           if any_rows is not None and device.type == "cpu" else [])
         self.any_failed: str | None = None
         """Why the any-row segments were dropped after a failure (a fallback)."""
-        self.any_timing: tuple[float, float] | None = None
-        """(compiled ms, eager ms) of the largest any-row step, measured at start-up."""
         # one compiled graph per (segment, bucket); dynamo's default limit is 8
         torch._dynamo.config.cache_size_limit = max(64, 4 * len(self.buckets))
         kw: dict = {"dynamic": False, "fullgraph": True}
@@ -258,7 +256,6 @@ class CompiledDecode:
         compiled, eager = (x * 1e3 for x in best_pair(
             lambda: run_rows(big, self.any_rows), lambda: run_rows(big, EAGER),
             retry_if=_slower))
-        self.any_timing = (compiled, eager)
         slower = _slower(compiled, eager)
         progress.info("compiled prefill step in %.1fs: %.1f ms vs %.1f ms eager at %d rows%s",
                       time.perf_counter() - t, compiled, eager, big,

@@ -501,7 +501,6 @@ inline void rows_values(const float* p, const float* alpha, const float* vp, int
 // a V panel of kPT * dp.
 struct FmaPanels {
   using E = float;
-  static constexpr bool kUsable = true;
   // key t of the tile: kt [d][kPT] (transposed)
   template <typename T>
   static void pack_k(E* kt, int t, const T* k, int64_t d) {
@@ -517,7 +516,8 @@ struct FmaPanels {
   static void load_q(float* qb, int r, const T* q, int64_t d, float scale) {
     for (int64_t c = 0; c < d; ++c) qb[r * d + c] = static_cast<float>(q[c]) * scale;
   }
-  static void scores(const float* qb, int64_t d, const E* kt, float*, float* sc) {
+  static void scores(const float* qb, int64_t d, const E* kt, float /*scale: in q*/,
+                     float* sc) {
     rows_scores(qb, d, kt, sc);
   }
   static void values(float* p, const float* alpha, const E* vt, int64_t dp, float* o) {
@@ -528,7 +528,6 @@ struct FmaPanels {
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
 struct Bf16Panels {
   using E = uint16_t;  // bf16 bits
-  static constexpr bool kUsable = true;
   // (templates so every dtype's dispatch compiles; only bf16 ever runs them)
   template <typename T>
   static uint16_t bits(const T* x, int64_t c) {
@@ -555,8 +554,8 @@ struct Bf16Panels {
   static void load_q(float* qb, int r, const T* q, int64_t d, float) {
     if constexpr (std::is_same_v<T, at::BFloat16>) std::memcpy(qb + r * d, q, d * sizeof(T));
   }
-  static void scores(const float* qb, int64_t d, const E* kt, float* scale, float* sc) {
-    const __m512 sv = _mm512_set1_ps(*scale);
+  static void scores(const float* qb, int64_t d, const E* kt, float scale, float* sc) {
+    const __m512 sv = _mm512_set1_ps(scale);
     for (int c0 = 0; c0 < kPT; c0 += 32) {
       __m512 acc[kRows][2];
 #pragma GCC unroll 8
@@ -651,7 +650,6 @@ void prefill_kernel(const T* q, const T* kv, const int64_t* table, int64_t n_tab
   std::atomic<int64_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> qf(task_rows * d), o(task_rows * dp), sc(kRows * kPT);
-    float scale_v = scale;
     float m[kSub * kRows], l[kSub * kRows], alpha[kRows];
     int64_t pos[kSub * kRows], lo[kSub * kRows], edges[kSub][4], span[kSub][2];
     for (int64_t t; (t = next.fetch_add(1)) < ntasks;) {
@@ -690,7 +688,7 @@ void prefill_kernel(const T* q, const T* kv, const int64_t* table, int64_t n_tab
           const int64_t* ls = lo + sb * kRows;
           float* ms = m + sb * kRows;
           float* lsum = l + sb * kRows;
-          P::scores(qf.data() + sb * kRows * d, d, kt, &scale_v, sc.data());
+          P::scores(qf.data() + sb * kRows * d, d, kt, scale, sc.data());
           if (softcap > 0.f)
             for (int t0 = 0; t0 < kRows * kPT; t0 += kTile) cap_tile(sc.data() + t0, softcap);
           const bool edge = k0 < edges[sb][1] || k0 + kPT - 1 > edges[sb][2];
