@@ -36,7 +36,7 @@ from engine.native import NativeKernel
 def _register_fakes() -> None:
     torch.library.register_fake("tandem::paged_decode")(
         lambda q, kv, layer, tables, lens, scale, window=0, softcap=0.0, score_rows=None,
-        logits=None: torch.empty_like(q))
+        logits=None, fma_only=False: torch.empty_like(q))
     torch.library.register_fake("tandem::paged_prefill")(
         lambda q, kv, layer, block_table, seq_len, scale, window=0, softcap=0.0,
         fma_only=False: torch.empty_like(q))
@@ -54,7 +54,9 @@ path). The tiled kernel wins at every batch measured: one layer, bf16, 2 threads
 kernel vs gathered ms at 160 tokens of context 0.09 vs 0.31 (8 rows), 0.47 vs 1.23
 (32), 0.81 vs 1.99 (64); at 2,048 tokens 1.10 vs 2.25 (8), 5.11 vs 13.05 (32), 13.2
 vs 65.0 (64). The first kernel lost from about 64 rows, hence a cap of 16 until the
-tiles."""
+tiles. Since the prefetch into L2 spread over a tile's work and the bf16 dot-product
+scores, 32 rows at 160 tokens over 30 cold layers take 0.19 ms a layer in bf16 (0.42
+before; bench numbers in docs/performance.md)."""
 
 
 def paged_decode(q: torch.Tensor, kv: torch.Tensor, layer: int, tables: torch.Tensor,

@@ -183,6 +183,41 @@ def test_paged_decode_kernel_long_contexts(kind: str, d: int) -> None:
         torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("d", [32, 64, 128])
+def test_paged_decode_bf16_dot_products_match_the_fp32_path(d: int) -> None:
+    """bf16 decode attention on its bf16 dot-product scores (AVX512_BF16 CPUs; elsewhere
+    both runs take the fp32 path) against the kernel's widened fp32 path (fma_only):
+    the same output to within one bf16 rounding and the same scores an h2o row leaves,
+    over ragged contexts (one shorter than a tile, several split into ranges), GQA
+    groups of 3, 8 and 1, with and without a window and soft-cap."""
+    from engine.attention import paged_decode as pd
+
+    if pd.kernel_unavailable() is not None:
+        pytest.skip(f"paged decode kernel: {pd.kernel_unavailable()}")
+    rng = random.Random(d)
+    for (hq, hkv), window, softcap in (((9, 3), 0, 0.0), ((8, 1), 40, 0.0),
+                                        ((4, 4), 0, 5.0)):
+        lens = [5, 16, 17, 150, 700, 33]
+        nblocks = sum(-(-n // 16) for n in lens) + 2
+        kv = torch.randn(nblocks, 2, 2, 16, hkv, d, dtype=torch.bfloat16)
+        free = list(range(nblocks))
+        rng.shuffle(free)
+        tables = [[free.pop() for _ in range(-(-n // 16))] for n in lens]
+        width = max(len(t) for t in tables)
+        bt = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+        q = torch.randn(len(lens), hq, d, dtype=torch.bfloat16)
+        rows = torch.tensor([0, -1, 1, -1, 2, 3])
+        outs, scores = [], []
+        for fma_only in (False, True):
+            logits = torch.full((4, hq, max(lens)), float("-inf"))
+            outs.append(torch.ops.tandem.paged_decode(
+                q, kv, 1, bt, torch.tensor(lens), d ** -0.5, window, softcap, rows, logits,
+                fma_only=fma_only).float())
+            scores.append(logits)
+        torch.testing.assert_close(outs[0], outs[1], atol=2e-3, rtol=2 ** -7)
+        torch.testing.assert_close(scores[0], scores[1], atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("window,softcap", [(5, None), (None, 3.0), (8, 2.0)])
 def test_naive_window_and_softcap_follow_their_definitions(window, softcap) -> None:
     """One sequence whose whole context is new: the reference against the formula written

@@ -14,9 +14,13 @@
 //
 // Within a task the range is walked in tiles of kTile (16) tokens, with an online
 // softmax (running max and sum per query head, the accumulator rescaled when the max
-// grows), the next tile's rows prefetched while one runs. Per KV head and tile:
+// grows), the next tile's rows (after the last, the thread's next task's first)
+// prefetched into L2 while one runs, a share before each KV head's work. Per KV head
+// and tile:
 //  - the K rows are widened once into a float tile (ATen Vectorized conversions),
-//    shared by the group's heads;
+//    shared by the group's heads; bf16 queries and keys on AVX512_BF16 skip that: the
+//    scores are bf16 dot products over the rows in the cache (vdpbf16ps: exact
+//    products added in fp32), scaled afterwards (fma_only: the widened path);
 //  - each head's 16 scores come out as one vector: per token the dot product is left
 //    as a vector of partial sums, and one transpose-and-add tree (AVX-512) reduces
 //    the 16 of them together, instead of a horizontal reduce per (token, head);
@@ -38,7 +42,8 @@
 // kv: [num_blocks, num_layers, 2, block_size, Hkv, R] contiguous, R = D (q's dtype) or
 //     D + 2 (int8 codes, then the row's bfloat16 scale as two bytes)
 // q:  [N, Hq, D] contiguous; block_tables: [N, max_blocks] int64; seq_lens: [N] int64
-// window: keys a query sees (0: all); softcap: the cap c (0: none)
+// window: keys a query sees (0: all); softcap: the cap c (0: none); fma_only: widened
+// fp32 K tiles and FMAs for the scores whatever the CPU (tests compare the two)
 // returns [N, Hq, D] in q's dtype (zeros for a sequence of length 0).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -149,6 +154,32 @@ inline void tile_scores(const float* q, const float* kt, int64_t dp, float* sc) 
   sum_lanes(part, sc);
 }
 
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+constexpr bool kDotScores = true;
+// tile_scores for bf16 queries and keys on AVX512_BF16: each score from bf16 dot
+// products (vdpbf16ps: pairs of exact products added in fp32) over the K rows in the
+// cache, with no widened tile; then scaled (the fp32 path scales q instead). Rows past
+// n read `zero`. d % 32 == 0.
+inline void tile_scores_dot(const at::BFloat16* q, const at::BFloat16* const* rows, int n,
+                            int64_t d, float scale, const at::BFloat16* zero, float* sc) {
+  const at::BFloat16* r[kTile];
+  for (int t = 0; t < kTile; ++t) r[t] = t < n ? rows[t] : zero;
+  Vec part[kTile];
+#pragma GCC unroll 16
+  for (int t = 0; t < kTile; ++t) part[t] = Vec(0.f);
+  for (int64_t c = 0; c < d; c += 32) {
+    const __m512bh qc = (__m512bh)_mm512_loadu_si512(q + c);
+#pragma GCC unroll 16
+    for (int t = 0; t < kTile; ++t)
+      part[t] = _mm512_dpbf16_ps(part[t], qc, (__m512bh)_mm512_loadu_si512(r[t] + c));
+  }
+  sum_lanes(part, sc);
+  (Vec::loadu(sc) * Vec(scale)).store(sc);
+}
+#else
+constexpr bool kDotScores = false;
+#endif
+
 inline void scale_tile(float* x, const float* s) {  // x[t] *= s[t], t < kTile
   for (int t = 0; t < kTile; t += kW) (Vec::loadu(x + t) * Vec::loadu(s + t)).store(x + t);
 }
@@ -244,33 +275,55 @@ struct RowMap {
   }
 };
 
+// One decode task's keys: tokens [begin, end) through map.
+template <typename KV>
+struct Span {
+  RowMap<KV> map;
+  int64_t begin, end;
+  int rows_in_first_tile() const {
+    return static_cast<int>(std::clamp<int64_t>(end - begin, 0, kTile));
+  }
+};
+
 // Asks for the cache lines of [p, p + bytes) ahead of their use.
 inline void prefetch(const void* p, int64_t bytes) {
   const uintptr_t first = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63};
   const uintptr_t last = reinterpret_cast<uintptr_t>(p) + bytes - 1;
   for (uintptr_t line = first; line <= last; line += 64)
-    __builtin_prefetch(reinterpret_cast<const void*>(line));
+    __builtin_prefetch(reinterpret_cast<const void*>(line), 0, 2);
 }
 
 // Scratch for one task, reused across the tasks of one thread.
 struct Scratch {
   std::vector<float> q, acc, kt, w, m, l;
-  Scratch(int64_t hq, int64_t group, int64_t dp)
-      : q(hq * dp), acc(hq * dp), kt(kTile * dp), w(group * kTile), m(hq), l(hq) {}
+  std::vector<at::BFloat16> zero;  // a K row of zeros (the dot-product scores' padding)
+  Scratch(int64_t hq, int64_t group, int64_t dp, int64_t d)
+      : q(hq * dp), acc(hq * dp), kt(kTile * dp), w(group * kTile), m(hq), l(hq), zero(d) {}
 };
 
-// One KV head's group over one tile (n rows): scores, online softmax, V.
+// One KV head's group over one tile (n rows): scores, online softmax, V. qdot: the
+// group's queries as they came (bf16, unscaled) when the scores are dot products
+// (tile_scores_dot), else nullptr and q holds them scaled, in fp32.
 template <typename KV>
 void head_tile(const KV* const* krows, const KV* const* vrows, int n, int64_t group,
-               int64_t d, int64_t dp, const float* q, float* acc, float* m, float* l,
-               float softcap, float* sout, int64_t sstride, Scratch& s) {
+               int64_t d, int64_t dp, const float* q, const KV* qdot, float scale, float* acc,
+               float* m, float* l, float softcap, float* sout, int64_t sstride, Scratch& s) {
   float ks[kTile] = {}, vs[kTile] = {};  // int8 row scales (0 past the tile's rows)
   if constexpr (kQuant<KV>)
     for (int t = 0; t < n; ++t) vs[t] = row_scale(vrows[t], d);
-  load_k_tile(krows, n, d, dp, s.kt.data(), ks);
+  if (!qdot) load_k_tile(krows, n, d, dp, s.kt.data(), ks);
   for (int64_t g = 0; g < group; ++g) {
     float* sc = s.w.data() + g * kTile;
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<KV, at::BFloat16>) {
+      if (qdot) tile_scores_dot(qdot + g * d, krows, n, d, scale, s.zero.data(), sc);
+      else tile_scores(q + g * dp, s.kt.data(), dp, sc);
+    } else {
+      tile_scores(q + g * dp, s.kt.data(), dp, sc);
+    }
+#else
     tile_scores(q + g * dp, s.kt.data(), dp, sc);
+#endif
     if constexpr (kQuant<KV>) scale_tile(sc, ks);
     if (softcap > 0.f) cap_tile(sc, softcap);
     if (sout) std::copy(sc, sc + n, sout + g * sstride);  // head g's scores, this tile
@@ -285,11 +338,18 @@ void head_tile(const KV* const* krows, const KV* const* vrows, int n, int64_t gr
 // One task: every head of one sequence over its tokens [t_begin, t_end), tile by tile
 // (a tile's K, then V, rows of all KV heads are contiguous in a block: read in order),
 // leaving in s the softmax state (running max m, sum l, unnormalised acc) per query
-// head; s.q holds the sequence's queries already scaled, [hq][dp] zero-padded.
+// head; s.q holds the sequence's queries already scaled, [hq][dp] zero-padded, or
+// qdot (not null) the sequence's bf16 queries as they came, [hq][d].
+// The next tile's rows are prefetched into L2 while a tile runs, a share of them before
+// each KV head's work: all at once (or into L1) they stalled the loads of the tile
+// running, and a step read its cache at half the speed (docs/performance.md). The last
+// tile prefetches the first of `after` (the thread's next task; empty: none).
 template <typename KV>
-void decode_task(const RowMap<KV>& map, int64_t t_begin, int64_t t_end, int64_t hkv,
-                 int64_t group, int64_t d, int64_t dp, int64_t rd, float softcap,
-                 float* srow, int64_t sstride, Scratch& s) {
+void decode_task(const Span<KV>& span, const Span<KV>& after, int64_t hkv, int64_t group,
+                 int64_t d, int64_t dp, int64_t rd, const KV* qdot, float scale,
+                 float softcap, float* srow, int64_t sstride, Scratch& s) {
+  const RowMap<KV>& map = span.map;
+  const int64_t t_begin = span.begin, t_end = span.end;
   std::fill(s.acc.begin(), s.acc.end(), 0.f);
   std::fill(s.m.begin(), s.m.end(), -std::numeric_limits<float>::infinity());
   std::fill(s.l.begin(), s.l.end(), 0.f);
@@ -298,6 +358,7 @@ void decode_task(const RowMap<KV>& map, int64_t t_begin, int64_t t_end, int64_t 
   const KV* krows[kTile];
   const KV* vrows[kTile];
   const int64_t row_bytes = map.row * static_cast<int64_t>(sizeof(KV));
+  int n_pf = 0;
   if (t_begin < t_end)
     map.k_rows(t_begin, static_cast<int>(std::min<int64_t>(kTile, t_end - t_begin)), next);
   for (int64_t t0 = t_begin; t0 < t_end; t0 += kTile) {
@@ -306,18 +367,23 @@ void decode_task(const RowMap<KV>& map, int64_t t_begin, int64_t t_end, int64_t 
     if (t0 + kTile < t_end) {  // the next tile's rows start coming in while this one runs
       const int n_next = static_cast<int>(std::min<int64_t>(kTile, t_end - t0 - kTile));
       map.k_rows(t0 + kTile, n_next, next);
-      for (int t = 0; t < n_next; ++t) {
-        prefetch(next[t], row_bytes);
-        prefetch(next[t] + map.v_offset, row_bytes);
-      }
+      n_pf = n_next;
+    } else {  // nothing is read through next after this tile
+      n_pf = after.rows_in_first_tile();
+      if (n_pf > 0) after.map.k_rows(after.begin, n_pf, next);
     }
     for (int64_t h = 0; h < hkv; ++h) {
+      for (int t = static_cast<int>(h * n_pf / hkv); t < (h + 1) * n_pf / hkv; ++t) {
+        prefetch(next[t], row_bytes);
+        prefetch(next[t] + map.v_offset, row_bytes);  // after's rows are laid out alike
+      }
       for (int t = 0; t < n; ++t) {
         krows[t] = base[t] + h * rd;
         vrows[t] = krows[t] + map.v_offset;
       }
       const int64_t q0 = h * group;
-      head_tile(krows, vrows, n, group, d, dp, s.q.data() + q0 * dp, s.acc.data() + q0 * dp,
+      head_tile(krows, vrows, n, group, d, dp, s.q.data() + q0 * dp,
+                qdot ? qdot + q0 * d : nullptr, scale, s.acc.data() + q0 * dp,
                 s.m.data() + q0, s.l.data() + q0, softcap,
                 srow ? srow + q0 * sstride + t0 : nullptr, sstride, s);
     }
@@ -356,9 +422,12 @@ void decode_kernel(const T* q, const KV* kv, const int64_t* tables, const int64_
                    int64_t max_blocks, int64_t layer_stride, int64_t block_stride,
                    int64_t layer, double scale_d, int64_t rd, int64_t window,
                    double softcap, int64_t num_blocks, const int64_t* score_rows,
-                   float* logits, int64_t lwidth) {
+                   float* logits, int64_t lwidth, bool fma_only) {
   const int64_t group = hq / hkv, dp = (d + kW - 1) / kW * kW, stride = 2 + dp;
   const float scale = static_cast<float>(scale_d);
+  // bf16 on AVX512_BF16: scores from bf16 dot products (tile_scores_dot)
+  const bool dot = kDotScores && std::is_same_v<T, at::BFloat16> &&
+                   std::is_same_v<KV, at::BFloat16> && d % 32 == 0 && !fma_only;
   const int64_t row = hkv * rd;  // one token's K (or V) at one layer
   // The first key each sequence reads: its window's, else 0.
   std::vector<int64_t> first(n_seq, 0);
@@ -379,21 +448,30 @@ void decode_kernel(const T* q, const KV* kv, const int64_t* tables, const int64_
     }
   std::vector<float> state(n_seq * hq * splits * stride);  // [seq, head, split]
   at::parallel_for(0, n_seq * splits, 1, [&](int64_t begin, int64_t end) {
-    Scratch s(hq, group, dp);
-    for (int64_t item = begin; item < end; ++item) {
+    Scratch s(hq, group, dp, d);
+    auto span_of = [&](int64_t item) {
       const int64_t seq = item / splits, part = item % splits;
       const int64_t b = first[seq], len = lens[seq];
-      const int64_t span = (len - b + splits - 1) / splits;  // whole tiles per split
-      const int64_t chunk = (span + kTile - 1) / kTile * kTile;
-      for (int64_t h = 0; h < hq; ++h)
-        for (int64_t c = 0; c < dp; ++c)
-          s.q[h * dp + c] = c < d ? static_cast<float>(q[(seq * hq + h) * d + c]) * scale : 0.f;
+      const int64_t per = (len - b + splits - 1) / splits;
+      const int64_t chunk = (per + kTile - 1) / kTile * kTile;  // whole tiles per split
       const RowMap<KV> map{kv + layer * layer_stride, tables + seq * max_blocks, block_size,
                            block_stride, row, block_size * row};
+      return Span<KV>{map, std::min(len, b + part * chunk), std::min(len, b + (part + 1) * chunk)};
+    };
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t seq = item / splits, part = item % splits;
+      const KV* qdot = nullptr;
+      if constexpr (std::is_same_v<T, KV>)
+        if (dot) qdot = q + seq * hq * d;
+      if (!qdot)
+        for (int64_t h = 0; h < hq; ++h)
+          for (int64_t c = 0; c < dp; ++c)
+            s.q[h * dp + c] = c < d ? static_cast<float>(q[(seq * hq + h) * d + c]) * scale : 0.f;
       float* srow = score_rows && score_rows[seq] >= 0
                         ? logits + score_rows[seq] * hq * lwidth : nullptr;
-      decode_task(map, std::min(len, b + part * chunk), std::min(len, b + (part + 1) * chunk),
-                  hkv, group, d, dp, rd, static_cast<float>(softcap), srow, lwidth, s);
+      const Span<KV> none{{}, 0, 0};
+      decode_task(span_of(item), item + 1 < end ? span_of(item + 1) : none, hkv, group, d, dp,
+                  rd, qdot, scale, static_cast<float>(softcap), srow, lwidth, s);
       for (int64_t h = 0; h < hq; ++h) {
         float* st = state.data() + ((seq * hq + h) * splits + part) * stride;
         st[0] = s.m[h];
@@ -737,7 +815,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv, int64_t layer
                         const at::Tensor& block_tables, const at::Tensor& seq_lens,
                         double scale, int64_t window, double softcap,
                         const std::optional<at::Tensor>& score_rows,
-                        const std::optional<at::Tensor>& logits) {
+                        const std::optional<at::Tensor>& logits, bool fma_only) {
   TORCH_CHECK(q.dim() == 3 && kv.dim() == 6, "paged_decode: q [N, Hq, D], kv 6-D");
   TORCH_CHECK(q.is_contiguous() && kv.is_contiguous(), "paged_decode: contiguous inputs");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
@@ -776,14 +854,15 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv, int64_t layer
                                       tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
                                       out.data_ptr<scalar_t>(), n, hq, hkv, d, block_size,
                                       tables.size(1), kv.stride(1), kv.stride(0), layer, scale,
-                                      rd, window, softcap, kv.size(0), rows, lg, lwidth);
+                                      rd, window, softcap, kv.size(0), rows, lg, lwidth,
+                                      fma_only);
     else
       decode_kernel<scalar_t, scalar_t>(q.data_ptr<scalar_t>(), kv.data_ptr<scalar_t>(),
                                         tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
                                         out.data_ptr<scalar_t>(), n, hq, hkv, d, block_size,
                                         tables.size(1), kv.stride(1), kv.stride(0), layer,
                                         scale, rd, window, softcap, kv.size(0), rows, lg,
-                                        lwidth);
+                                        lwidth, fma_only);
   });
   return out;
 }
@@ -824,7 +903,7 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& kv, int64_t laye
 TORCH_LIBRARY(tandem, m) {
   m.def("paged_decode(Tensor q, Tensor kv, int layer, Tensor block_tables, Tensor seq_lens, "
         "float scale, int window=0, float softcap=0., Tensor? score_rows=None, "
-        "Tensor(a!)? logits=None) -> Tensor");
+        "Tensor(a!)? logits=None, bool fma_only=False) -> Tensor");
   m.def("paged_prefill(Tensor q, Tensor kv, int layer, Tensor block_table, int seq_len, "
         "float scale, int window=0, float softcap=0., bool fma_only=False) -> Tensor");
 }
