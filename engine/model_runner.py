@@ -486,9 +486,14 @@ class ModelRunner:
         tokens: list[list[int]] = [[] for _ in sampled]
         logprobs: list[list] = [[] for _ in sampled]
         if plain:
-            idx = torch.tensor([starts[i] for i in plain], device=logits.device)
-            out = self.sampler(logits.index_select(0, idx), [sampled[i].sampling for i in plain],
-                               banned.index_select(0, idx.cpu()) if banned is not None else None)
+            at_rows = [starts[i] for i in plain]
+            if at_rows == list(range(logits.shape[0])):  # every row, in order: no copy
+                mine, mine_banned = logits, banned
+            else:
+                idx = torch.tensor(at_rows, device=logits.device)
+                mine = logits.index_select(0, idx)
+                mine_banned = banned.index_select(0, idx.cpu()) if banned is not None else None
+            out = self.sampler(mine, [sampled[i].sampling for i in plain], mine_banned)
             for j, i in enumerate(plain):
                 tokens[i], logprobs[i] = [out.token_ids[j]], [out.logprobs[j]]
         for i, req in enumerate(sampled):

@@ -179,23 +179,27 @@ class Sampler:
                              f"got shape {tuple(logits.shape)}")
         if not states:
             return SamplerOutput([], [])
-        if banned is None:
-            x = logits.to(torch.float32, copy=True)
-        else:  # the copy and the mask in one pass
+        if banned is not None:  # the copy and the mask in one pass
             x = logits.to(torch.float32).masked_fill(banned.to(logits.device, non_blocking=True),
                                                      float("-inf"))
+        elif any(_changes_logits(s.params) for s in states):
+            x = logits.to(torch.float32, copy=True)
+        else:  # greedy rows that change nothing: the argmax of the logits as they are
+            x = logits.to(torch.float32)
         apply_token_rules_(x, states)
         _penalise_(x, states)  # a refused token stays -inf whatever the penalties
-        tokens = torch.empty(len(states), dtype=torch.long, device=x.device)
         greedy = [i for i, s in enumerate(states) if s.params.greedy]
-        if greedy:
-            g = torch.tensor(greedy, device=x.device)
-            tokens[g] = x.index_select(0, g).argmax(dim=1)
         rand = [i for i, s in enumerate(states) if not s.params.greedy]
-        if rand:
+        if not rand:
+            token_ids = x.argmax(dim=1).tolist()
+        else:
+            tokens = torch.empty(len(states), dtype=torch.long, device=x.device)
+            if greedy:
+                g = torch.tensor(greedy, device=x.device)
+                tokens[g] = x.index_select(0, g).argmax(dim=1)
             r = torch.tensor(rand, device=x.device)
             tokens[r] = self._sample(x.index_select(0, r), [states[i] for i in rand])
-        token_ids = tokens.tolist()
+            token_ids = tokens.tolist()
         return SamplerOutput(token_ids, _logprobs(logits, token_ids, states))
 
     def logprobs_of(self, logits: torch.Tensor, token_ids: list[int],
@@ -239,6 +243,12 @@ class Sampler:
                 gen.manual_seed(self._seed)
             self._shared[device] = gen
         return gen
+
+
+def _changes_logits(p) -> bool:
+    """True when sampling this row changes its logits in place (rules, penalties, a
+    temperature): the sampler then works on a copy, the raw logits kept for logprobs."""
+    return p.has_token_rules or p.needs_penalties or not p.greedy
 
 
 def _logprobs(logits: torch.Tensor, token_ids: list[int],
