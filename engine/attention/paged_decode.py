@@ -55,8 +55,8 @@ kernel vs gathered ms at 160 tokens of context 0.09 vs 0.31 (8 rows), 0.47 vs 1.
 (32), 0.81 vs 1.99 (64); at 2,048 tokens 1.10 vs 2.25 (8), 5.11 vs 13.05 (32), 13.2
 vs 65.0 (64). The first kernel lost from about 64 rows, hence a cap of 16 until the
 tiles. Since the prefetch into L2 spread over a tile's work and the bf16 dot-product
-scores, 32 rows at 160 tokens over 30 cold layers take 0.19 ms a layer in bf16 (0.42
-before; bench numbers in docs/performance.md)."""
+scores, 32 rows at 160 tokens over 30 cold layers take 0.19-0.21 ms a layer in bf16
+(0.42 before; ``bench/decode_attention.py``, docs/performance.md)."""
 
 
 def paged_decode(q: torch.Tensor, kv: torch.Tensor, layer: int, tables: torch.Tensor,

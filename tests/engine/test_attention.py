@@ -245,3 +245,23 @@ def test_a_backend_refuses_parameters_it_does_not_compute() -> None:
     Plain().check(LayerAttention(1.0))
     with pytest.raises(ValueError, match="--attention-backend plain does not compute window"):
         Plain().check(LayerAttention(1.0, window=4))
+
+
+def test_the_decode_benchmark_runs() -> None:
+    """bench/decode_attention.py (docs/performance.md) on a small batch."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from engine.attention import paged_decode as pd
+
+    if pd.kernel_unavailable() is not None:
+        pytest.skip(f"paged decode kernel: {pd.kernel_unavailable()}")
+    script = Path(__file__).resolve().parents[2] / "bench" / "decode_attention.py"
+    out = subprocess.run([sys.executable, str(script), "--rows", "2", "--ctx", "40",
+                          "--layers", "2", "--dtype", "float32"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert [ln.split(" | ")[0] for ln in lines[-3:]] == ["kernel", "kernel, fma_only",
+                                                          "gather + SDPA"], out.stdout
