@@ -246,9 +246,10 @@ class Sampler:
 
 
 def _changes_logits(p) -> bool:
-    """True when sampling this row changes its logits in place (rules, penalties, a
-    temperature): the sampler then works on a copy, the raw logits kept for logprobs."""
-    return p.has_token_rules or p.needs_penalties or not p.greedy
+    """True when sampling this row changes its logits in place (rules, penalties): the
+    sampler then works on a copy, the raw logits kept for logprobs. (A temperature works
+    on the sampled rows' own gathered copy.)"""
+    return p.has_token_rules or p.needs_penalties
 
 
 def _logprobs(logits: torch.Tensor, token_ids: list[int],

@@ -156,29 +156,37 @@ inline void tile_scores(const float* q, const float* kt, int64_t dp, float* sc) 
 
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
 constexpr bool kDotScores = true;
-// tile_scores for bf16 queries and keys on AVX512_BF16: each score from bf16 dot
-// products (vdpbf16ps: pairs of exact products added in fp32) over the K rows in the
-// cache, with no widened tile; then scaled (the fp32 path scales q instead). Rows past
-// n read `zero`. d % 32 == 0.
-inline void tile_scores_dot(const at::BFloat16* q, const at::BFloat16* const* rows, int n,
-                            int64_t d, float scale, const at::BFloat16* zero, float* sc) {
-  const at::BFloat16* r[kTile];
-  for (int t = 0; t < kTile; ++t) r[t] = t < n ? rows[t] : zero;
-  Vec part[kTile];
-#pragma GCC unroll 16
-  for (int t = 0; t < kTile; ++t) part[t] = Vec(0.f);
-  for (int64_t c = 0; c < d; c += 32) {
-    const __m512bh qc = (__m512bh)_mm512_loadu_si512(q + c);
-#pragma GCC unroll 16
-    for (int t = 0; t < kTile; ++t)
-      part[t] = _mm512_dpbf16_ps(part[t], qc, (__m512bh)_mm512_loadu_si512(r[t] + c));
-  }
-  sum_lanes(part, sc);
-  (Vec::loadu(sc) * Vec(scale)).store(sc);
-}
 #else
 constexpr bool kDotScores = false;
 #endif
+
+// tile_scores for bf16 queries and keys on AVX512_BF16 (kDotScores): each score from
+// bf16 dot products (vdpbf16ps: pairs of exact products added in fp32) over the K rows
+// in the cache, with no widened tile; then scaled (the fp32 path scales q instead). Rows
+// past n read `zero`. d % 32 == 0. decode_kernel passes queries here only then.
+template <typename KV>
+inline void tile_scores_dot(const KV* q, const KV* const* rows, int n, int64_t d,
+                            float scale, const at::BFloat16* zero, float* sc) {
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<KV, at::BFloat16>) {
+    const at::BFloat16* r[kTile];
+    for (int t = 0; t < kTile; ++t) r[t] = t < n ? rows[t] : zero;
+    Vec part[kTile];
+#pragma GCC unroll 16
+    for (int t = 0; t < kTile; ++t) part[t] = Vec(0.f);
+    for (int64_t c = 0; c < d; c += 32) {
+      const __m512bh qc = (__m512bh)_mm512_loadu_si512(q + c);
+#pragma GCC unroll 16
+      for (int t = 0; t < kTile; ++t)
+        part[t] = _mm512_dpbf16_ps(part[t], qc, (__m512bh)_mm512_loadu_si512(r[t] + c));
+    }
+    sum_lanes(part, sc);
+    (Vec::loadu(sc) * Vec(scale)).store(sc);
+    return;
+  }
+#endif
+  TORCH_CHECK(false, "paged_decode: dot-product scores need bf16 on AVX512_BF16");
+}
 
 inline void scale_tile(float* x, const float* s) {  // x[t] *= s[t], t < kTile
   for (int t = 0; t < kTile; t += kW) (Vec::loadu(x + t) * Vec::loadu(s + t)).store(x + t);
@@ -314,16 +322,10 @@ void head_tile(const KV* const* krows, const KV* const* vrows, int n, int64_t gr
   if (!qdot) load_k_tile(krows, n, d, dp, s.kt.data(), ks);
   for (int64_t g = 0; g < group; ++g) {
     float* sc = s.w.data() + g * kTile;
-#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
-    if constexpr (std::is_same_v<KV, at::BFloat16>) {
-      if (qdot) tile_scores_dot(qdot + g * d, krows, n, d, scale, s.zero.data(), sc);
-      else tile_scores(q + g * dp, s.kt.data(), dp, sc);
-    } else {
+    if (qdot)
+      tile_scores_dot(qdot + g * d, krows, n, d, scale, s.zero.data(), sc);
+    else
       tile_scores(q + g * dp, s.kt.data(), dp, sc);
-    }
-#else
-    tile_scores(q + g * dp, s.kt.data(), dp, sc);
-#endif
     if constexpr (kQuant<KV>) scale_tile(sc, ks);
     if (softcap > 0.f) cap_tile(sc, softcap);
     if (sout) std::copy(sc, sc + n, sout + g * sstride);  // head g's scores, this tile
