@@ -66,6 +66,30 @@ def test_greedy_is_argmax_and_input_untouched() -> None:
     assert torch.equal(logits, before)
 
 
+def test_fp32_logits_are_untouched_by_every_kind_of_row() -> None:
+    """fp32 logits (which the sampler reads without a copy when no row has rules or
+    penalties): greedy rows, temperature with top-k / top-p / min-p, and logprobs leave
+    the caller's tensor as it was, and the logprobs are the raw model's."""
+    logits = _logits(6, seed=3)
+    before = logits.clone()
+    states = [SamplingState(SamplingParams(temperature=0, logprobs=2)),
+              SamplingState(SamplingParams(temperature=0.7, top_k=5, seed=1, logprobs=1)),
+              SamplingState(SamplingParams(temperature=1.3, top_p=0.8, seed=2)),
+              SamplingState(SamplingParams(temperature=0.5, min_p=0.1, seed=3)),
+              SamplingState(SamplingParams(temperature=0)),
+              SamplingState(SamplingParams(temperature=2.0, seed=4, logprobs=0))]
+    out = Sampler(seed=0)(logits, states)
+    assert torch.equal(logits, before)
+    states[4] = SamplingState(SamplingParams(temperature=0, logit_bias={7: 50.0},
+                                             repetition_penalty=1.5), prompt_token_ids=[1, 2])
+    out = Sampler(seed=0)(logits, states)  # a row with rules and penalties: on a copy
+    assert torch.equal(logits, before)
+    raw = torch.log_softmax(before, dim=1)
+    for i in (0, 1, 5):
+        assert out.logprobs[i].logprob == pytest.approx(float(raw[i, out.token_ids[i]]))
+    assert out.token_ids[0] == int(before[0].argmax()) and out.token_ids[4] == 7
+
+
 def test_top_k_1_equals_greedy() -> None:
     logits = _logits(8, seed=1)
     states = [SamplingState(SamplingParams(top_k=1, seed=i if i % 2 else None)) for i in range(8)]
