@@ -33,7 +33,7 @@ class QuantLinear(nn.Module):
         self.shard = getattr(dense, "shard", None)  # a tensor-parallel rank's part (LoRA cuts by it)
         self.kind, self.group_size, self.label = packed.kind, packed.group_size, label
         self.layout, self.activations = packed.layout, packed.activations
-        self.amx_min_rows = packed.amx_min_rows
+        self.amx_min_rows, self.dot_min_rows = packed.amx_min_rows, packed.dot_min_rows
         self.register_buffer("qdata", packed.data, persistent=False)
         self.register_buffer("qscales", packed.scales, persistent=False)
         self.register_buffer("onednn_weight", None, persistent=False)
@@ -45,7 +45,7 @@ class QuantLinear(nn.Module):
     def packed(self) -> PackedWeight:
         return PackedWeight(self.kind, self.qdata, self.qscales, self.out_features,
                             self.in_features, self.group_size, self.layout, self.activations,
-                            self.amx_min_rows)
+                            self.amx_min_rows, self.dot_min_rows)
 
     def packed_forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
         y = self.packed.matmul(x)

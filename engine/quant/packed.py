@@ -49,11 +49,15 @@ INT4_GROUP_SIZES = (32, 64, 128, 256)
 INT4_AMX_MIN_ROWS = 3
 """From this many rows tandem::int4_mm multiplies on AMX tiles (where the CPU has them);
 below, with AVX-512 FMAs (at 1-2 rows they win: no tile set-up per group)."""
+INT4_DOT_MIN_ROWS = 7
+"""Without AMX, from this many rows tandem::int4_mm multiplies with vdpbf16ps after
+unpacking each tile once; below, with AVX-512 FMAs (`bench/dense_gemm.py --int4` times
+both: on an AMD EPYC they cross at 7 rows)."""
 
 
 def _register_int4_fakes() -> None:
     torch.library.register_fake("tandem::int4_mm")(
-        lambda x, codes, sz, group_size, amx_min_rows:
+        lambda x, codes, sz, group_size, amx_min_rows, dot_min_rows=2**30:
         x.new_empty((x.shape[0], codes.shape[0] * 16)))
 
 
@@ -107,6 +111,9 @@ class PackedWeight:
     amx_min_rows: int = 2**62
     """tiles only: calls with this many rows or more use AMX (``amx_min_rows()`` when
     packed: a plain number here, so a traced matmul never reads /proc/cpuinfo)."""
+    dot_min_rows: int = 2**30
+    """tiles only: calls with this many rows or more, not on AMX, use vdpbf16ps
+    (INT4_DOT_MIN_ROWS when packed)."""
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] -> x @ W^T [M, N], in x's dtype."""
@@ -118,7 +125,7 @@ class PackedWeight:
             return torch.ops.aten._weight_int8pack_mm(x, self.data, self.scales)
         if self.layout == "tiles":
             return torch.ops.tandem.int4_mm(x, self.data, self.scales, self.group_size,
-                                            self.amx_min_rows)
+                                            self.amx_min_rows, self.dot_min_rows)
         if x.device.type == "cuda":
             return torch.ops.aten._weight_int4pack_mm(x, self.data, self.group_size, self.scales)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.data, self.group_size,
@@ -177,7 +184,7 @@ def pack_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_
         sz = (torch.stack([scales, zeros]).view(2, n // 16, 16, k // group_size)
               .permute(1, 3, 0, 2).to(dtype).contiguous())  # [N/16, K/g, 2, 16]
         return PackedWeight("int4", codes, sz, n, k, group_size, "tiles",
-                            amx_min_rows=amx_min_rows())
+                            amx_min_rows=amx_min_rows(), dot_min_rows=INT4_DOT_MIN_ROWS)
     sz = torch.stack([scales.t(), zeros.t()], dim=-1).to(dtype).contiguous()  # [K/g, N, 2]
     codes = q.to(torch.int32).contiguous()
     if codes.device.type == "cuda":

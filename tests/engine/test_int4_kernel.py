@@ -2,8 +2,9 @@
 for every group size and row counts across their passes; they run under torch.compile;
 a machine that can build neither multiplies with aten's kernel and says so.
 
-* ``tiles`` (engine/quant/csrc/int4_mm.cpp, bf16, AVX-512 BF16): on both of its paths
-  (AVX-512 FMAs for a row or two, AMX tiles from INT4_AMX_MIN_ROWS), blocks of 8 and 16 rows;
+* ``tiles`` (engine/quant/csrc/int4_mm.cpp, bf16, AVX-512 BF16): on each of its paths
+  (AVX-512 FMAs for a row or two; from INT4_AMX_MIN_ROWS AMX tiles, where the CPU has them,
+  else from INT4_DOT_MIN_ROWS vdpbf16ps), blocks of 8 and 16 rows;
 * ``blocks`` (csrc/block_mm.cpp, AVX2 + FMA + F16C, fp32 sums; the AVX2 host's): exact to
   fp32 rounding (the same bound as tests/engine/test_quant.py), passes of 4 rows."""
 from __future__ import annotations
@@ -17,8 +18,10 @@ from engine.quant import packed as pk
 from engine.quant.blocks import block_values
 from tests.engine.test_quant import within_fp32_rounding
 
-FMA_ONLY = 1 << 30
-"""amx_min_rows that keeps every call on the FMA path."""
+NEVER = 1 << 30
+PATHS = {"amx": (pk.INT4_AMX_MIN_ROWS, NEVER), "fma": (NEVER, NEVER), "dot": (NEVER, 1)}
+"""(amx_min_rows, dot_min_rows) per path of tandem::int4_mm: "amx" runs on AMX where the
+CPU has it (else on the FMA path), "dot" on vdpbf16ps from one row."""
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +45,7 @@ def close_to(y: torch.Tensor, ref: torch.Tensor) -> bool:
 
 
 @pytest.mark.parametrize("g", [32, 64, 128, 256])
-def test_products_are_the_dequantized_weights_on_both_paths(kernel, g: int) -> None:
+def test_products_are_the_dequantized_weights_on_every_path(kernel, g: int) -> None:
     n, k = 48, 512
     q, s, z, w = weights(n, k, g)
     tiles = pk.pack_int4(q, s, z, g, torch.bfloat16)
@@ -50,24 +53,44 @@ def test_products_are_the_dequantized_weights_on_both_paths(kernel, g: int) -> N
     for m in (1, 2, 3, 7, 8, 9, 16, 17, 40):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
         ref = x.float() @ w.t()
-        for amx_min in (pk.INT4_AMX_MIN_ROWS, FMA_ONLY):
-            y = torch.ops.tandem.int4_mm(x, tiles.data, tiles.scales, g, amx_min)
+        for path, (amx_min, dot_min) in PATHS.items():
+            y = torch.ops.tandem.int4_mm(x, tiles.data, tiles.scales, g, amx_min, dot_min)
             assert y.shape == (m, n) and y.dtype == torch.bfloat16
-            assert close_to(y, ref), (m, amx_min, (y.float() - ref).abs().max())
+            assert close_to(y, ref), (m, path, (y.float() - ref).abs().max())
+
+
+def test_the_dot_path_runs_and_a_packed_weight_takes_it(kernel) -> None:
+    """vdpbf16ps reads bf16 subnormals as zero (the ISA's rule, as in the dense bf16 GEMM);
+    the FMA path keeps them. A subnormal activation against a huge scale tells the paths
+    apart: the dot path is not the FMA path under another name, and a packed weight's
+    calls from INT4_DOT_MIN_ROWS rows take it (or AMX, where the CPU has it)."""
+    n, k = 16, 64
+    scales = torch.full((n, 2), 2.0 ** 100)
+    tiles = pk.pack_int4(torch.full((n, k), 15), scales, 8 * scales, 32, torch.bfloat16)
+    assert tiles.dot_min_rows == pk.INT4_DOT_MIN_ROWS
+    x = torch.full((pk.INT4_DOT_MIN_ROWS, k), 2.0 ** -130).bfloat16()  # subnormal in bf16
+    fma, dot = (torch.ops.tandem.int4_mm(x, tiles.data, tiles.scales, 32, *PATHS[p])
+                for p in ("fma", "dot"))
+    assert torch.equal(fma, torch.full_like(fma, 15 * k * 2.0 ** -30))
+    assert torch.equal(dot, torch.zeros_like(dot))
+    if tiles.amx_min_rows > pk.INT4_DOT_MIN_ROWS:
+        assert torch.equal(tiles.matmul(x), dot)
+        assert torch.equal(tiles.matmul(x[:pk.INT4_DOT_MIN_ROWS - 1]), fma[1:])
 
 
 def test_a_row_does_not_depend_on_the_other_rows_of_its_call(kernel) -> None:
     q, s, z, _ = weights(64, 256, 32)
     tiles = pk.pack_int4(q, s, z, 32, torch.bfloat16)
     x = torch.randn(20, 256).bfloat16()
-    for amx_min in (1, FMA_ONLY):
-        whole = torch.ops.tandem.int4_mm(x, tiles.data, tiles.scales, 32, amx_min)
-        part = torch.ops.tandem.int4_mm(x[5:13], tiles.data, tiles.scales, 32, amx_min)
-        if amx_min == 1:  # AMX: every row's sums come out of the same tile instructions
+    for amx_min, dot_min in ((1, NEVER), (NEVER, 1), (NEVER, NEVER)):
+        whole = torch.ops.tandem.int4_mm(x, tiles.data, tiles.scales, 32, amx_min, dot_min)
+        part = torch.ops.tandem.int4_mm(x[5:13], tiles.data, tiles.scales, 32, amx_min, dot_min)
+        if (amx_min == 1 and pk.amx_min_rows() < NEVER) or dot_min == 1:
+            # AMX, vdpbf16ps: every row's sums come out of the same instructions
             assert torch.equal(whole[5:13], part)
         else:  # FMA: a pass takes up to 8 rows, each with the same accumulators
             assert torch.equal(whole[8:16], torch.ops.tandem.int4_mm(
-                x[8:16], tiles.data, tiles.scales, 32, amx_min))
+                x[8:16], tiles.data, tiles.scales, 32, amx_min, dot_min))
 
 
 def test_it_agrees_with_atens_kernel_and_runs_compiled(kernel) -> None:
@@ -169,3 +192,26 @@ def test_an_int4_engine_runs_ours_or_reports_the_fallback(tiny_model_dir, monkey
     monkeypatch.setattr(pk.INT4_KERNEL, "unavailable", lambda: "no compiler (test)")
     monkeypatch.setattr(bk.BLOCK_KERNEL, "unavailable", lambda: "no compiler (test)")
     assert start() == ({"aten"}, ["no compiler (test)"], ["no compiler (test)"])
+
+
+def test_the_gemm_benchmark_times_every_path(kernel) -> None:
+    """bench/dense_gemm.py --int4 (docs/performance.md, int4_mm.cpp's header) on one layer:
+    a row per row count, with the dense GEMMs and each int4_mm path this CPU runs."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from engine.layers import dense
+
+    if dense.unavailable(torch.empty(1, dtype=torch.bfloat16)):
+        pytest.skip(f"prepacked GEMM: {dense.unavailable(torch.empty(1, dtype=torch.bfloat16))}")
+    script = Path(__file__).resolve().parents[2] / "bench" / "dense_gemm.py"
+    out = subprocess.run([sys.executable, str(script), "--int4", "--rows", "1,8",
+                          "--layers", "1"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    paths = ["FMA", "vdpbf16ps"] + (["AMX"] if pk.amx_min_rows() < NEVER else [])
+    assert lines[-3] == ("rows | plain ms | prepacked ms | speed-up"
+                         + "".join(f" | int4 {p} ms" for p in paths)), out.stdout
+    assert [ln.split(" | ")[0] for ln in lines[-2:]] == ["1", "8"]
+    assert all(len(ln.split(" | ")) == 4 + len(paths) for ln in lines[-2:])

@@ -9,18 +9,27 @@
 //   become a bf16 B tile (4 instructions per 32 codes: widen, shift, or, a vpermw table
 //   lookup of the 16 small integers, exact) and one tdpbf16ps multiplies it by up to 16
 //   rows of x at once, so the cost hardly grows with the rows;
-// - below, or without AMX: AVX-512 FMAs, 16 outputs x 2 k unpacked to fp32 (widen,
-//   mask, shift, two int -> float) and multiplied into each row's accumulators.
+// - from dot_min_rows rows without AMX (the AVX-512 BF16 CPUs that lack it, AMD EPYC):
+//   the same bf16 pairs of codes, unpacked once per call into a tile buffer, and one
+//   vdpbf16ps per row and pair of k (x's two bf16 broadcast against 16 outputs' two
+//   codes: the dense bf16 GEMM's instruction, reading a quarter of its bytes);
+// - below: AVX-512 FMAs, 16 outputs x 2 k unpacked to fp32 (widen, mask, shift, two
+//   int -> float) and multiplied into each row's accumulators.
 // gate_up [3072, 576] of the embedded model, 2 threads, 1 / 2 / 4 / 8 / 16 rows:
 // 60 / 74 / 108 / 115 / 123 us against aten's 72 / 93 / 131 / 237 / 455.
+// Without AMX (AMD EPYC, bench/dense_gemm.py --int4: a decode step's 120 GEMMs, cold),
+// 8 / 16 / 32 rows: vdpbf16ps 9.9 / 14.3 / 26.6 ms, FMAs 11.2 / 20.6 / 41.4, the
+// prepacked dense bf16 GEMM 11.2 / 15.0 / 23.0 (its 32-row GEMMs run at the bf16 dot
+// product's rate too: unpacking, not bytes, is what the int4 path adds there).
 //
 // Layout (engine/quant/packed.py packs it), per tile of 16 outputs, contiguous:
 //   codes uint8 [N/16, K/2, 16]: byte i of pair p = q[16t+i, 2p] | q[16t+i, 2p+1] << 4
 //   sz    bf16  [N/16, K/G, 2, 16]: per group the tile's 16 scales, then its 16 zeros
 // Per group the sums A = sum_k q x are exact products accumulated in fp32, then
 // y += s * A + (z - 8 s) * sum_k x in fp32, rounded to bfloat16 once at the end. On the
-// AMX path a row's arithmetic does not depend on the other rows of the call; on the FMA
-// path it depends only on how many rows share its pass (the accumulators it gets).
+// AMX and vdpbf16ps paths a row's arithmetic does not depend on the other rows of the
+// call; on the FMA path it depends only on how many rows share its pass (the accumulators
+// it gets).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -98,6 +107,13 @@ constexpr TileFn kTileFns[kMaxRows + 1] = {nullptr,      tile_rows<1>, tile_rows
                                            tile_rows<6>, tile_rows<7>, tile_rows<8>};
 
 
+// bf16 pairs of one pair of k's codes for a tile's 16 outputs: lane i holds
+// (q[16t+i, 2p], q[16t+i, 2p+1]) (vpermw reads a word's low 5 bits: & 15 in the table).
+inline __m512i code_pairs(const uint8_t* c, __m512i table) {
+  const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
+  return _mm512_permutexvar_epi16(_mm512_or_si512(d, _mm512_slli_epi32(d, 12)), table);
+}
+
 // ---- AMX path (a few rows and up, where the FMA path's cost grows with the rows) ----
 // Per tile and group of 32 k, the 16 x 32 codes are unpacked once into a bf16 B tile
 // (vpermw from a table of the 16 small integers: exact), multiplied by up to 16 rows'
@@ -140,12 +156,7 @@ TANDEM_AMX void amx_tile(const uint8_t* codes, const at::BFloat16* sz, const at:
     _tile_zero(0);
     for (int64_t j = 0; j < G / 32; ++j) {
       const uint8_t* cp = codes + (g * pairs + j * 16) * kTile;
-      for (int p = 0; p < 16; ++p) {
-        __m512i d = _mm512_cvtepu8_epi32(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(cp + p * kTile)));
-        _mm512_store_si512(b + p * 32, _mm512_permutexvar_epi16(
-                                           _mm512_or_si512(d, _mm512_slli_epi32(d, 12)), table));
-      }
+      for (int p = 0; p < 16; ++p) _mm512_store_si512(b + p * 32, code_pairs(cp + p * kTile, table));
       kMemoryBarrier();  // gcc's tile intrinsics are asm without a memory clobber
       _tile_loadd(1, x + g * G + j * 32, K * 2);
       _tile_loadd(2, b, 64);
@@ -168,6 +179,52 @@ TANDEM_AMX void amx_tile(const uint8_t* codes, const at::BFloat16* sz, const at:
 
 TANDEM_AMX void amx_release() { _tile_release(); }
 
+// ---- vdpbf16ps path (AVX-512 BF16 without AMX) ----
+// A tile's codes become bf16 pairs once (b: K/2 x 32 words), then R rows at a time each
+// row sums a group with one vdpbf16ps per pair (exact products, fp32 sums in two chains,
+// by the pair's parity, for every R: a row's arithmetic is the same in any call) and
+// scales it into fp32 as above.
+template <int R>
+void dot_rows(const uint16_t* b, const at::BFloat16* sz, const at::BFloat16* x,
+              const float* xsum, at::BFloat16* y, int64_t K, int64_t G, int64_t ldy) {
+  const int64_t groups = K / G, pairs = G / 2;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 part[R][2];
+    for (int r = 0; r < R; ++r) part[r][0] = part[r][1] = _mm512_setzero_ps();
+    const uint16_t* bg = b + g * pairs * 32;
+    const at::BFloat16* xg = x + g * G;
+    for (int64_t p = 0; p < pairs; p += 2) {  // pairs = G / 2 is even
+#pragma GCC unroll 2
+      for (int u = 0; u < 2; ++u) {
+        const __m512bh w = (__m512bh)_mm512_loadu_si512(bg + (p + u) * 32);
+        for (int r = 0; r < R; ++r) {
+          int32_t two;  // x[r, 2(p+u)] and x[r, 2(p+u) + 1]: the pair vdpbf16ps multiplies
+          std::memcpy(&two, xg + r * K + 2 * (p + u), sizeof two);
+          part[r][u] = _mm512_dpbf16_ps(part[r][u], (__m512bh)_mm512_set1_epi32(two), w);
+        }
+      }
+    }
+    const __m512 s = load_bf16(sz + g * 2 * kTile);
+    const __m512 zz = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), s,
+                                       load_bf16(sz + g * 2 * kTile + kTile));
+    for (int r = 0; r < R; ++r) {
+      acc[r] = _mm512_fmadd_ps(s, _mm512_add_ps(part[r][0], part[r][1]), acc[r]);
+      acc[r] = _mm512_fmadd_ps(zz, _mm512_set1_ps(xsum[r * groups + g]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy),
+                        (__m256i)_mm512_cvtneps_pbh(acc[r]));
+}
+
+using DotFn = void (*)(const uint16_t*, const at::BFloat16*, const at::BFloat16*, const float*,
+                       at::BFloat16*, int64_t, int64_t, int64_t);
+constexpr DotFn kDotFns[kMaxRows + 1] = {nullptr,     dot_rows<1>, dot_rows<2>,
+                                         dot_rows<3>, dot_rows<4>, dot_rows<5>,
+                                         dot_rows<6>, dot_rows<7>, dot_rows<8>};
+
 __m512i small_int_table() {  // bf16 of (i & 15) for the 32 word indices vpermw reads
   alignas(64) uint16_t tab[32];
   for (int i = 0; i < 32; ++i) {
@@ -180,7 +237,7 @@ __m512i small_int_table() {  // bf16 of (i & 15) for the 32 word indices vpermw 
 }
 
 at::Tensor int4_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& sz,
-                   int64_t group_size, int64_t amx_min_rows) {
+                   int64_t group_size, int64_t amx_min_rows, int64_t dot_min_rows) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16,
               "tandem::int4_mm: x must be [M, K] bfloat16");
   TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.size(2) == kTile &&
@@ -197,15 +254,16 @@ at::Tensor int4_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Te
   at::Tensor x = x_in.contiguous();
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
-  // the rows in fp32 and their sums per group, once for every tile
-  std::vector<float> xf(M * K), xs(M * groups);
+  const bool amx = M >= amx_min_rows && amx_permitted(), dot = !amx && M >= dot_min_rows;
+  // the rows' sums per group (and, for the FMA path, the rows in fp32), once for every tile
+  std::vector<float> xf(amx || dot ? 0 : M * K), xs(M * groups);
   const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < groups; ++g) {
       __m512 sum = _mm512_setzero_ps();
       for (int64_t k = g * G; k < (g + 1) * G; k += 16) {  // G is a multiple of 16
         const __m512 v = load_bf16(xp + m * K + k);
-        _mm512_storeu_ps(xf.data() + m * K + k, v);
+        if (!xf.empty()) _mm512_storeu_ps(xf.data() + m * K + k, v);
         sum = _mm512_add_ps(sum, v);
       }
       xs[m * groups + g] = _mm512_reduce_add_ps(sum);
@@ -213,7 +271,24 @@ at::Tensor int4_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Te
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const at::BFloat16* sp = sz.data_ptr<at::BFloat16>();
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
-  if (M >= amx_min_rows && amx_permitted()) {
+  if (dot) {
+    const __m512i table = small_int_table();
+    at::parallel_for(0, N / kTile, 1, [&](int64_t t0, int64_t t1) {
+      std::vector<uint16_t> b(K / 2 * 32);  // one tile's codes as bf16 pairs
+      for (int64_t t = t0; t < t1; ++t) {
+        const uint8_t* c = cp + t * (K / 2) * kTile;
+        for (int64_t p = 0; p < K / 2; ++p)
+          _mm512_storeu_si512(b.data() + p * 32, code_pairs(c + p * kTile, table));
+        for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+          const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, M - m0));
+          kDotFns[rows](b.data(), sp + t * groups * 2 * kTile, xp + m0 * K,
+                        xs.data() + m0 * groups, yp + m0 * N + t * kTile, K, G, N);
+        }
+      }
+    });
+    return y;
+  }
+  if (amx) {
     const __m512i table = small_int_table();
     at::parallel_for(0, N / kTile, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t m0 = 0; m0 < M; m0 += 16) {
@@ -244,6 +319,7 @@ at::Tensor int4_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Te
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tandem, m) {
-  m.def("int4_mm(Tensor x, Tensor codes, Tensor sz, int group_size, int amx_min_rows) -> Tensor");
+  m.def("int4_mm(Tensor x, Tensor codes, Tensor sz, int group_size, int amx_min_rows, "
+        "int dot_min_rows=1073741824) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(tandem, CPU, m) { m.impl("int4_mm", &int4_mm); }
