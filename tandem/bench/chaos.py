@@ -14,7 +14,9 @@ The audit: every request either returned exactly the reference tokens (text) or 
 clear error (an OpenAI error object, an SSE error event, or, while the router itself
 was down, a refused connection); none outlived its deadline; afterwards every worker
 holds no lease, runs and queues nothing, has every block free or cached and its swap
-pool empty, and the router's in-flight gauge is 0.
+pool empty, and the router's in-flight gauge is 0. The handles a killed router held are
+released by nobody: their prefill workers free them when the lease TTL runs out
+(--lease-ttl-s, 30 s), so the audit waits that long after a router kill.
 
 Used by tests/chaos (bounded, part of `make test`) and bench/chaos.py (a soak that
 also samples every process's RSS and reports latency per minute).
@@ -335,19 +337,38 @@ def _clear_error(status: int, text: str) -> str | None:
 
 
 # -- the audit ---------------------------------------------------------------------------
-def audit_workers(cluster: UpCluster, report: ChaosReport, timeout_s: float = 20.0) -> None:
-    """Every worker idle with nothing held; the router's in-flight gauge at 0."""
+AUDIT_WAIT_S = 20.0
+"""How long the audit waits for a worker to go idle, at least."""
+
+
+def audit_deadline(now: float, router_down: list[tuple[float, float]], lease_ttl_s: float,
+                   wait_s: float = AUDIT_WAIT_S) -> float:
+    """When the audit may call a held block a leak: ``wait_s`` from now, and never before
+    the leases a killed router left behind expired. A handle the router held when it died
+    is released by nobody: its prefill worker frees the blocks when the lease's TTL runs
+    out (prefill_svc/service.py), up to ``lease_ttl_s`` after the kill (plus a second
+    for the reaper's turn)."""
+    orphans_freed = max((down + lease_ttl_s + 1.0 for down, _ in router_down), default=now)
+    return max(now + wait_s, orphans_freed)
+
+
+def audit_workers(cluster: UpCluster, report: ChaosReport, lease_ttl_s: float | None = None
+                  ) -> None:
+    """Every worker idle with nothing held; the router's in-flight gauge at 0.
+    lease_ttl_s: the prefill workers' --lease-ttl-s (None: the default)."""
+    if lease_ttl_s is None:
+        from worker.config import KVTransferConfig
+        lease_ttl_s = KVTransferConfig.lease_ttl_s
+    deadline = audit_deadline(time.monotonic(), report.router_down, lease_ttl_s)
     for role, addr in cluster.worker_addrs():
         stub_cls = prefill_pb2_grpc.PrefillStub if role == "prefill" else decode_pb2_grpc.DecodeStub
-        deadline = time.monotonic() + timeout_s
-        load = None
-        while time.monotonic() < deadline:
+        while True:  # asked at least once, however late the deadline
             try:
                 with sync_channel(addr, cluster.secret) as ch:
                     load = stub_cls(ch).GetLoad(common_pb2.LoadRequest(), timeout=5)
             except grpc.RpcError:
                 load = None
-            if load is not None and _idle(load):
+            if (load is not None and _idle(load)) or time.monotonic() >= deadline:
                 break
             time.sleep(0.2)
         if load is None or not _idle(load):

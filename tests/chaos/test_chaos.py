@@ -39,3 +39,17 @@ def test_no_fault_or_client_strands_a_block_or_a_request(tiny_model_dir) -> None
     assert not report.late, report.late[:5]
     assert not report.unclear, report.unclear[:5]
     assert not report.leaks, report.leaks
+
+
+def test_the_audit_waits_out_the_leases_a_killed_router_left() -> None:
+    """The run of 2026-12-05 killed the router at 22 s with two prefill handles in its
+    hands; their blocks were freed by the lease TTL (30 s) at 52.3 and 52.5 s, but the
+    audit, starting at 32 s with 20 s per worker, called them leaks at 52 s. Now the audit
+    waits until the TTL after the last router kill has run out, and 20 s at least."""
+    from tandem.bench.chaos import AUDIT_WAIT_S, audit_deadline
+    from worker.config import KVTransferConfig
+
+    ttl = KVTransferConfig.lease_ttl_s
+    assert audit_deadline(32.0, [(22.0, 24.0)], ttl) >= 22.0 + ttl + 1.0
+    assert audit_deadline(32.0, [], ttl) == 32.0 + AUDIT_WAIT_S  # no router kill: 20 s
+    assert audit_deadline(100.0, [(22.0, 24.0)], ttl) == 100.0 + AUDIT_WAIT_S
