@@ -1,0 +1,138 @@
+"""Batch-1 decode TPOT of two engine set-ups in one process, interleaved round by round, so
+the host's drift (10-30% between runs here) falls out of the ratio.
+
+Each round sends one new prompt to engine A, then to engine B: a 1-token request (its
+time is the prefill) and the same prompt again for --tokens + 1 tokens; TPOT is the
+difference over --tokens. Printed: each round's TPOT of A and B, their ratio B/A and
+whether the greedy tokens agree, then the medians. A setting is an engine flag as
+``EngineConfig.from_flat`` takes it (``activation_quant=int8``), or ``inductor.NAME=VALUE``
+for an inductor config option set while that engine is built and run
+(``inductor.cpp_wrapper=True``). Dynamo would hand the second engine the first one's
+compiled segments wherever its guards pass, and inductor's options are not among them:
+with an inductor option on either side, dynamo's cache is cleared before each engine is
+built, and each engine recompiles under its own options where it needs to.
+
+    python bench/c1_ab.py --b activation_quant=int8
+    python bench/c1_ab.py --b inductor.cpp_wrapper=True
+    python bench/c1_ab.py --a compile=False --b compile=True --rounds 6
+    python bench/c1_ab.py --both dtype=float32 --b quantization=none
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+from core.sampling import SamplingParams  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
+from engine.llm_engine import LLMEngine  # noqa: E402
+from engine.native import simd_flags  # noqa: E402
+from tandem.fetch_model import default_model_path  # noqa: E402
+
+BASE = dict(compile=True, compile_max_batch=1, max_num_seqs=1, num_kv_blocks=256,
+            max_model_len=1024, max_num_batched_tokens=256)
+"""Both engines' flags before --a / --b: one sequence, the batch-1 bucket compiled."""
+
+
+def _value(text: str):
+    return {"True": True, "False": False}.get(text, int(text) if text.isdigit() else text)
+
+
+def settings(items: list[str]) -> tuple[dict, dict]:
+    """KEY=VALUE items -> (engine flags, inductor options)."""
+    engine, inductor = {}, {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"c1_ab: '{item}' is not KEY=VALUE")
+        if key.startswith("inductor."):
+            inductor[key.removeprefix("inductor.")] = _value(value)
+        else:
+            engine[key] = _value(value)
+    return engine, inductor
+
+
+@contextlib.contextmanager
+def inductor_options(options: dict) -> Iterator[None]:
+    if not options:
+        yield
+        return
+    import torch._inductor.config as ic
+    with ic.patch(options):
+        yield
+
+
+def build(model: str, engine: dict, inductor: dict, fresh: bool) -> LLMEngine:
+    """fresh: clear dynamo's cache first (module docstring)."""
+    if fresh:
+        import torch._dynamo
+        torch._dynamo.reset()
+    with inductor_options(inductor):  # the compile happens while the engine is built
+        return LLMEngine(EngineConfig.from_flat(model=model, **{**BASE, **engine}))
+
+
+def tpot(eng: LLMEngine, inductor: dict, prompt: list[int], tokens: int
+         ) -> tuple[float, list[int]]:
+    """ms per decode token for ``tokens`` tokens after the prompt, and the tokens."""
+    with inductor_options(inductor):
+        return _tpot(eng, prompt, tokens)
+
+
+def _tpot(eng: LLMEngine, prompt: list[int], tokens: int) -> tuple[float, list[int]]:
+    t0 = time.perf_counter()
+    eng.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    t1 = time.perf_counter()
+    out = eng.generate([prompt], SamplingParams(max_tokens=tokens + 1, temperature=0.0,
+                                                ignore_eos=True))[0]
+    t2 = time.perf_counter()
+    return ((t2 - t1) - (t1 - t0)) / tokens * 1e3, out.token_ids
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=str(default_model_path()))
+    ap.add_argument("--a", nargs="*", default=[], metavar="KEY=VALUE", help="engine A's settings")
+    ap.add_argument("--b", nargs="*", default=[], metavar="KEY=VALUE", help="engine B's settings")
+    ap.add_argument("--both", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="settings of both engines, before --a / --b")
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--tokens", type=int, default=64, help="decode tokens timed per round")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    print(f"SIMD flags: {' '.join(simd_flags())}; both: {' '.join(args.both) or 'defaults'}; "
+          f"A: {' '.join(args.a) or 'defaults'}; B: {' '.join(args.b) or 'defaults'}", flush=True)
+    sa, sb = settings(args.both + args.a), settings(args.both + args.b)  # refused before a load
+    fresh = bool(sa[1] or sb[1])
+    a, b = build(args.model, *sa, fresh), build(args.model, *sb, fresh)
+    vocab = a.runner.model.cfg.vocab_size
+
+    def prompt(r: int) -> list[int]:  # new to both engines each round: no prefix hit
+        return [(7 * r + 13 * j) % (vocab - 10) + 10 for j in range(args.prompt_len)]
+
+    for eng, s in ((a, sa), (b, sb)):  # warm-up (and A's recompile after a fresh B)
+        tpot(eng, s[1], prompt(args.rounds), min(args.tokens, 8))
+    ta, tb, same = [], [], 0
+    for r in range(args.rounds):
+        (x, ids_a), (y, ids_b) = (tpot(a, sa[1], prompt(r), args.tokens),
+                                  tpot(b, sb[1], prompt(r), args.tokens))
+        ta.append(x)
+        tb.append(y)
+        same += ids_a == ids_b
+        print(f"round {r}: A {x:.2f} ms, B {y:.2f} ms, B/A {y / x:.3f}, "
+              f"tokens {'equal' if ids_a == ids_b else 'differ'}", flush=True)
+    print(f"medians: A {statistics.median(ta):.2f} ms, B {statistics.median(tb):.2f} ms, "
+          f"B/A {statistics.median(y / x for x, y in zip(ta, tb)):.3f}; "
+          f"tokens equal in {same} of {args.rounds} rounds")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

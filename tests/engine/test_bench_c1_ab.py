@@ -1,0 +1,38 @@
+"""bench/c1_ab.py (docs/performance.md, the AVX2-only host): two engine set-ups in one
+process, interleaved, on the tiny model."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "c1_ab.py"
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_the_ab_benchmark_prints_each_round_and_the_medians(tiny_model_dir) -> None:
+    out = _run("--model", str(tiny_model_dir), "--rounds", "2", "--tokens", "3",
+               "--prompt-len", "8", "--both", "compile=False", "max_model_len=64",
+               "num_kv_blocks=32", "--b", "quantization=none", "inductor.cpp_wrapper=True")
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    assert lines[0].endswith("both: compile=False max_model_len=64 num_kv_blocks=32; "
+                             "A: defaults; B: quantization=none inductor.cpp_wrapper=True")
+    rounds = [ln for ln in lines if ln.startswith("round ")]
+    assert len(rounds) == 2
+    # the tiny model's fp32 weights are not quantized by default: the same tokens
+    assert all(re.fullmatch(r"round \d: A [\d.]+ ms, B [\d.]+ ms, B/A [\d.]+, tokens equal", ln)
+               for ln in rounds), rounds
+    assert re.fullmatch(r"medians: A [\d.]+ ms, B [\d.]+ ms, B/A [\d.]+; "
+                        r"tokens equal in 2 of 2 rounds", lines[-1]), lines[-1]
+
+
+def test_a_setting_without_a_value_is_refused_by_name() -> None:
+    out = _run("--b", "cpp_wrapper")
+    assert out.returncode != 0
+    assert "'cpp_wrapper' is not KEY=VALUE" in out.stderr
