@@ -33,16 +33,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from core.sampling import SamplingParams  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
+from bench.c32_steps import flag_value  # noqa: E402
 from engine.native import simd_flags  # noqa: E402
 from tandem.fetch_model import default_model_path  # noqa: E402
 
 BASE = dict(compile=True, compile_max_batch=1, max_num_seqs=1, num_kv_blocks=256,
             max_model_len=1024, max_num_batched_tokens=256)
 """Both engines' flags before --a / --b: one sequence, the batch-1 bucket compiled."""
-
-
-def _value(text: str):
-    return {"True": True, "False": False}.get(text, int(text) if text.isdigit() else text)
 
 
 def settings(items: list[str]) -> tuple[dict, dict]:
@@ -53,9 +50,9 @@ def settings(items: list[str]) -> tuple[dict, dict]:
         if not sep:
             raise SystemExit(f"c1_ab: '{item}' is not KEY=VALUE")
         if key.startswith("inductor."):
-            inductor[key.removeprefix("inductor.")] = _value(value)
+            inductor[key.removeprefix("inductor.")] = flag_value(value)
         else:
-            engine[key] = _value(value)
+            engine[key] = flag_value(value)
     return engine, inductor
 
 
@@ -82,16 +79,12 @@ def tpot(eng: LLMEngine, inductor: dict, prompt: list[int], tokens: int
          ) -> tuple[float, list[int]]:
     """ms per decode token for ``tokens`` tokens after the prompt, and the tokens."""
     with inductor_options(inductor):
-        return _tpot(eng, prompt, tokens)
-
-
-def _tpot(eng: LLMEngine, prompt: list[int], tokens: int) -> tuple[float, list[int]]:
-    t0 = time.perf_counter()
-    eng.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
-    t1 = time.perf_counter()
-    out = eng.generate([prompt], SamplingParams(max_tokens=tokens + 1, temperature=0.0,
-                                                ignore_eos=True))[0]
-    t2 = time.perf_counter()
+        t0 = time.perf_counter()
+        eng.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        t1 = time.perf_counter()
+        out = eng.generate([prompt], SamplingParams(max_tokens=tokens + 1, temperature=0.0,
+                                                    ignore_eos=True))[0]
+        t2 = time.perf_counter()
     return ((t2 - t1) - (t1 - t0)) / tokens * 1e3, out.token_ids
 
 

@@ -28,7 +28,8 @@ from engine.native import simd_flags  # noqa: E402
 from tandem.fetch_model import default_model_path  # noqa: E402
 
 
-def _value(text: str):
+def flag_value(text: str):
+    """An ENGINE_FLAG=VALUE argument's value: True/False, an int, else the text."""
     return {"True": True, "False": False}.get(text, int(text) if text.isdigit() else text)
 
 
@@ -43,7 +44,7 @@ def main() -> int:
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     kw = {"model": str(default_model_path()), "max_model_len": 2048}
-    kw.update((k, _value(v)) for k, _, v in (f.partition("=") for f in args.flags))
+    kw.update((k, flag_value(v)) for k, _, v in (f.partition("=") for f in args.flags))
     print(f"SIMD flags: {' '.join(simd_flags())}; engine flags: {args.flags or 'defaults'}")
     eng = LLMEngine(EngineConfig.from_flat(**kw))
     rng = random.Random(0)
