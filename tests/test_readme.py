@@ -380,6 +380,18 @@ def test_make_targets_are_the_commands_we_run():
         "`make test` no longer runs pytest"
 
 
+def test_make_lets_python_keep_its_bytecode():
+    """Under PYTHONDONTWRITEBYTECODE (many CI images set it) every process the suite or
+    `make up` starts would compile torch and the rest from source again: the Makefile
+    unexports it, so what make runs caches its bytecode on first import."""
+    probe = 'bytecode-probe: ; @echo "[$$PYTHONDONTWRITEBYTECODE]"'
+    r = subprocess.run(["make", "-s", "--no-print-directory", "-f", str(MAKEFILE), "--eval", probe,
+                        "bytecode-probe"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]", f"make passes PYTHONDONTWRITEBYTECODE on: {r.stdout!r}"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("cmds", [c for _, c in clusters()], ids=[n for n, _ in clusters()])
 def test_cluster_serves_the_curl_lines(cmds: list[Command], tmp_path: Path):
