@@ -26,7 +26,8 @@ from engine.loader.gguf_loader import raw_rows
 from engine.compile.decode import CompiledDecode
 from engine.lora.slots import LoRASlots, lora_rows, warm_rows
 from engine.lora.layers import target_map
-from engine.models.base import CausalLM, ForwardContext, Segments, StepInterrupted, meta_skeleton
+from engine.models.base import (CausalLM, ForwardContext, Segments, StepInterrupted, materialize,
+                                meta_skeleton)
 from engine.quant.apply import (QuantReport, kernel_fallbacks, quantize_model, select_paths,
                                 unquantizable)
 from engine.quant.base import resolve_method
@@ -184,8 +185,8 @@ class ModelRunner:
         self.lora_targets = target_map(model)  # unsplit, before quantization swaps the Linears
         self._split(model, row_scales=resolve_method(self.config.quant.quantization,
                                                      ckpt.reader is not None) == "int8")
-        model = model.to_empty(device=self.device)  # no random init: every weight is loaded
-        model.tie_weights()  # to_empty gives each module its own new Parameter
+        materialize(model, self.device)  # no random init: every weight is loaded
+        model.tie_weights()  # materialize gives each module its own new Parameter
         try:
             model.load_weights(ckpt.tensors)
         except ValueError as e:

@@ -12,14 +12,14 @@ import sys
 import psutil
 import pytest
 import torch
-from torch import nn
 
 from core.sampling import SamplingParams
 from core.kv.layout import SCALE_BYTES
 from engine.config import EngineConfig
 from engine.kv_cache import quant as kv_quant
+from engine import model_runner
 from engine.llm_engine import LLMEngine
-from engine.models.base import CausalLM
+from engine.models import base
 from engine.models.weights import Cut
 from engine.parallel import collectives
 from engine.parallel.group import TPGroup
@@ -108,11 +108,11 @@ def test_a_rank_allocates_only_its_share_of_the_weights(checkpoint, group, monke
     model, and each checkpoint tensor is cut as it loads."""
     allocated = []
 
-    def to_empty(self, **kw):
-        allocated.append(sum(p.numel() * p.element_size() for p in self.parameters()))
-        return nn.Module.to_empty(self, **kw)
+    def materialize(model, device):
+        allocated.append(sum(p.numel() * p.element_size() for p in model.parameters()))
+        return base.materialize(model, device)
 
-    monkeypatch.setattr(CausalLM, "to_empty", to_empty)
+    monkeypatch.setattr(model_runner, "materialize", materialize)
     for family in ("llama", "mixtral"):
         LLMEngine(config(checkpoint(family), 1))  # what the whole model allocates
         two = LLMEngine(config(checkpoint(family), 2), tp_group=group)
