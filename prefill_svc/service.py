@@ -7,10 +7,12 @@ service's KV connector, which keeps them (held) and, in the same moment on the
 engine thread, grants the lease over them (kvtransfer/prefill_connector.py); the
 reply carries it as a KVHandle. The held blocks are freed exactly once, keyed by
 request id: when the decode worker's Release arrives, when the lease expires (a reaper
-runs every 250 ms), on Abort, or when the Prefill call is cancelled or fails before its
-reply (while it prefills, or after the lease was granted); and freeing them ends the
-lease, whichever path freed them (an Abort that overtakes the output: the reply says
-abort, no handle). A reply lost after the handler returned it is the lease's TTL's.
+runs every 250 ms), on Abort, when the Prefill call is cancelled or fails before its
+reply (while it prefills, or after the lease was granted), or when the router that
+asked is gone (prefill_svc/router_leases.py: its KV event stream closed for 5 s); and
+freeing them ends the lease, whichever path freed them (an Abort that overtakes the
+output: the reply says abort, no handle). A reply lost after the handler returned it is
+the lease's TTL's, or its router's.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from kvtransfer.base import SourceBlocks, get_backend
 from kvtransfer.lease import Lease, LeaseTable
 from kvtransfer.link import KVLinkServicer, add_kv_link, blocks_to_proto
 from kvtransfer.prefill_connector import PREFILL_ONLY, PrefillConnector
+from prefill_svc.router_leases import RouterLeases
 from proto import common_pb2 as common
 from proto import kv_link_pb2
 from proto import prefill_pb2 as pb
@@ -46,6 +49,8 @@ class PrefillService(WorkerBase, pb_grpc.PrefillServicer):
     def __init__(self, config: WorkerConfig) -> None:
         super().__init__(config)
         self.leases = LeaseTable()
+        self.routers = RouterLeases(self._drop_lease)
+        """The leases each router was granted, ended when that router is gone."""
         self._reaper: asyncio.Task | None = None
 
     def active_leases(self) -> int:
@@ -83,6 +88,13 @@ class PrefillService(WorkerBase, pb_grpc.PrefillServicer):
         while True:
             await asyncio.sleep(0.25)
             self.link.reap_expired()
+            self.routers.prune(self._lease_live)
+
+    def subscriber_opened(self, subscriber: str) -> None:
+        self.routers.opened(subscriber)
+
+    def subscriber_closed(self, subscriber: str) -> None:
+        self.routers.closed(subscriber)
 
     # -- RPCs -------------------------------------------------------------------------
     async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
@@ -116,13 +128,15 @@ class PrefillService(WorkerBase, pb_grpc.PrefillServicer):
             if handle is not None:
                 _bind(handle, req)
                 await self._stage(context, rid, handle)
+                self.routers.granted(request.router_id, rid, handle.lease_epoch)
             await self.abort_if_engine_died(context, out)
             if out.error:
                 await context.abort(grpc.StatusCode.INTERNAL, out.error)
             return self._reply(request, out, handle, time.monotonic() - t0)
         except BaseException:  # cancelled or failed: the handle never reaches the caller
             if handle is not None:
-                self._drop_lease(rid, handle.lease_epoch)
+                self._drop_lease(rid, handle.lease_epoch,
+                                 "its Prefill call ended before the reply")
             raise
 
     def _reply(self, request: pb.PrefillRequest, out, handle, seconds: float
@@ -180,14 +194,21 @@ class PrefillService(WorkerBase, pb_grpc.PrefillServicer):
                                 f"request {rid}: the prefill group could not stage its KV "
                                 f"for the decode worker: {e}")
 
-    def _drop_lease(self, rid: str, epoch: int) -> None:
-        """_drop, when rid's lease is still this epoch's (a handle that will never reach
-        its caller; a retry under the same id holds a lease of its own)."""
+    def _lease_live(self, rid: str, epoch: int) -> bool:
         lease = self.leases.get(rid)
-        if lease is not None and lease.epoch == epoch:
-            log.info("request %s: its Prefill call ended before the reply; its lease and "
-                     "%d KV blocks are freed", rid, len(lease.block_ids))
-            self._drop(rid)
+        return lease is not None and lease.epoch == epoch
+
+    def _drop_lease(self, rid: str, epoch: int, why: str) -> bool:
+        """_drop, when rid's lease is still this epoch's (a handle that will never reach
+        its caller, or be used; a retry under the same id holds a lease of its own).
+        True when it was."""
+        lease = self.leases.get(rid)
+        if lease is None or lease.epoch != epoch:
+            return False
+        log.info("request %s: %s; its lease and %d KV blocks are freed", rid, why,
+                 len(lease.block_ids))
+        self._drop(rid)
+        return True
 
     def _drop(self, rid: str) -> None:
         """End rid's lease (if any) and free its held blocks (or abort it running)."""

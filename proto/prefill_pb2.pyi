@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "priority", "deadline_unix_ms", "output_token_ids", "cache_salt", "lora_name", "kv_policy")
+    __slots__ = ("request_id", "token_ids", "sampling", "priority", "deadline_unix_ms", "output_token_ids", "cache_salt", "lora_name", "kv_policy", "router_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,7 @@ class PrefillRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     KV_POLICY_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -28,7 +29,8 @@ class PrefillRequest(_message.Message):
     cache_salt: bytes
     lora_name: str
     kv_policy: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[bytes] = ..., lora_name: _Optional[str] = ..., kv_policy: _Optional[str] = ...) -> None: ...
+    router_id: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[bytes] = ..., lora_name: _Optional[str] = ..., kv_policy: _Optional[str] = ..., router_id: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("request_id", "first_token", "kv_handle", "finished", "finish_reason", "num_cached_tokens", "prefill_seconds", "first_logprob", "first_top_logprobs", "prompt_logprobs", "num_host_cached_tokens", "num_disk_cached_tokens")

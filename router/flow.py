@@ -272,7 +272,8 @@ class RequestFlow:
             first = await w.stub.Prefill(prefill_pb2.PrefillRequest(
                 request_id=wid, token_ids=req.prompt_ids, output_token_ids=req.generated,
                 sampling=req.sampling(), priority=req.priority,
-                cache_salt=req.cache_salt, lora_name=req.lora, kv_policy=req.kv_policy),
+                cache_salt=req.cache_salt, lora_name=req.lora, kv_policy=req.kv_policy,
+                router_id=self.pool.router_id),
                 timeout=req.remaining())
         except grpc.aio.AioRpcError as e:
             raise _failure(w, e, req) from e

@@ -234,7 +234,9 @@ class WorkerPool:
         delay = 0.1
         while True:
             try:
-                async for batch in w.stub.StreamKVEvents(common.KVEventsRequest(subscriber="router")):
+                # subscriber: who we are, so a prefill worker can tell when we are gone
+                async for batch in w.stub.StreamKVEvents(
+                        common.KVEventsRequest(subscriber=self.router_id)):
                     delay = 0.1
                     if batch.reset:  # a fresh snapshot: what it said before is void
                         self.index.drop_worker(w.address)

@@ -242,6 +242,7 @@ class WorkerBase:
         each change and each load change, until the worker stops or cuts us off.
         Written with context.write, so a subscriber that goes away always unsubscribes."""
         sub = self.hub.subscribe()  # before the snapshot, so no change falls between
+        self.subscriber_opened(request.subscriber)
         try:
             snapshot = events_to_proto(await self.engine.stored_blocks())
             for i in range(0, max(len(snapshot), 1), SNAPSHOT_CHUNK):
@@ -259,6 +260,14 @@ class WorkerBase:
             return
         finally:
             self.hub.unsubscribe(sub)
+            self.subscriber_closed(request.subscriber)
+
+    def subscriber_opened(self, subscriber: str) -> None:
+        """A KV event stream opened for ``subscriber`` (a router's instance id); the
+        prefill service counts a router's streams to tell when it is gone."""
+
+    def subscriber_closed(self, subscriber: str) -> None:
+        """That stream ended, however it ended (the subscriber went away included)."""
 
     # -- helpers --------------------------------------------------------------------
     def count_finish(self, out: RequestOutput) -> None:

@@ -15,8 +15,10 @@ clear error (an OpenAI error object, an SSE error event, or, while the router it
 was down, a refused connection); none outlived its deadline; afterwards every worker
 holds no lease, runs and queues nothing, has every block free or cached and its swap
 pool empty, and the router's in-flight gauge is 0. The handles a killed router held are
-released by nobody: their prefill workers free them when the lease TTL runs out
-(--lease-ttl-s, 30 s), so the audit waits that long after a router kill.
+released by nobody: their prefill workers end those leases 5 s after the router's KV
+event streams closed (prefill_svc/router_leases.py), and the TTL (--lease-ttl-s, 30 s)
+bounds one the router got before its stream to that worker opened, so the audit waits
+that long after a router kill.
 
 Used by tests/chaos (bounded, part of `make test`) and bench/chaos.py (a soak that
 also samples every process's RSS and reports latency per minute).
@@ -345,9 +347,10 @@ def audit_deadline(now: float, router_down: list[tuple[float, float]], lease_ttl
                    wait_s: float = AUDIT_WAIT_S) -> float:
     """When the audit may call a held block a leak: ``wait_s`` from now, and never before
     the leases a killed router left behind expired. A handle the router held when it died
-    is released by nobody: its prefill worker frees the blocks when the lease's TTL runs
-    out (prefill_svc/service.py), up to ``lease_ttl_s`` after the kill (plus a second
-    for the reaper's turn)."""
+    is released by nobody: its prefill worker ends the lease 5 s after the router's
+    stream there closed, or, for a handle granted before that stream opened, when the
+    lease's TTL runs out (prefill_svc/service.py), up to ``lease_ttl_s`` after the kill
+    (plus a second for the reaper's turn)."""
     orphans_freed = max((down + lease_ttl_s + 1.0 for down, _ in router_down), default=now)
     return max(now + wait_s, orphans_freed)
 

@@ -46,6 +46,8 @@ class FakeDecode:
 
 
 class FakePool:
+    router_id = "router-test"
+
     def __init__(self, workers: list[Worker]) -> None:
         self.workers, self.index, self.down = workers, PrefixIndex(), []
 
@@ -123,9 +125,11 @@ class FakePrefill:
     def __init__(self) -> None:
         self.aborts: list[str] = []
         self.salts: list[bytes] = []
+        self.router_ids: list[str] = []
 
     async def Prefill(self, req, timeout):
         self.salts.append(req.cache_salt)
+        self.router_ids.append(req.router_id)
         reply = prefill_pb2.PrefillResponse(request_id=req.request_id, first_token=4)
         reply.kv_handle.CopyFrom(kv_link_pb2.KVHandle(request_id=req.request_id, num_tokens=3))
         return reply
@@ -174,6 +178,8 @@ def test_a_lease_the_decode_worker_did_not_end_is_ended_by_the_router(lease_ende
         # before the last chunk the prefill's lease was aborted, or left to its release
         assert seen[-1][1] == ([] if lease_ended else ["rid-0"])
         assert prefill.aborts == ([] if lease_ended else ["rid-0"])  # once, not again
+        # the prefill names the router, so its lease ends soon if the router dies
+        assert prefill.router_ids == ["router-test"]
     asyncio.run(body())
 
 
