@@ -16,9 +16,9 @@ was down, a refused connection); none outlived its deadline; afterwards every wo
 holds no lease, runs and queues nothing, has every block free or cached and its swap
 pool empty, and the router's in-flight gauge is 0. The handles a killed router held are
 released by nobody: their prefill workers end those leases 5 s after the router's KV
-event streams closed (prefill_svc/router_leases.py), and the TTL (--lease-ttl-s, 30 s)
-bounds one the router got before its stream to that worker opened, so the audit waits
-that long after a router kill.
+event streams closed (prefill_svc/router_leases.py), so the audit gives them that long
+after a router kill; a lease still held at the audit's deadline is a leak, even one the
+lease's TTL (--lease-ttl-s, 30 s, the only bound before) would free later.
 
 Used by tests/chaos (bounded, part of `make test`) and bench/chaos.py (a soak that
 also samples every process's RSS and reports latency per minute).
@@ -43,6 +43,7 @@ import httpx
 
 from auth.grpc_auth import sync_channel
 from auth.secret import write_secret
+from prefill_svc.router_leases import GONE_AFTER_S
 from proto import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from tandem.process import wait_http
 
@@ -343,26 +344,20 @@ AUDIT_WAIT_S = 20.0
 """How long the audit waits for a worker to go idle, at least."""
 
 
-def audit_deadline(now: float, router_down: list[tuple[float, float]], lease_ttl_s: float,
+def audit_deadline(now: float, router_down: list[tuple[float, float]],
                    wait_s: float = AUDIT_WAIT_S) -> float:
     """When the audit may call a held block a leak: ``wait_s`` from now, and never before
-    the leases a killed router left behind expired. A handle the router held when it died
-    is released by nobody: its prefill worker ends the lease 5 s after the router's
-    stream there closed, or, for a handle granted before that stream opened, when the
-    lease's TTL runs out (prefill_svc/service.py), up to ``lease_ttl_s`` after the kill
-    (plus a second for the reaper's turn)."""
-    orphans_freed = max((down + lease_ttl_s + 1.0 for down, _ in router_down), default=now)
+    the prefill workers saw a killed router gone. A handle the router held when it died
+    is released by nobody: its prefill worker ends the lease once the router's KV event
+    stream there has stayed closed for ``GONE_AFTER_S`` (prefill_svc/router_leases.py),
+    plus a second for the engine to free the blocks."""
+    orphans_freed = max((down + GONE_AFTER_S + 1.0 for down, _ in router_down), default=now)
     return max(now + wait_s, orphans_freed)
 
 
-def audit_workers(cluster: UpCluster, report: ChaosReport, lease_ttl_s: float | None = None
-                  ) -> None:
-    """Every worker idle with nothing held; the router's in-flight gauge at 0.
-    lease_ttl_s: the prefill workers' --lease-ttl-s (None: the default)."""
-    if lease_ttl_s is None:
-        from worker.config import KVTransferConfig
-        lease_ttl_s = KVTransferConfig.lease_ttl_s
-    deadline = audit_deadline(time.monotonic(), report.router_down, lease_ttl_s)
+def audit_workers(cluster: UpCluster, report: ChaosReport) -> None:
+    """Every worker idle with nothing held; the router's in-flight gauge at 0."""
+    deadline = audit_deadline(time.monotonic(), report.router_down)
     for role, addr in cluster.worker_addrs():
         stub_cls = prefill_pb2_grpc.PrefillStub if role == "prefill" else decode_pb2_grpc.DecodeStub
         while True:  # asked at least once, however late the deadline

@@ -41,15 +41,20 @@ def test_no_fault_or_client_strands_a_block_or_a_request(tiny_model_dir) -> None
     assert not report.leaks, report.leaks
 
 
-def test_the_audit_waits_out_the_leases_a_killed_router_left() -> None:
+def test_the_audit_gives_a_killed_routers_leases_the_time_their_workers_take_to_end_them(
+        ) -> None:
     """The run of 2026-12-05 killed the router at 22 s with two prefill handles in its
-    hands; their blocks were freed by the lease TTL (30 s) at 52.3 and 52.5 s, but the
-    audit, starting at 32 s with 20 s per worker, called them leaks at 52 s. Now the audit
-    waits until the TTL after the last router kill has run out, and 20 s at least."""
+    hands; their blocks were freed by the lease TTL (30 s) at 52.3 and 52.5 s, and the
+    audit, starting at 32 s with 20 s per worker, called them leaks at 52 s. The prefill
+    workers now end a gone router's leases 5 s after its KV event streams closed
+    (prefill_svc/router_leases.py): the audit waits for that after the last router kill,
+    and 20 s at least, and a lease only the TTL would free, as in that run, is a leak."""
+    from prefill_svc.router_leases import GONE_AFTER_S
     from tandem.bench.chaos import AUDIT_WAIT_S, audit_deadline
     from worker.config import KVTransferConfig
 
-    ttl = KVTransferConfig.lease_ttl_s
-    assert audit_deadline(32.0, [(22.0, 24.0)], ttl) >= 22.0 + ttl + 1.0
-    assert audit_deadline(32.0, [], ttl) == 32.0 + AUDIT_WAIT_S  # no router kill: 20 s
-    assert audit_deadline(100.0, [(22.0, 24.0)], ttl) == 100.0 + AUDIT_WAIT_S
+    assert audit_deadline(23.0, [(22.0, 24.0)], wait_s=0.0) == 22.0 + GONE_AFTER_S + 1.0
+    assert audit_deadline(32.0, []) == 32.0 + AUDIT_WAIT_S  # no router kill: 20 s
+    assert audit_deadline(32.0, [(22.0, 24.0)]) == 32.0 + AUDIT_WAIT_S
+    # the run above: its TTL-freed leases (52.3 s) now fall after the audit's deadline
+    assert audit_deadline(32.0, [(22.0, 24.0)]) < 22.0 + KVTransferConfig.lease_ttl_s + 0.3
