@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 import grpc
 import pytest
@@ -81,6 +82,22 @@ async def leak_check(*svcs) -> None:
             assert s.leases.active() == 0, f"{s.worker_id} still holds leases"
         await asyncio.sleep(0.05)
         await s.engine.leak_check()
+
+
+def prompt_ids(n: int, seed: int) -> list[int]:
+    """n token ids of the tiny model's vocabulary, a different prompt per seed."""
+    return [(seed * 31 + i * 7) % 300 + 3 for i in range(n)]
+
+
+async def until(check, what: str, bound_s: float = 60.0) -> float:
+    """Wait until check() is true, polling every 20 ms; the seconds it took. A failure
+    naming ``what`` after bound_s."""
+    t0 = time.monotonic()
+    while not check():
+        if time.monotonic() - t0 >= bound_s:
+            raise AssertionError(f"gave up waiting after {bound_s:.0f} s: {what}")
+        await asyncio.sleep(0.02)
+    return time.monotonic() - t0
 
 
 def sampling(max_tokens: int = 8, **kw) -> common_pb2.SamplingParams:

@@ -14,13 +14,9 @@ from auth.grpc_auth import channel as auth_channel
 from engine.llm_engine import LLMEngine
 from kvtransfer.link import KVLinkClient
 from proto import common_pb2, decode_pb2, prefill_pb2
-from tests.services.conftest import generate, leak_check, sampling, services
+from tests.services.conftest import generate, leak_check, prompt_ids, sampling, services
 
 BOUND_S = 30.0  # no call here may take longer: a hang is a failure, not a wait
-
-
-def _prompt(n: int, seed: int) -> list[int]:
-    return [(seed * 31 + i * 7) % 300 + 3 for i in range(n)]
 
 
 def _run(coro) -> None:
@@ -69,7 +65,7 @@ def test_same_id_twice_at_once_is_refused_and_the_engine_lives(tiny_model_dir, r
     reached the block allocator and the engine thread died on an assertion)."""
     async def body():
         async with services(tiny_model_dir) as (p, d, ps, ds):
-            prompt = _prompt(40, 1)
+            prompt = prompt_ids(40, 1)
             await generate(ds, "warm", prompt, [], sampling(4))  # caches 2 blocks
             results = await asyncio.gather(
                 *(asyncio.wait_for(generate(ds, "dup", prompt, [], sampling(8)), BOUND_S)
@@ -92,7 +88,7 @@ def test_prefill_refuses_an_id_whose_blocks_are_leased(tiny_model_dir, reference
     not drop the first request's lease (the first handoff still pulls its KV)."""
     async def body():
         async with services(tiny_model_dir) as (p, d, ps, ds):
-            prompt = _prompt(40, 2)
+            prompt = prompt_ids(40, 2)
             first = await _prefill(ps, "x", prompt)
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await _prefill(ps, "x", prompt)
@@ -117,10 +113,10 @@ def test_empty_request_id_is_refused_not_hung(tiny_model_dir) -> None:
     async def body():
         async with services(tiny_model_dir) as (p, d, ps, ds):
             with pytest.raises(grpc.aio.AioRpcError) as e:
-                await asyncio.wait_for(_prefill(ps, "", _prompt(20, 3)), 10)
+                await asyncio.wait_for(_prefill(ps, "", prompt_ids(20, 3)), 10)
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             with pytest.raises(grpc.aio.AioRpcError) as e:
-                await asyncio.wait_for(generate(ds, "", _prompt(20, 3), [], sampling(4)), 10)
+                await asyncio.wait_for(generate(ds, "", prompt_ids(20, 3), [], sampling(4)), 10)
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             await leak_check(p, d)
     _run(body())
@@ -134,11 +130,11 @@ def test_cancelled_prefills_leave_nothing_held(tiny_model_dir, slow_steps) -> No
     async def body():
         async with services(tiny_model_dir, lease_ttl_s=1.0,
                             prefill_engine={"max_num_batched_tokens": 16}) as (p, d, ps, ds):
-            busy = asyncio.ensure_future(_prefill(ps, "busy", _prompt(150, 4)))
+            busy = asyncio.ensure_future(_prefill(ps, "busy", prompt_ids(150, 4)))
             await asyncio.sleep(0.05)
             for i in range(24):
                 call = ps.Prefill(prefill_pb2.PrefillRequest(
-                    request_id=f"c{i}", token_ids=_prompt(20 + i, 10 + i), sampling=sampling()))
+                    request_id=f"c{i}", token_ids=prompt_ids(20 + i, 10 + i), sampling=sampling()))
                 await asyncio.sleep(0.004 * i)
                 call.cancel()
             first = await busy
@@ -165,7 +161,7 @@ def test_a_prefill_cancelled_after_its_lease_frees_it_at_once(tiny_model_dir) ->
                 return await checked(context, out)
             p.abort_if_engine_died = hold_the_reply
             call = ps.Prefill(prefill_pb2.PrefillRequest(
-                request_id="gone", token_ids=_prompt(40, 5), sampling=sampling()))
+                request_id="gone", token_ids=prompt_ids(40, 5), sampling=sampling()))
             await asyncio.wait_for(at_reply.wait(), BOUND_S)
             assert p.leases.active() == 1
             call.cancel()
@@ -195,7 +191,7 @@ def test_an_abort_between_the_hold_and_the_reply_leases_nothing(tiny_model_dir) 
                 else:
                     deliver(outs)
             p.engine._deliver = abort_first
-            reply = await _prefill(ps, "r", _prompt(40, 9))
+            reply = await _prefill(ps, "r", prompt_ids(40, 9))
             assert [a.aborted for a in aborts] == [True]
             assert reply.finished and reply.finish_reason == "abort"
             assert not reply.HasField("kv_handle")
@@ -214,19 +210,20 @@ def test_an_abort_that_overtakes_its_call_leaves_nothing_behind(tiny_model_dir) 
         async with services(tiny_model_dir) as (p, d, ps, ds):
             assert not (await ps.Abort(common_pb2.AbortRequest(request_id="gone"))).aborted
             with pytest.raises(grpc.aio.AioRpcError) as e:
-                await _prefill(ps, "gone", _prompt(40, 11))
+                await _prefill(ps, "gone", prompt_ids(40, 11))
             assert e.value.code() == grpc.StatusCode.CANCELLED
             assert "'gone' was aborted before it arrived" in e.value.details()
             assert p.leases.active() == 0
             assert not (await ds.Abort(common_pb2.AbortRequest(request_id="gone-d"))).aborted
-            req = decode_pb2.GenerateRequest(request_id="gone-d", prompt_token_ids=_prompt(20, 4),
+            req = decode_pb2.GenerateRequest(request_id="gone-d",
+                                             prompt_token_ids=prompt_ids(20, 4),
                                              sampling=sampling(8))
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 async for _ in ds.Generate(req, timeout=BOUND_S):
                     pass
             assert e.value.code() == grpc.StatusCode.CANCELLED
             # the next request under the id is served (the memory is used up)
-            assert (await _prefill(ps, "gone", _prompt(40, 11))).HasField("kv_handle")
+            assert (await _prefill(ps, "gone", prompt_ids(40, 11))).HasField("kv_handle")
             await p.connector.release("gone")
             await leak_check(p, d)
     _run(body())
@@ -239,7 +236,7 @@ def test_abort_ends_the_callers_stream(tiny_model_dir, slow_steps) -> None:
 
     async def body():
         async with services(tiny_model_dir) as (p, d, ps, ds):
-            req = decode_pb2.GenerateRequest(request_id="long", prompt_token_ids=_prompt(20, 5),
+            req = decode_pb2.GenerateRequest(request_id="long", prompt_token_ids=prompt_ids(20, 5),
                                              sampling=sampling(200))
             call = ds.Generate(req)
             first = await asyncio.wait_for(call.read(), BOUND_S)
@@ -273,7 +270,7 @@ def test_abort_and_cancel_mid_pull_leave_no_stale_state(tiny_model_dir, referenc
 
     async def body():
         async with services(tiny_model_dir) as (p, d, ps, ds):
-            prompt = _prompt(40, 6)
+            prompt = prompt_ids(40, 6)
             task = asyncio.ensure_future(_handoff(ps, ds, "s", prompt))
             await asyncio.sleep(0.3)  # the Generate is now waiting inside its pull
             await ds.Abort(common_pb2.AbortRequest(request_id="s"))
@@ -311,7 +308,7 @@ def test_a_failed_pull_does_not_break_a_concurrent_one(tiny_model_dir, reference
 
     async def body():
         async with services(tiny_model_dir, backend="nixl") as (p, d, ps, ds):
-            good_prompt, bad_prompt = _prompt(40, 7), _prompt(40, 8)
+            good_prompt, bad_prompt = prompt_ids(40, 7), prompt_ids(40, 8)
             good = asyncio.ensure_future(_handoff(ps, ds, "good", good_prompt))
             await asyncio.sleep(0.3)  # "good" has read its blocks and waits to release
             bad_toks, bad_chunks = await _handoff(ps, ds, "bad", bad_prompt)
@@ -347,12 +344,12 @@ def test_a_waiting_reservation_yields_to_a_more_important_request(tiny_model_dir
             # low holds 7-8 of the 12 blocks for ~27 steps; big (7 blocks) cannot fit
             # until low ends; urgent (2 blocks) fits at once
             low = [asyncio.ensure_future(timed("low", _handoff(
-                ps, ds, "low", _prompt(100, 20), max_tokens=27, priority=5)))]
+                ps, ds, "low", prompt_ids(100, 20), max_tokens=27, priority=5)))]
             await asyncio.sleep(0.3)
             big = asyncio.ensure_future(timed("big", _handoff(
-                ps, ds, "big", _prompt(100, 30), max_tokens=8, priority=5)))
+                ps, ds, "big", prompt_ids(100, 30), max_tokens=8, priority=5)))
             await asyncio.sleep(0.3)
-            urgent = await timed("urgent", _handoff(ps, ds, "urgent", _prompt(20, 31),
+            urgent = await timed("urgent", _handoff(ps, ds, "urgent", prompt_ids(20, 31),
                                                     max_tokens=4, priority=0, preempt=True))
             await asyncio.gather(*low, big)
             assert urgent[1][-1].finish_reason == "length"
@@ -370,7 +367,7 @@ def test_load_is_pushed_when_blocks_are_freed(tiny_model_dir) -> None:
             stream = ds.StreamKVEvents(common_pb2.KVEventsRequest(subscriber="test"))
             first = await asyncio.wait_for(stream.read(), BOUND_S)
             total = first.load.total_blocks
-            await generate(ds, "r", _prompt(40, 9), [], sampling(20))
+            await generate(ds, "r", prompt_ids(40, 9), [], sampling(20))
             deadline = time.monotonic() + 5
             seen_busy = False
             while True:

@@ -4,19 +4,14 @@ pinned until the lease's TTL (30 s; the chaos audit waited it out)."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 from auth.grpc_auth import channel as auth_channel
 from prefill_svc.router_leases import RouterLeases
 from proto import common_pb2, prefill_pb2, prefill_pb2_grpc
-from tests.services.conftest import leak_check, prefill_worker, sampling
+from tests.services.conftest import leak_check, prefill_worker, prompt_ids, sampling, until
 
 BOUND_S = 30.0
 GONE_S = 0.5
-
-
-def _prompt(n: int, seed: int) -> list[int]:
-    return [(seed * 31 + i * 7) % 300 + 3 for i in range(n)]
 
 
 class _Router:
@@ -35,18 +30,10 @@ class _Router:
 
     async def prefill(self, rid: str, router_id: str | None = None):
         reply = await self.stub.Prefill(prefill_pb2.PrefillRequest(
-            request_id=rid, token_ids=_prompt(40, len(rid)), sampling=sampling(8),
+            request_id=rid, token_ids=prompt_ids(40, len(rid)), sampling=sampling(8),
             router_id=self.name if router_id is None else router_id), timeout=BOUND_S)
         assert reply.HasField("kv_handle"), "the prefill leased nothing"
         return reply
-
-
-async def _until(cond, what: str, limit_s: float = 10.0) -> float:
-    t0 = time.monotonic()
-    while not cond():
-        assert time.monotonic() - t0 < limit_s, f"still not {what} after {limit_s} s"
-        await asyncio.sleep(0.02)
-    return time.monotonic() - t0
 
 
 def test_a_dead_routers_leases_end_and_a_reconnecting_routers_stay(tiny_model_dir) -> None:
@@ -69,7 +56,7 @@ def test_a_dead_routers_leases_end_and_a_reconnecting_routers_stay(tiny_model_di
             await live.subscribe()
             # the dead router's process goes: its connection closes
             await dead.channel.close()
-            took = await _until(lambda: p.leases.active() == 2, "down to 2 leases")
+            took = await until(lambda: p.leases.active() == 2, "down to 2 leases")
             assert took >= GONE_S * 0.8, f"ended {took:.2f} s after the close, before the grace"
             await asyncio.sleep(GONE_S * 2)  # the live router's countdown was cancelled
             assert p.leases.active() == 2 and p.routers.held("router-live") == 1
@@ -132,7 +119,7 @@ def test_the_router_subscribes_under_the_id_its_prefills_carry() -> None:
         pool, stub = WorkerPool(b"secret"), _Events()
         w = Worker("127.0.0.1:9", "prefill", None, stub, healthy=True)
         task = asyncio.create_task(pool._watch_events(w))
-        await _until(lambda: stub.subscribers, "subscribed")
+        await until(lambda: stub.subscribers, "subscribed")
         task.cancel()
         assert stub.subscribers[0] == pool.router_id and pool.router_id.startswith("router-")
     asyncio.run(body())

@@ -13,7 +13,7 @@ from decode_svc.peers import KVPeerList
 from kvtransfer.link import KVLinkClient
 from proto import common_pb2, decode_pb2, kv_link_pb2
 from tests.services.conftest import (disagg, kv_endpoint, leak_check, prefill_worker, sampling,
-                                     services)
+                                     services, until)
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -22,14 +22,6 @@ def _prompt(n: int, seed: int) -> list[int]:
 
 def _run(coro) -> None:
     asyncio.run(asyncio.wait_for(coro, 180))
-
-
-async def _until(check, what: str, bound_s: float = 60.0) -> None:
-    for _ in range(int(bound_s / 0.02)):
-        if check():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"gave up waiting: {what}")
 
 
 class StalledReads:
@@ -69,7 +61,7 @@ def test_a_hung_source_stalls_only_its_own_pulls(tiny_model_dir, reference) -> N
             prompts = {f"stuck{i}": _prompt(40, i) for i in range(3)}
             stuck = [asyncio.ensure_future(disagg(hs, ds, rid, pr, sampling()))
                      for rid, pr in prompts.items()]
-            await _until(lambda: stall.reached == 2, "two reads at the hung source")
+            await until(lambda: stall.reached == 2, "two reads at the hung source")
             prompt = _prompt(40, 9)
             toks, chunks = await asyncio.wait_for(disagg(ps, ds, "healthy", prompt, sampling()),
                                                   90)
