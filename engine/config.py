@@ -392,9 +392,15 @@ class CompileConfig:
     TANDEM_COMPILE=0 in the environment makes --no-compile the default (the test suite's)."""
     compile_max_batch: int | None = None
     """Largest compiled decode batch (bigger decode batches run eagerly); None = max_num_seqs."""
+    compile_graph_max_batch: int = 4
+    """Compiled decode steps of up to this many rows run as one graph, attention and KV
+    writes included (CPU, the sdpa backend, a KV cache in the compute dtype, no LoRA):
+    faster, but step interruption waits for the step's end; larger ones are compiled per
+    layer and stay interruptible between layers. 0: per layer always."""
 
     def __post_init__(self) -> None:
         at_least("--compile-max-batch", self.compile_max_batch, 1)
+        at_least("--compile-graph-max-batch", self.compile_graph_max_batch, 0)
 
 
 @dataclass(frozen=True)
@@ -526,7 +532,7 @@ class EngineConfig:
         "kv_offload_cpu_gib", "kv_offload_dir", "kv_offload_disk_gib", "kv_policy",
         "allow_request_kv_policy", "max_stream_len", "num_threads", "prepack_weights",
         "quantization", "quant_group_size", "quant_packed_max_rows", "compile",
-        "compile_max_batch", "speculative_method", "speculative_model",
+        "compile_max_batch", "compile_graph_max_batch", "speculative_method", "speculative_model",
         "num_speculative_tokens", "speculative_max_batch", "enable_lora", "lora_modules",
         "max_loras", "max_lora_rank", "max_cpu_loras", "tensor_parallel_size",
         "tp_rendezvous", "tp_ranks_per_node", "tp_join_timeout_s", "enable_expert_parallel",

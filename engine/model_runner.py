@@ -12,7 +12,8 @@ from typing import Callable, Sequence
 import torch
 
 from engine.attention.base import get_backend
-from engine.attention.metadata import build_metadata
+from engine.attention.metadata import build_metadata, decode_slots
+from engine.attention.paged_decode import graph_decode_unavailable
 from engine.config import EngineConfig
 from engine.cpu_limit import default_threads
 from core.kv import kv_format_block_bytes
@@ -23,7 +24,7 @@ from engine.kv_cache.quant import row_width, storage_dtype
 from engine.kv_cache.shift import shift_keys
 from engine.loader import LoadedCheckpoint
 from engine.loader.gguf_loader import raw_rows
-from engine.compile.decode import CompiledDecode
+from engine.compile.decode import CompiledDecode, failure
 from engine.lora.slots import LoRASlots, lora_rows, warm_rows
 from engine.lora.layers import target_map
 from engine.models.base import (CausalLM, ForwardContext, Segments, StepInterrupted, materialize,
@@ -161,11 +162,14 @@ class ModelRunner:
         self.sampler = Sampler()
         self._masks = None
         self.compiled: CompiledDecode | None = None
+        self.table_width = -(-max_model_len // config.cache.block_size)
+        """Blocks in a one-graph decode step's padded tables (``decode_slots``)."""
         if config.compilation.compile:
             self.compiled = CompiledDecode(
                 self.model, self.device,
                 config.compilation.compile_max_batch or config.scheduler.max_num_seqs,
-                any_rows=config.scheduler.max_num_batched_tokens if self.lora is None else None)
+                any_rows=config.scheduler.max_num_batched_tokens if self.lora is None else None,
+                graph_rows=self._graph_rows())
             self.compiled.warm_up(self._dummy_decode,
                                   lambda rows, segments: self._dummy_decode(rows, segments,
                                                                             logits=False))
@@ -173,6 +177,18 @@ class ModelRunner:
                  "KV %s, %d bytes per block", time.perf_counter() - t0, self.dtype, self.device,
                  self.backend.name, self.num_blocks, config.cache.block_size, self.kv_dtype,
                  self.block_bytes)
+
+    def _graph_rows(self) -> int:
+        """--compile-graph-max-batch where one-graph decode steps can run here, else 0
+        (said in the log when the flag asked for them)."""
+        rows = self.config.compilation.compile_graph_max_batch
+        why = ("LoRA steps need the per-layer segments" if self.lora is not None else
+               f"--attention-backend {self.backend.name} decodes per layer"
+               if not self.backend.decodes_in_graph else
+               graph_decode_unavailable(self.device, self.kv_quant))
+        if rows and why:
+            log.info("decode steps compile per layer, not as one graph: %s", why)
+        return 0 if why else rows
 
     def _build(self, ckpt: LoadedCheckpoint, max_model_len: int) -> CausalLM:
         """The family's model with the checkpoint's weights. Every layer's attention is
@@ -291,6 +307,8 @@ class ModelRunner:
             out["compile"].append(self.compiled.disabled)
         if self.compiled is not None and self.compiled.any_failed:
             out["compile"].append(self.compiled.any_failed)
+        if self.compiled is not None and self.compiled.graph_failed:
+            out["compile"].append(self.compiled.graph_failed)
         if self.device.type == "cpu" and getattr(self.backend, "name", "") == "sdpa":
             reason = KERNEL.known_reason()  # loaded at start-up; never built from here
             if reason:
@@ -519,12 +537,11 @@ class ModelRunner:
             tids, tpos = c.pad(ids, pos, bucket)
             try:
                 with lora_rows(self.lora, lora_slots, bucket, compiled=True):
-                    return self.model(tids, tpos, ctx, c.segments, rows=len(ids))[:len(ids)]
+                    return self._bucket_hidden(tids, tpos, ctx, len(ids), c.segments)[:len(ids)]
             except StepInterrupted:
                 raise
             except Exception as e:  # a recompile that failed: this step and later ones eager
-                c.fail(f"compiled decode step for batch {bucket} failed: {type(e).__name__}: "
-                       f"{str(e).strip().splitlines()[0][:300] if str(e) else ''}")
+                c.fail(failure(f"compiled decode step for batch {bucket}", e))
         elif c is not None and self.lora is None and (segments := c.any_rows_for(
                 len(ids), decode_only)) is not None:
             try:
@@ -540,6 +557,26 @@ class ModelRunner:
                               torch.tensor(pos, device=self.device), ctx,
                               num_layers=num_layers)
 
+    def _bucket_hidden(self, tids: torch.Tensor, tpos: torch.Tensor, ctx: ForwardContext,
+                       rows: int, segments: Segments, warm: bool = False) -> torch.Tensor:
+        """Hidden states [bucket, H] of a decode-only step padded to its bucket: the
+        one-graph step where the bucket has one and the step's tables fit it, else the
+        segments. warm: at start-up, where the graph may compile; later a guard that
+        fails is an error (never a compile mid-serving) and so is anything the graph
+        raises: decode steps run the segments from then on (``fail_graph``)."""
+        c = self.compiled
+        bucket = len(tids)
+        step = c.graph(bucket) if segments is c.segments else None
+        slots = (decode_slots(ctx.meta, bucket, self.table_width, self.device)
+                 if step is not None else None)
+        if slots is not None:
+            try:
+                with torch.compiler.set_stance("default" if warm else "fail_on_recompile"):
+                    return step(self.model.model, tids, tpos, ctx.kv, slots)
+            except Exception as e:  # noqa: BLE001 - dynamo/inductor raise many types
+                c.fail_graph(bucket, e)
+        return self.model(tids, tpos, ctx, segments, rows=rows)
+
     @torch.inference_mode()
     def _dummy_decode(self, rows: int, segments: Segments, logits: bool = True) -> None:
         """One decode step of ``rows`` one-token sequences in KV block 0 (start-up only:
@@ -551,7 +588,7 @@ class ModelRunner:
         if self.lora is not None:  # the variant a step with adapter rows runs
             with warm_rows(self.lora, rows):
                 self.model(tids, tpos, ctx, segments, rows=rows)
-        hidden = self.model(tids, tpos, ctx, segments, rows=rows)
+        hidden = self._bucket_hidden(tids, tpos, ctx, rows, segments, warm=True)
         if logits:
             self.model.compute_logits(hidden)
 

@@ -53,6 +53,10 @@ class AttentionBackend(ABC):
     a model asking for another is refused by ``check`` at start-up, never ignored."""
     gives_scores: bool = True
     """Whether ``attend`` fills ``meta.scores`` (module docstring)."""
+    decodes_in_graph: bool = False
+    """Whether its decode rows on CPU are the paged decode kernel, which a decode step
+    compiled as one graph calls itself (engine/attention/paged_decode.py decode_write)
+    where this backend would: the one-graph step computes what ``attend`` would."""
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv: torch.Tensor, meta: AttentionMetadata, params: LayerAttention

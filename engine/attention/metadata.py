@@ -70,3 +70,38 @@ def build_metadata(query_lens: list[int], seq_lens: list[int], num_prefills: int
         slot_offsets=torch.tensor(offsets, dtype=torch.long, device=device),
         kv_quant=kv_quant,
     )
+
+
+@dataclass(frozen=True)
+class DecodeSlots:
+    """A decode-only step's attention inputs as tensors whose shapes depend on the bucket
+    alone, for a step compiled as one graph (engine/compile/decode.py): the graph cannot
+    branch on a step's Python lists, and a shape that changed with the longest context
+    would compile it again. Rows past the step's own are the bucket's padding: block -1
+    (nothing written) and length 0 (nothing read, zeros out)."""
+
+    blocks: torch.Tensor
+    """[R] long: the block each row's new K/V goes to; -1 for padding rows."""
+    offsets: torch.Tensor
+    """[R] long: the row inside that block."""
+    tables: torch.Tensor
+    """[R, W] long: block tables padded with block 0 to the fixed width W (entries past a
+    row's length are never read)."""
+    lens: torch.Tensor
+    """[R] long: context length after this step; 0 for padding rows."""
+
+
+def decode_slots(meta: AttentionMetadata, rows: int, width: int,
+                 device: torch.device | str = "cpu") -> DecodeSlots | None:
+    """``meta``'s decode-only step padded to ``rows`` rows and tables of ``width`` blocks, or
+    None where a table is wider (that step takes the per-layer path)."""
+    tables = meta.block_tables
+    if any(len(t) > width for t in tables):
+        return None
+    pad = rows - len(tables)
+    return DecodeSlots(
+        blocks=torch.cat([meta.slot_blocks, meta.slot_blocks.new_full((pad,), -1)]),
+        offsets=torch.cat([meta.slot_offsets, meta.slot_offsets.new_zeros(pad)]),
+        tables=torch.tensor([t + [0] * (width - len(t)) for t in tables] + [[0] * width] * pad,
+                            dtype=torch.long, device=device),
+        lens=torch.tensor(meta.seq_lens + [0] * pad, dtype=torch.long, device=device))

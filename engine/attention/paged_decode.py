@@ -30,6 +30,7 @@ import torch
 
 from engine.attention.base import (LayerAttention, attention_logits, gather_blocks,
                                    masked_attention, visible)
+from engine.attention.metadata import DecodeSlots
 from engine.kv_cache.quant import rotation
 from engine.native import NativeKernel
 
@@ -40,6 +41,9 @@ def _register_fakes() -> None:
     torch.library.register_fake("tandem::paged_prefill")(
         lambda q, kv, layer, block_table, seq_len, scale, window=0, softcap=0.0,
         fma_only=False: torch.empty_like(q))
+    torch.library.register_fake("tandem::paged_decode_write")(
+        lambda q, k, v, kv, slot_blocks, slot_offsets, layer, tables, lens, scale, window=0,
+        softcap=0.0, fma_only=False: torch.empty_like(q))
 
 
 KERNEL = NativeKernel("paged_decode", Path(__file__).parent / "csrc" / "paged_decode.cpp",
@@ -73,6 +77,27 @@ def paged_decode(q: torch.Tensor, kv: torch.Tensor, layer: int, tables: torch.Te
             and kv_quant in (None, "int8") and kernel_unavailable() is None):
         return kernel_decode(*args)
     return gathered_decode(*args)
+
+
+def decode_write(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 kv: torch.Tensor, slots: DecodeSlots, params: LayerAttention) -> torch.Tensor:
+    """One layer of a decode step compiled as one graph (engine/compile/decode.py): this
+    step's K and V written into their slots and the rows' attention, one kernel call
+    (``tandem::paged_decode_write``, which declares the cache it writes, so the graph
+    orders the layers' writes and reads) -> [R, Hq, D]. A cache in the compute dtype,
+    on CPU, with the kernel built (``graph_decode_unavailable``)."""
+    return torch.ops.tandem.paged_decode_write(
+        q.contiguous(), k, v, kv, slots.blocks, slots.offsets, layer, slots.tables,
+        slots.lens, params.scale, params.window or 0, params.softcap or 0.0)
+
+
+def graph_decode_unavailable(device: torch.device, kv_quant: str | None) -> str | None:
+    """Why ``decode_write`` cannot serve a step here, or None where it can."""
+    if device.type != "cpu":
+        return "the one-graph decode step is CPU-only"
+    if kv_quant is not None:
+        return f"--kv-cache-dtype {kv_quant} is decoded per layer"
+    return kernel_unavailable()
 
 
 def kernel_decode(q: torch.Tensor, kv: torch.Tensor, layer: int, tables: torch.Tensor,

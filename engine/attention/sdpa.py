@@ -53,6 +53,7 @@ class SDPABackend(AttentionBackend):
     name = "sdpa"
 
     supports = frozenset({"window", "softcap"})
+    decodes_in_graph = True
 
     def attend(self, layer, q, kv, meta: AttentionMetadata, params: LayerAttention, out) -> None:
         start = 0

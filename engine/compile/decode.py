@@ -20,6 +20,21 @@ every later one (``fail_any_rows``), said in the log. LoRA steps and rows owing 
 scores run eagerly. A 512-token prompt of the embedded model took 394 ms instead of 432
 in process (the norms, RoPE, SiLU-mul and residuals fused; docs/performance.md).
 
+Short decode steps (buckets up to ``graph_rows``, --compile-graph-max-batch) run as one
+graph instead (models/base.py ``decode_graph``): every layer's attention is the CPU decode
+kernel with its KV write in it (``tandem::paged_decode_write``, which declares the cache
+it writes), so a step is one compiled call. The segments cost 31 entries into compiled
+code a step on the embedded model, each with dynamo's guard check (~370 guards on the
+layer modules it is handed) and eager glue around the attention between them: about 4 ms
+of a 19 ms batch-1 token on an AVX2-only EPYC (docs/performance.md). The graph's guards
+on the model are dropped (``_model_guards``): each model gets its own copy of the step
+function, so dynamo never hands one model's graph to another, and the model is complete
+(loaded, quantized, prepacked, its paths chosen) before the first compile and never
+changes after; the guards on the step's own tensors stay, which tell the buckets apart.
+No per-layer check can interrupt such a step, hence the cap on its rows; longer steps
+keep the segments and their interruption. LoRA, a quantized KV cache, CUDA and the
+naive backend take the segments.
+
 A model that declares a layer uncompilable (models/base.py compile_blocker: the MoE
 experts' data-dependent split) is not compiled at all: one progress line says why, and
 the runner lists it as a fallback.
@@ -41,14 +56,15 @@ from __future__ import annotations
 
 import logging
 import time
+import types
 from typing import Callable
 
 import torch
 from torch.utils._pytree import tree_leaves
 
 from core.progress import progress
-from engine.models.base import (EAGER, CausalLM, Segments, compile_blocker, first_segment,
-                                last_segment, middle_segment)
+from engine.models.base import (EAGER, CausalLM, Segments, compile_blocker, decode_graph,
+                                first_segment, last_segment, middle_segment)
 from engine.timing import best_pair
 
 log = logging.getLogger(__name__)
@@ -111,6 +127,27 @@ def _rows_symbolic(compiled: Callable) -> Callable:
     return run
 
 
+def _own_copy(fn: Callable) -> Callable:
+    """``fn`` with a code object of its own: dynamo keeps compiled entries on the code
+    object, so each model's copy keeps its own graphs."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
+                              fn.__defaults__, fn.__closure__)
+
+
+def _model_guards(entries: list) -> list[bool]:
+    """guard_filter_fn for ``decode_graph``: keep every guard but those on the model (its
+    first argument, ``model``): its modules' types, hooks, constants and weights (module
+    docstring)."""
+    return [not e.name.startswith(("model.", "model[")) for e in entries]
+
+
+def failure(what: str, e: Exception) -> str:
+    """"``what`` failed" with the exception's type and the first line of its message (300
+    characters at most): a fallback's reason, as logs and /health show it."""
+    first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+    return f"{what} failed: {type(e).__name__}: {first}"
+
+
 def _slower(compiled: float, eager: float) -> bool:
     """The compiled step lost: its bucket runs eagerly."""
     return compiled > eager * SLOWER_MARGIN
@@ -121,9 +158,12 @@ class CompiledDecode:
     anything did (``disabled``: None while compiled steps run)."""
 
     def __init__(self, model: CausalLM, device: torch.device, max_rows: int,
-                 options: dict | None = None, any_rows: int | None = None) -> None:
+                 options: dict | None = None, any_rows: int | None = None,
+                 graph_rows: int = 0) -> None:
         """max_rows: the largest decode bucket; any_rows: the most rows a step with a
-        prefill has (the token budget), or None: no any-row segments."""
+        prefill has (the token budget), or None: no any-row segments; graph_rows: buckets
+        up to this many rows run as one graph (0: none; the caller knows whether the
+        step's attention can, module docstring)."""
         import torch._dynamo
 
         self.model = model
@@ -135,6 +175,12 @@ class CompiledDecode:
                           if any_rows is not None and device.type == "cpu" else [])
         self.any_failed: str | None = None
         """Why the any-row segments were dropped after a failure (a fallback)."""
+        self.step: Callable | None = None
+        """``decode_graph`` compiled (module docstring), None where no bucket runs as one
+        graph: graph_rows 0, on CUDA, or after ``fail_graph``."""
+        self.graph_rows = graph_rows
+        self.graph_failed: str | None = None
+        """Why one-graph steps were dropped after a failure (a fallback)."""
         # one compiled graph per (segment, bucket); dynamo's default limit is 8
         torch._dynamo.config.cache_size_limit = max(64, 4 * len(self.buckets))
         kw: dict = {"dynamic": False, "fullgraph": True}
@@ -159,14 +205,16 @@ class CompiledDecode:
         try:
             self.segments = Segments(*(torch.compile(f, **kw)
                                        for f in (first_segment, middle_segment, last_segment)))
+            if graph_rows and device.type == "cpu":
+                self.step = torch.compile(_own_copy(decode_graph), **{
+                    **kw, "options": {**kw["options"], "guard_filter_fn": _model_guards}})
             if self.any_sizes:
                 self.any_rows = Segments(*(_rows_symbolic(torch.compile(
                     f, dynamic=None, fullgraph=True, options=kw["options"]))
                     for f in (first_segment, middle_segment, last_segment)))
         except Exception as e:  # e.g. an unknown inductor option
             self.segments = Segments()
-            self.fail(f"torch.compile refused the decode step: {type(e).__name__}: "
-                      f"{str(e).strip().splitlines()[0][:300]}")
+            self.fail(failure("torch.compile of the decode step", e))
 
     def bucket(self, n: int) -> int | None:
         """The compiled bucket for n rows, or None (run eagerly): none is big enough, or the
@@ -175,6 +223,18 @@ class CompiledDecode:
             return None
         b = next((b for b in self.buckets if b >= n), None)
         return b if b is not None and b not in self.slower else None
+
+    def graph(self, bucket: int) -> Callable | None:
+        """The one-graph step for a bucket (``decode_graph``'s arguments), or None: the
+        bucket runs the segments."""
+        return self.step if bucket <= self.graph_rows else None
+
+    def fail_graph(self, bucket: int, e: Exception) -> None:
+        """A one-graph step failed: decode steps run the segments from now on."""
+        self.step = None
+        self.graph_failed = failure(f"one-graph decode step for batch {bucket}", e)
+        log.error("%s; decode steps run per layer from now on (--compile-graph-max-batch 0 "
+                  "turns one-graph steps off)", self.graph_failed)
 
     def any_rows_for(self, n: int, decode_only: bool) -> Segments | None:
         """The any-row segments for a step of n rows that no bucket takes (a prefill, or
@@ -188,9 +248,7 @@ class CompiledDecode:
         """A step needed an any-row graph not compiled at start-up (or it failed): steps
         with a prefill run eagerly from now on."""
         self.any_rows = None
-        self.any_failed = (f"compiled step for {rows} rows (a prefill) failed: "
-                           f"{type(e).__name__}: "
-                           f"{str(e).strip().splitlines()[0][:300] if str(e) else ''}")
+        self.any_failed = failure(f"compiled step for {rows} rows (a prefill)", e)
         log.error("%s; steps with a prefill run eagerly from now on (--no-compile turns "
                   "compilation off)", self.any_failed)
 
@@ -218,8 +276,7 @@ class CompiledDecode:
             try:
                 run_bucket(b, self.segments)
             except Exception as e:  # inductor/dynamo raise many types; all mean "no compile"
-                self.fail(f"compiling the decode step for batch {b} failed: "
-                          f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}")
+                self.fail(failure(f"compiling the decode step for batch {b}", e))
                 return
             compiled, eager = (t * 1e3 for t in best_pair(
                 lambda: run_bucket(b, self.segments), lambda: run_bucket(b, EAGER),
@@ -228,8 +285,9 @@ class CompiledDecode:
             slower = _slower(compiled, eager)
             if slower:
                 self.slower.add(b)
-            progress.info("compiled decode step %d/%d (batch %d) in %.1fs: "
+            progress.info("compiled decode step %d/%d (batch %d%s) in %.1fs: "
                           "%.1f ms vs %.1f ms eager%s", i + 1, len(self.buckets), b,
+                          ", one graph" if self.graph(b) else "",
                           time.perf_counter() - t, compiled, eager,
                           " (slower: this batch runs eagerly)" if slower else "")
         if self.any_rows is not None and self.disabled is None:

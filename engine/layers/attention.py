@@ -3,7 +3,8 @@ the paged-cache attention through the injected backend with this layer's own
 LayerAttention (scale, sliding window, logit soft-cap), and the output projection.
 
 ``project`` (pure tensor math, compiled by engine/compile/) and ``attend`` (writes the
-KV cache, always eager) are separate so a compiled step can stop between them.
+KV cache through the backend, eager) are separate so a compiled step can stop between
+them; ``attend_slots`` is the one-graph decode step's attention (its write included).
 """
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import torch
 from torch import nn
 
 from engine.attention.base import AttentionBackend, LayerAttention
-from engine.attention.metadata import AttentionMetadata
+from engine.attention.metadata import AttentionMetadata, DecodeSlots
+from engine.attention.paged_decode import decode_write
 from engine.layers.linear import Linear, single
 from engine.layers.rotary import apply_rotary
 
@@ -66,4 +68,11 @@ class Attention(nn.Module):
                ctx: PagedCache) -> torch.Tensor:
         """The paged-cache part (writes K/V, never compiled) -> o [T, Hq * D]."""
         o = ctx.backend.forward(self.layer, q, k, v, ctx.kv, ctx.meta, self.params)  # [T, Hq, D]
+        return o.reshape(q.shape[0], self.hq * self.d)
+
+    def attend_slots(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
+                     slots: DecodeSlots) -> torch.Tensor:
+        """``attend`` for a decode step compiled as one graph (engine/models/base.py
+        decode_graph): the CPU decode kernel with the write in it -> o [R, Hq * D]."""
+        o = decode_write(self.layer, q, k, v, kv, slots, self.params)
         return o.reshape(q.shape[0], self.hq * self.d)

@@ -10,6 +10,8 @@ Segment protocol (what engine/compile/ compiles): a forward pass is cut at every
 attention call into ``first`` (embedding, rotary tables, layer 0 up to its attention),
 ``middle`` (one layer's output and the next layer's q/k/v; one graph for all layers,
 whose weights are its inputs) and ``last`` (the last layer's output and the final norm).
+A short decode step runs instead as one graph (``decode_graph``): the segments and every
+layer's attention with its KV write, which no per-layer check can interrupt.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.base import AttentionBackend, LayerAttention
-from engine.attention.metadata import AttentionMetadata
+from engine.attention.metadata import AttentionMetadata, DecodeSlots
 from engine.config import ModelConfig
 from engine.layers.attention import RopeTables
 from engine.layers.decoder import DecoderLayer
@@ -102,6 +104,21 @@ def last_segment(prev: DecoderLayer, norm: nn.Module, x: torch.Tensor, o: torch.
                  ) -> torch.Tensor:
     """The last layer after its attention, and the final norm -> hidden [T, H]."""
     return norm(prev.attn_out(x, o))
+
+
+def decode_graph(model: DecoderModel, input_ids: torch.Tensor, positions: torch.Tensor,
+                 kv: torch.Tensor, slots: DecodeSlots) -> torch.Tensor:
+    """A decode-only step as one graph (engine/compile/decode.py): every layer, its
+    attention and KV write included (``Attention.attend_slots``), then the final norm ->
+    hidden [R, H]. Rows past the step's own are padding (``DecodeSlots``). Nothing asks
+    should_stop: such a step runs to its end (short steps only; module docstring)."""
+    x, rope, q, k, v = first_segment(model, input_ids, positions)
+    layers = model.layers
+    for i, layer in enumerate(layers):
+        o = layer.self_attn.attend_slots(q, k, v, kv, slots)
+        if i + 1 < len(layers):
+            x, q, k, v = middle_segment(layer, layers[i + 1], x, o, rope)
+    return last_segment(layers[-1], model.norm, x, o)
 
 
 def compile_blocker(model: nn.Module) -> str | None:

@@ -153,6 +153,45 @@ def test_paged_decode_matches_naive(dtype: torch.dtype, impl: str) -> None:
         torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_write_equals_the_backend_and_padding_rows_touch_nothing(dtype) -> None:
+    """A one-graph decode step's attention (``decode_write``: ``tandem::paged_decode_write``
+    on ``DecodeSlots``) against the sdpa backend's decode rows: the same outputs and the
+    same cache, bit for bit, for real rows with sliding windows, soft-caps and GQA; a
+    bucket's padding rows (block -1, length 0) write nothing and come out zero; a slot
+    outside the cache is refused, naming it."""
+    from engine.attention import paged_decode as pd
+    from engine.attention.metadata import decode_slots
+
+    if pd.kernel_unavailable() is not None:
+        pytest.skip(f"paged decode kernel: {pd.kernel_unavailable()}")
+    rng = random.Random(11)
+    block_size, hq, hkv, d, layers = 16, 9, 3, 16, 3
+    lens = [1, 17, 40]
+    nblocks = sum(-(-n // block_size) for n in lens) + 4
+    kv = torch.randn(nblocks, layers, 2, block_size, hkv, d, dtype=dtype)
+    free = list(range(nblocks))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(-(-n // block_size))] for n in lens]
+    meta = build_metadata([1] * 3, lens, 0, tables, block_size)
+    slots = decode_slots(meta, 4, 5)  # one padding row; tables padded to 5 blocks
+    assert slots.blocks.tolist()[3] == -1 and slots.lens.tolist()[3] == 0
+    assert decode_slots(meta, 4, 2) is None  # a 3-block table is wider: the per-layer path
+    q = torch.randn(4, hq, d, dtype=dtype)
+    k, v = torch.randn(4, hkv, d, dtype=dtype), torch.randn(4, hkv, d, dtype=dtype)
+    for params in (LayerAttention(0.25), LayerAttention(0.25, window=20, softcap=5.0)):
+        for layer in range(layers):
+            want_kv, got_kv = kv.clone(), kv.clone()
+            want = get_backend("sdpa").forward(layer, q[:3], k[:3], v[:3], want_kv, meta,
+                                               params)
+            got = pd.decode_write(layer, q, k, v, got_kv, slots, params)
+            assert torch.equal(got[:3], want) and not got[3].any()
+            assert torch.equal(got_kv, want_kv)
+    bad = decode_slots(build_metadata([1], [1], 0, [[nblocks]], block_size), 1, 5)
+    with pytest.raises(RuntimeError, match="row 0's slot is outside the cache"):
+        pd.decode_write(0, q[:1], k[:1], v[:1], kv, bad, LayerAttention(0.25))
+
+
 @pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8"])
 @pytest.mark.parametrize("d", [64, 40])  # 40: rows that end mid-vector
 def test_paged_decode_kernel_long_contexts(kind: str, d: int) -> None:

@@ -1,5 +1,6 @@
 """The compiled decode step (engine/compile/) against the eager one on the tiny model, fp32:
-token-identical, batch-invariant, interruptible, and a compile failure falls back loudly."""
+token-identical, batch-invariant, interruptible, and a compile failure falls back loudly.
+The module's engine runs buckets 1 and 2 as one graph and bucket 4 per layer."""
 from __future__ import annotations
 
 import json
@@ -24,6 +25,7 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 def _engine(path: Path, compile: bool, quantization: str = "none") -> LLMEngine:
     eng = LLMEngine(EngineConfig.from_flat(model=str(path), dtype="float32", num_kv_blocks=128,
                                            max_num_seqs=8, compile=compile, compile_max_batch=4,
+                                           compile_graph_max_batch=2,
                                            quantization=quantization, quant_packed_max_rows=2))
     if compile:
         assert set(eng.runner.compiled.timings) == {1, 2, 4}
@@ -41,6 +43,21 @@ def compiled(tiny_model_dir: Path) -> LLMEngine:
     assert eng.runner.compiled.disabled is None
     assert eng.runner.compiled.buckets == [1, 2, 4]
     return eng
+
+
+@pytest.fixture
+def graph_rows(compiled: LLMEngine):
+    """The row counts of the one-graph steps the compiled engine runs while the test does."""
+    c = compiled.runner.compiled
+    inner, rows = c.step, []
+
+    def step(model, ids, *rest):
+        rows.append(ids.shape[0])
+        return inner(model, ids, *rest)
+
+    c.step = step
+    yield rows
+    c.step = inner
 
 
 def test_buckets() -> None:
@@ -62,13 +79,36 @@ def test_compiled_tokens_equal_eager(compiled: LLMEngine, tiny_model_dir: Path) 
     compiled.leak_check()
 
 
+def test_short_decode_steps_run_as_one_graph_and_equal_eager(compiled: LLMEngine,
+                                                             tiny_model_dir: Path,
+                                                             graph_rows: list[int]) -> None:
+    """Decode steps of 1 and 2 rows (3 rows: bucket 2... no, 4, per layer) run as one graph,
+    the padding row of a 3-row step included in neither; the eager engine's tokens."""
+    c = compiled.runner.compiled
+    assert c.graph(1) is c.graph(2) is not None and c.graph(4) is None
+    eager = _engine(tiny_model_dir, compile=False)
+    prompts = _prompts(3)
+    params = [SamplingParams(max_tokens=3 + 4 * i, temperature=0, ignore_eos=True)
+              for i in range(3)]
+    want = [d.token_ids for d in eager.generate(prompts, params)]
+    assert [d.token_ids for d in compiled.generate(prompts, params)] == want
+    assert set(graph_rows) == {1, 2}  # 3 rows ran bucket 4's segments, then 2, then 1
+    assert c.graph_failed is None and compiled.runner.fallbacks()["compile"] == []
+    compiled.leak_check()
+
+
 def test_compiled_quantized_tokens_equal_eager(tiny_model_dir: Path) -> None:
-    """Packed int8 kernels at 1-2 rows, dense at 4: both inside the compiled graphs."""
+    """Packed int8 kernels at 1-2 rows, dense at 4: both inside the compiled graphs. This
+    model's one-graph steps live beside the module's unquantized engine's, whose inputs
+    have the same shapes: dynamo's guards on the model are dropped, so each model's step
+    is a function of its own (one shared would run the other's graph here)."""
     a = _engine(tiny_model_dir, compile=True, quantization="int8")
     b = _engine(tiny_model_dir, compile=False, quantization="int8")
+    assert a.runner.compiled.graph(1) is not None
     prompts = _prompts(4)
     assert [c.token_ids for c in a.generate(prompts, GREEDY)] == \
         [c.token_ids for c in b.generate(prompts, GREEDY)]
+    assert a.runner.compiled.graph_failed is None
 
 
 def test_prefill_steps_run_the_any_row_segments_and_equal_eager(compiled: LLMEngine,
@@ -127,9 +167,10 @@ def test_a_prefill_needing_a_graph_not_compiled_at_start_up_runs_eagerly(tiny_mo
 
 
 def test_compiled_step_is_interruptible(compiled: LLMEngine) -> None:
-    """should_stop is asked between layers of a compiled step as of an eager one."""
-    for i in range(2):
-        compiled.add_request(_prompts(2)[i], GREEDY, request_id=f"low{i}", priority=5)
+    """should_stop is asked between layers of a compiled step as of an eager one (3 rows:
+    bucket 4, compiled per layer)."""
+    for i in range(3):
+        compiled.add_request(_prompts(3)[i], GREEDY, request_id=f"low{i}", priority=5)
     compiled.step()
     compiled.step()
     attn = compiled.runner.model.model.layers[0].self_attn
@@ -147,6 +188,77 @@ def test_compiled_step_is_interruptible(compiled: LLMEngine) -> None:
     while compiled.has_unfinished():
         compiled.step()
     compiled.leak_check()
+
+
+def test_a_one_graph_step_runs_to_its_end(compiled: LLMEngine, graph_rows: list[int]) -> None:
+    """A step run as one graph has no layer to stop between: a more important request
+    arriving during it waits for its end (the step's tokens count), then runs."""
+    for i in range(2):
+        compiled.add_request(_prompts(2)[i], GREEDY, request_id=f"g{i}", priority=5)
+    compiled.step()
+    compiled.step()  # prefills done: the next step decodes 2 rows as one graph
+    c = compiled.runner.compiled
+    inner = c.step
+
+    def step(*a):
+        compiled.interrupt_for(0)
+        return inner(*a)
+
+    c.step = step
+    before = compiled.stats.interrupted_steps
+    try:
+        outs = compiled.step()
+    finally:
+        c.step = inner
+    assert len(outs) == 2 and compiled.stats.interrupted_steps == before
+    while compiled.has_unfinished():
+        compiled.step()
+    compiled.leak_check()
+
+
+def test_a_failing_one_graph_step_falls_back_to_the_segments(compiled: LLMEngine,
+                                                             tiny_model_dir: Path,
+                                                             caplog) -> None:
+    """Anything a one-graph step raises (a guard that would compile mid-serving, a kernel
+    error) drops one-graph steps: that step and later ones run per layer, said in the log
+    and as a compile fallback, with the eager engine's tokens."""
+    c = compiled.runner.compiled
+    inner = c.step
+
+    def broken(*a):
+        raise RuntimeError("Detected recompile when torch.compile stance is 'fail_on_recompile'")
+
+    c.step = broken
+    try:
+        with caplog.at_level(logging.ERROR):
+            got = compiled.generate([_prompts(1)[0]], GREEDY)[0].token_ids
+        assert c.step is None and c.graph(1) is None
+        assert c.graph_failed.startswith("one-graph decode step for batch 1 failed: "
+                                         "RuntimeError: Detected recompile")
+        assert "--compile-graph-max-batch 0" in caplog.text
+        assert compiled.runner.fallbacks()["compile"] == [c.graph_failed]
+    finally:
+        c.step, c.graph_failed = inner, None
+    eager = _engine(tiny_model_dir, compile=False)
+    assert got == eager.generate([_prompts(1)[0]], GREEDY)[0].token_ids
+    compiled.leak_check()
+
+
+@pytest.mark.parametrize("flag,why", [
+    (dict(kv_cache_dtype="int8"), "--kv-cache-dtype int8 is decoded per layer"),
+    (dict(attention_backend="naive"), "--attention-backend naive decodes per layer")])
+def test_one_graph_steps_are_off_where_their_attention_would_differ(tiny_model_dir: Path,
+                                                                    flag: dict, why: str,
+                                                                    caplog) -> None:
+    """The one-graph step calls the CPU decode kernel on a cache in the compute dtype
+    itself: a quantized cache, or a backend whose decode rows are not that kernel, keep
+    the per-layer segments (said in the log), never another attention than asked for."""
+    with caplog.at_level(logging.INFO, logger="engine.model_runner"):
+        eng = LLMEngine(EngineConfig.from_flat(model=str(tiny_model_dir), dtype="float32",
+                                               num_kv_blocks=64, max_num_seqs=1, compile=True,
+                                               compile_max_batch=1, **flag))
+    assert eng.runner.compiled.graph(1) is None and eng.runner.compiled.step is None
+    assert f"decode steps compile per layer, not as one graph: {why}" in caplog.text
 
 
 def test_compile_failure_falls_back_and_says_so(tiny_model_dir: Path, caplog) -> None:

@@ -434,3 +434,23 @@ def test_a_verify_row_attends_as_decode_queries(tiny_model_dir, monkeypatch) -> 
     a.draft = []
     for t in (ta, tb):
         eng.kv.pool.free(t)
+
+
+def test_verification_in_a_one_graph_step_equals_plain_decoding(plain, tiny_model_dir) -> None:
+    """ngram guesses verified by a compiled step (one sequence's 1 + 3 rows: bucket 4, run
+    as one graph, every row's K/V written before any attends): the plain engine's
+    greedy tokens, with guesses accepted."""
+    eng = _engine(tiny_model_dir, "ngram", num_speculative_tokens=3, compile=True,
+                  compile_max_batch=4, compile_graph_max_batch=4, max_num_seqs=1)
+    c = eng.runner.compiled
+    assert c.graph(4) is not None
+    c.slower.clear()
+    rows = []
+    inner = c.step
+    c.step = lambda model, ids, *rest: rows.append(ids.shape[0]) or inner(model, ids, *rest)
+    prompts = _prompts(6)[::2]  # the repeating ones
+    want = [o.token_ids for o in plain.generate(prompts, GREEDY)]
+    assert [eng.generate([p], GREEDY)[0].token_ids for p in prompts] == want
+    assert 4 in rows and eng.speculator.counters.get("ngram").accepted > 0
+    assert c.graph_failed is None
+    eng.leak_check()

@@ -56,3 +56,12 @@ def test_from_flat_fills_each_group_and_refuses_unknown_names() -> None:
     assert config.load == EngineConfig().load
     with pytest.raises(TypeError, match="EngineConfig has no field blocksize"):
         EngineConfig.from_flat(block_size=32, blocksize=16)
+
+
+def test_compile_graph_max_batch_defaults_to_4_and_refuses_negatives() -> None:
+    """--compile-graph-max-batch (default 4) is refused below 0, naming the flag."""
+    assert EngineConfig.from_flat().compilation.compile_graph_max_batch == 4
+    assert EngineConfig.from_flat(
+        compile_graph_max_batch=0).compilation.compile_graph_max_batch == 0
+    with pytest.raises(ValueError, match="--compile-graph-max-batch must be >= 0, got -1"):
+        EngineConfig.from_flat(compile_graph_max_batch=-1)

@@ -870,6 +870,48 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv, int64_t layer
 }
 
 
+// A decode step's attention in one call, for a step compiled as one graph
+// (engine/compile/decode.py): each row's new K and V (already in the cache's dtype) are
+// copied into its slot of layer `layer`, then the rows attend as paged_decode does. A row
+// whose slot block is negative is a bucket's padding: nothing is written for it, and
+// with seq_len 0 it reads nothing and gets zeros.
+at::Tensor paged_decode_write(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                              at::Tensor& kv, const at::Tensor& slot_blocks,
+                              const at::Tensor& slot_offsets, int64_t layer,
+                              const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                              double scale, int64_t window, double softcap, bool fma_only) {
+  TORCH_CHECK(kv.dim() == 6 && kv.is_contiguous(), "paged_decode_write: kv 6-D contiguous");
+  TORCH_CHECK(k.scalar_type() == kv.scalar_type() && v.scalar_type() == kv.scalar_type(),
+              "paged_decode_write: k and v in the cache's dtype");
+  TORCH_CHECK(slot_blocks.scalar_type() == at::kLong && slot_offsets.scalar_type() == at::kLong,
+              "paged_decode_write: int64 slots");
+  TORCH_CHECK(layer >= 0 && layer < kv.size(1), "paged_decode_write: layer ", layer,
+              " out of range");
+  const int64_t n = k.size(0);
+  const int64_t row = kv.size(4) * kv.size(5);  // one token's K (or V) of every KV head
+  TORCH_CHECK(k.numel() == n * row && v.numel() == n * row && slot_blocks.numel() == n &&
+                  slot_offsets.numel() == n,
+              "paged_decode_write: k, v [N, Hkv, R] and slots [N] disagree with the cache");
+  auto kc = k.contiguous(), vc = v.contiguous();
+  auto blocks = slot_blocks.contiguous(), offsets = slot_offsets.contiguous();
+  const int64_t* b = blocks.data_ptr<int64_t>();
+  const int64_t* o = offsets.data_ptr<int64_t>();
+  const size_t es = kv.element_size(), bytes = row * es;
+  auto* base = static_cast<char*>(kv.data_ptr());
+  const auto* ks = static_cast<const char*>(kc.data_ptr());
+  const auto* vs = static_cast<const char*>(vc.data_ptr());
+  for (int64_t i = 0; i < n; ++i) {
+    if (b[i] < 0) continue;
+    TORCH_CHECK(b[i] < kv.size(0) && o[i] >= 0 && o[i] < kv.size(3),
+                "paged_decode_write: row ", i, "'s slot is outside the cache");
+    char* dst = base + (b[i] * kv.stride(0) + layer * kv.stride(1) + o[i] * kv.stride(3)) * es;
+    std::memcpy(dst, ks + i * bytes, bytes);
+    std::memcpy(dst + kv.stride(2) * es, vs + i * bytes, bytes);
+  }
+  return paged_decode(q, kv, layer, block_tables, seq_lens, scale, window, softcap,
+                      std::nullopt, std::nullopt, fma_only);
+}
+
 at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& kv, int64_t layer,
                          const at::Tensor& block_table, int64_t seq_len, double scale,
                          int64_t window, double softcap, bool fma_only) {
@@ -908,9 +950,13 @@ TORCH_LIBRARY(tandem, m) {
         "Tensor(a!)? logits=None, bool fma_only=False) -> Tensor");
   m.def("paged_prefill(Tensor q, Tensor kv, int layer, Tensor block_table, int seq_len, "
         "float scale, int window=0, float softcap=0., bool fma_only=False) -> Tensor");
+  m.def("paged_decode_write(Tensor q, Tensor k, Tensor v, Tensor(a!) kv, Tensor slot_blocks, "
+        "Tensor slot_offsets, int layer, Tensor block_tables, Tensor seq_lens, float scale, "
+        "int window=0, float softcap=0., bool fma_only=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tandem, CPU, m) {
   m.impl("paged_decode", &paged_decode);
   m.impl("paged_prefill", &paged_prefill);
+  m.impl("paged_decode_write", &paged_decode_write);
 }
