@@ -11,11 +11,14 @@ from tandem.model_arg import add_model_arg, resolve_model
 from worker.config import KVTransferConfig, WorkerConfig
 
 
-PREFILL_DEFAULTS = {"max_num_batched_tokens": 2048}
+PREFILL_DEFAULTS = {"max_num_batched_tokens": 2048, "compile_max_batch": 1,
+                    "compile_graph_max_batch": 0}
 """A prefill worker's own engine defaults. Its steps carry no decode rows, so a larger
 chunk costs no other request's inter-token latency, and prefill runs faster in larger
 GEMMs: 4 prompts of 512 tokens in process, 1,745 tok/s in chunks of 512, 2,384-2,847 in
-one chunk of 2,048 (docs/performance.md, section f)."""
+one chunk of 2,048 (docs/performance.md, section f). It never runs a decode step, so it
+compiles the smallest decode bucket only, per layer (the one-graph buckets cost 20 s of
+a restart and 80 s of a first start on a 2-core EPYC), and its compiled prefill steps."""
 
 
 def add_worker_args(p: argparse.ArgumentParser, role: str) -> None:

@@ -1,5 +1,6 @@
 """`tandem prefill` and `tandem decode` share the engine's flags; a prefill worker has
-its own default token budget (its steps carry no decode rows), and --help says so."""
+its own default token budget and decode compilation (its steps carry no decode rows),
+and --help says so."""
 from __future__ import annotations
 
 from engine.config import SchedulerConfig
@@ -33,3 +34,19 @@ def test_help_shows_each_roles_default() -> None:
         action = next(a for a in sub.choices[role]._actions
                       if a.dest == "max_num_batched_tokens")
         assert action.help.endswith(f"(default: {want})") and str(action.default) == want
+
+
+def test_a_prefill_worker_compiles_no_decode_batches_it_never_runs(monkeypatch) -> None:
+    """A prefill worker never runs a decode step: it compiles the smallest decode bucket
+    only, per layer (one-graph buckets cost a restart 20 s), where a decode worker compiles
+    up to --max-num-seqs with one-graph buckets up to 4 rows; both flags still override."""
+    import tandem.worker_cli as wc
+
+    monkeypatch.setattr(wc, "resolve_model", lambda args: args.model)
+    prefill = worker_config(_config("prefill", *MODEL)).engine.compilation
+    decode = worker_config(_config("decode", *MODEL)).engine.compilation
+    assert (prefill.compile_max_batch, prefill.compile_graph_max_batch) == (1, 0)
+    assert (decode.compile_max_batch, decode.compile_graph_max_batch) == (None, 4)
+    asked = worker_config(_config("prefill", *MODEL, "--compile-max-batch", "8",
+                                  "--compile-graph-max-batch", "2")).engine.compilation
+    assert (asked.compile_max_batch, asked.compile_graph_max_batch) == (8, 2)
