@@ -37,6 +37,20 @@ def _prompts(n: int) -> list[list[int]]:
     return [[(7 * i + j) % 300 + 3 for j in range(5 + 3 * i)] for i in range(n)]
 
 
+def _step_hidden(eng: LLMEngine, one_graph: bool) -> torch.Tensor:
+    """Hidden states of one batch-1 decode step at position 0 in block 0 (which the test's
+    later requests overwrite): the compiled engine's one-graph step, or its eager one."""
+    from engine.attention.metadata import build_metadata
+    from engine.models.base import EAGER, ForwardContext
+
+    r = eng.runner
+    with torch.inference_mode():  # as the engine's steps run: the graph's guards see it
+        meta = build_metadata([1], [1], 0, [[0]], r.config.cache.block_size)
+        tids, tpos = r.compiled.pad([5], [0], 1)
+        return r._bucket_hidden(tids, tpos, ForwardContext(r.kv, meta, r.backend), 1,
+                                r.compiled.segments if one_graph else EAGER)
+
+
 @pytest.fixture(scope="module")
 def compiled(tiny_model_dir: Path) -> LLMEngine:
     eng = _engine(tiny_model_dir, compile=True)
@@ -97,11 +111,31 @@ def test_short_decode_steps_run_as_one_graph_and_equal_eager(compiled: LLMEngine
     compiled.leak_check()
 
 
+def test_each_model_keeps_its_own_one_graph_steps(compiled: LLMEngine, tiny_model_dir: Path,
+                                                  tmp_path: Path) -> None:
+    """Dynamo's guards on the model are dropped from one-graph steps, so a second model
+    whose step inputs have the same shapes (here: the same checkpoint with another
+    rms_norm_eps, a constant the graph bakes in) must get a step function of its own:
+    one shared would hand it the first model's graph, and its steps would compute the
+    first model's norms. Each engine's one-graph step equals its own eager step."""
+    import shutil
+
+    other = tmp_path / "other-eps"
+    shutil.copytree(tiny_model_dir, other)
+    cfg = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**cfg, "rms_norm_eps": 0.5}))
+    b = LLMEngine(EngineConfig.from_flat(model=str(other), dtype="float32", num_kv_blocks=128,
+                                         max_num_seqs=8, compile=True, compile_max_batch=2,
+                                         compile_graph_max_batch=2))
+    for eng in (compiled, b):
+        assert eng.runner.compiled.graph(1) is not None
+        torch.testing.assert_close(_step_hidden(eng, one_graph=True),
+                                   _step_hidden(eng, one_graph=False), atol=1e-5, rtol=1e-5)
+        assert eng.runner.compiled.graph_failed is None
+
+
 def test_compiled_quantized_tokens_equal_eager(tiny_model_dir: Path) -> None:
-    """Packed int8 kernels at 1-2 rows, dense at 4: both inside the compiled graphs. This
-    model's one-graph steps live beside the module's unquantized engine's, whose inputs
-    have the same shapes: dynamo's guards on the model are dropped, so each model's step
-    is a function of its own (one shared would run the other's graph here)."""
+    """Packed int8 kernels at 1-2 rows, dense at 4: both inside the compiled graphs."""
     a = _engine(tiny_model_dir, compile=True, quantization="int8")
     b = _engine(tiny_model_dir, compile=False, quantization="int8")
     assert a.runner.compiled.graph(1) is not None
