@@ -170,7 +170,11 @@ class CompiledDecode:
         self.buckets = decode_buckets(max_rows)
         self.any_rows: Segments | None = None
         """The any-row segments (module docstring), None where steps with a prefill run
-        eagerly: on CUDA, with LoRA, after ``fail_any_rows``, or when they timed slower."""
+        eagerly: on CUDA, with LoRA, or after ``fail_any_rows``."""
+        self.any_slower = False
+        """The any-row segments timed clearly slower than eager at start-up: steps with a
+        prefill run eagerly (kept apart from ``any_rows``, as ``slower`` is from the
+        buckets, so a test can take the compiled path whatever the host's timing said)."""
         self.any_sizes = (any_row_sizes(model, any_rows)
                           if any_rows is not None and device.type == "cpu" else [])
         self.any_failed: str | None = None
@@ -239,7 +243,7 @@ class CompiledDecode:
     def any_rows_for(self, n: int, decode_only: bool) -> Segments | None:
         """The any-row segments for a step of n rows that no bucket takes (a prefill, or
         more decode rows than the largest bucket), or None: run it eagerly."""
-        if (self.disabled is not None or self.any_rows is None or n < 2
+        if (self.disabled is not None or self.any_rows is None or self.any_slower or n < 2
                 or (decode_only and n <= self.buckets[-1])):
             return None
         return self.any_rows
@@ -295,7 +299,8 @@ class CompiledDecode:
         self.compile_seconds = time.perf_counter() - t0
         progress.info("compiled decode steps for batches %s%s in %.1fs",
                       ",".join(map(str, self.buckets)),
-                      " and prefill steps" if self.any_rows is not None else "",
+                      " and prefill steps" if self.any_rows is not None and not self.any_slower
+                      else "",
                       self.compile_seconds)
 
     def _warm_any_rows(self, run_rows: Callable[[int, Segments], None]) -> None:
@@ -318,8 +323,7 @@ class CompiledDecode:
         progress.info("compiled prefill step in %.1fs: %.1f ms vs %.1f ms eager at %d rows%s",
                       time.perf_counter() - t, compiled, eager, big,
                       " (slower: steps with a prefill run eagerly)" if slower else "")
-        if slower:
-            self.any_rows = None
+        self.any_slower = slower
 
     def fail(self, reason: str) -> None:
         self.disabled = reason

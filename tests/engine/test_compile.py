@@ -30,6 +30,7 @@ def _engine(path: Path, compile: bool, quantization: str = "none") -> LLMEngine:
     if compile:
         assert set(eng.runner.compiled.timings) == {1, 2, 4}
         eng.runner.compiled.slower.clear()  # test every compiled bucket, faster or not
+        eng.runner.compiled.any_slower = False  # and the prefill steps
     return eng
 
 
@@ -343,6 +344,21 @@ def test_a_tie_at_start_up_keeps_the_compiled_step(monkeypatch) -> None:
     c.warm_up(lambda rows, segments: None)
     assert c.disabled is None and c.slower == {4}
     assert (c.bucket(1), c.bucket(2), c.bucket(3)) == (1, 2, None)
+
+
+def test_prefill_steps_that_timed_slower_run_eagerly_and_keep_their_graphs(monkeypatch) -> None:
+    """Any-row segments that timed clearly slower than eager at start-up are set aside
+    (steps with a prefill run eagerly), not dropped: a flag, as a bucket's ``slower``."""
+    from engine.compile import decode as cd
+
+    c = cd.CompiledDecode(torch.nn.Linear(1, 1), torch.device("cpu"), max_rows=2, any_rows=8)
+    assert c.any_sizes == [2, 8] and c.any_rows is not None
+    times = iter([(1.0, 1.0), (1.0, 1.0), (1.2, 1.0)])  # buckets 1, 2, then the any-row step
+    monkeypatch.setattr(cd, "best_pair", lambda a, b, retry_if=None: next(times))
+    c.warm_up(lambda rows, segments: None)
+    assert c.any_slower and c.any_rows_for(3, decode_only=False) is None
+    c.any_slower = False
+    assert c.any_rows_for(3, decode_only=False) is c.any_rows
 
 
 def test_start_up_timings_alternate_and_a_loss_is_timed_again() -> None:
