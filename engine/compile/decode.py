@@ -187,11 +187,6 @@ class CompiledDecode:
         """Why one-graph steps were dropped after a failure (a fallback)."""
         # one compiled graph per (segment, bucket); dynamo's default limit is 8
         torch._dynamo.config.cache_size_limit = max(64, 4 * len(self.buckets))
-        kw: dict = {"dynamic": False, "fullgraph": True}
-        if device.type == "cuda":
-            kw["mode"] = "reduce-overhead"  # CUDA graphs per bucket
-        else:
-            kw["options"] = cpu_options(options)
         self.device = device
         self.disabled: str | None = None
         self.compile_seconds = 0.0
@@ -207,18 +202,28 @@ class CompiledDecode:
                           blocker)
             return
         try:
-            self.segments = Segments(*(torch.compile(f, **kw)
-                                       for f in (first_segment, middle_segment, last_segment)))
-            if graph_rows and device.type == "cpu":
-                self.step = torch.compile(_own_copy(decode_graph), **{
-                    **kw, "options": {**kw["options"], "guard_filter_fn": _model_guards}})
-            if self.any_sizes:
-                self.any_rows = Segments(*(_rows_symbolic(torch.compile(
-                    f, dynamic=None, fullgraph=True, options=kw["options"]))
-                    for f in (first_segment, middle_segment, last_segment)))
+            self._wrap(options)
         except Exception as e:  # e.g. an unknown inductor option
             self.segments = Segments()
             self.fail(failure("torch.compile of the decode step", e))
+
+    def _wrap(self, options: dict | None) -> None:
+        """torch.compile the segments, the one-graph step and the any-row segments (each
+        compiles on its first call: ``warm_up``)."""
+        kw: dict = {"dynamic": False, "fullgraph": True}
+        if self.device.type == "cuda":
+            kw["mode"] = "reduce-overhead"  # CUDA graphs per bucket
+        else:
+            kw["options"] = cpu_options(options)
+        self.segments = Segments(*(torch.compile(f, **kw)
+                                   for f in (first_segment, middle_segment, last_segment)))
+        if self.graph_rows and self.device.type == "cpu":
+            self.step = torch.compile(_own_copy(decode_graph), **{
+                **kw, "options": {**kw["options"], "guard_filter_fn": _model_guards}})
+        if self.any_sizes:
+            self.any_rows = Segments(*(_rows_symbolic(torch.compile(
+                f, dynamic=None, fullgraph=True, options=kw["options"]))
+                for f in (first_segment, middle_segment, last_segment)))
 
     def bucket(self, n: int) -> int | None:
         """The compiled bucket for n rows, or None (run eagerly): none is big enough, or the
