@@ -36,3 +36,16 @@ def test_a_setting_without_a_value_is_refused_by_name() -> None:
     out = _run("--b", "cpp_wrapper")
     assert out.returncode != 0
     assert "'cpp_wrapper' is not KEY=VALUE" in out.stderr
+
+
+def test_an_inductor_option_keeps_both_engines_one_graph_steps(tiny_model_dir) -> None:
+    """With an inductor option on one side, both engines time their own compiled one-graph
+    batch-1 step: clearing dynamo's cache between the builds (as the script once did) made
+    engine A's next step a recompile, which a one-graph step refuses, so A fell back to
+    per-layer steps and B/A compared two different steps."""
+    out = _run("--model", str(tiny_model_dir), "--rounds", "1", "--tokens", "3",
+               "--prompt-len", "8", "--both", "max_model_len=64", "num_kv_blocks=32",
+               "--b", "inductor.max_autotune=False")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "one-graph decode step" not in out.stderr, out.stderr[-2000:]
+    assert out.stdout.splitlines()[-1].endswith("tokens equal in 1 of 1 rounds")
