@@ -97,8 +97,8 @@ def test_compiled_tokens_equal_eager(compiled: LLMEngine, tiny_model_dir: Path) 
 def test_short_decode_steps_run_as_one_graph_and_equal_eager(compiled: LLMEngine,
                                                              tiny_model_dir: Path,
                                                              graph_rows: list[int]) -> None:
-    """Decode steps of 1 and 2 rows (3 rows: bucket 2... no, 4, per layer) run as one graph,
-    the padding row of a 3-row step included in neither; the eager engine's tokens."""
+    """Decode steps of 1 and 2 rows run as one graph (the fixture's cap is 2; a 3-row step
+    takes bucket 4, per layer), and give the eager engine's tokens."""
     c = compiled.runner.compiled
     assert c.graph(1) is c.graph(2) is not None and c.graph(4) is None
     eager = _engine(tiny_model_dir, compile=False)
