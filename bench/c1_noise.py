@@ -5,10 +5,11 @@ cost the engine's step on a host with few cores (docs/performance.md, "c1 over H
 Each round times --tokens decode tokens of one engine (as bench/c1_ab.py: a new prompt,
 its prefill subtracted) three times: alone; beside a thread of this process that spins
 --busy-ms of Python every --period-ms (it takes the GIL); beside a separate process
-doing the same (it takes only CPU). Printed: each round's three TPOTs, then medians and
-the loaded/alone ratios. --threads sets the engine's threads; --engine-cpus and
---load-cpus pin the engine's process (before its threads start) and the load to CPUs,
-e.g. ``--threads 1 --engine-cpus 0 --load-cpus 1`` keeps them on different cores.
+doing the same (a fresh interpreter, not a fork: it takes only CPU). Printed: each
+round's three TPOTs, then medians and the loaded/alone ratios. --threads sets the
+engine's threads; --engine-cpus and --load-cpus pin the engine's process (before its
+threads start) and the load to CPUs, e.g. ``--threads 1 --engine-cpus 0 --load-cpus 1``
+keeps them on different cores.
 
     python bench/c1_noise.py [--busy-ms 0.5] [--period-ms 5] [--threads N]
         [--engine-cpus 0] [--load-cpus 1] [--rounds 4]
@@ -16,9 +17,9 @@ e.g. ``--threads 1 --engine-cpus 0 --load-cpus 1`` keeps them on different cores
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -35,7 +36,7 @@ def cpus(text: str | None) -> set[int] | None:
     return {int(c) for c in text.split(",")} if text else None
 
 
-def load(stop, busy_s: float, period_s: float, pin: set[int] | None) -> None:
+def load(stop: threading.Event, busy_s: float, period_s: float, pin: set[int] | None) -> None:
     """Spin busy_s, sleep period_s, until stop is set (a thread: pins only itself)."""
     if pin:
         os.sched_setaffinity(0, pin)
@@ -44,6 +45,18 @@ def load(stop, busy_s: float, period_s: float, pin: set[int] | None) -> None:
         while time.perf_counter() - t < busy_s:
             pass
         time.sleep(period_s)
+
+
+def spawn_load(busy_s: float, period_s: float, pin: set[int] | None) -> subprocess.Popen:
+    """The load in a fresh interpreter: not a fork of this process, whose pages a fork
+    would make copy-on-write for the engine's next writes (the router and the client of a
+    server are not forks of the worker either)."""
+    code = ("import os, time\n"
+            + (f"os.sched_setaffinity(0, {sorted(pin)})\n" if pin else "")
+            + f"while True:\n    t = time.perf_counter()\n"
+            f"    while time.perf_counter() - t < {busy_s}:\n        pass\n"
+            f"    time.sleep({period_s})\n")
+    return subprocess.Popen([sys.executable, "-c", code])
 
 
 def main() -> int:
@@ -78,16 +91,18 @@ def main() -> int:
                 stop = threading.Event()
                 worker = threading.Thread(target=load, args=(stop, busy, period, pin), daemon=True)
             elif mode == "process":
-                stop = mp.Event()
-                worker = mp.Process(target=load, args=(stop, busy, period, pin))
-            if worker is not None:
+                worker = spawn_load(busy, period, pin)
+            if isinstance(worker, threading.Thread):
                 worker.start()
             try:
                 times.append(tpot(eng, {}, prompt(r), args.tokens)[0])
             finally:
-                if worker is not None:
+                if isinstance(worker, threading.Thread):
                     stop.set()
                     worker.join()
+                elif worker is not None:
+                    worker.kill()
+                    worker.wait()
         print(f"round {r}: " + ", ".join(f"{m} {t[-1]:.2f} ms" for m, t in got.items()),
               flush=True)
     med = {m: statistics.median(t) for m, t in got.items()}
