@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "c1_ab.py"
 
@@ -49,3 +50,36 @@ def test_an_inductor_option_keeps_both_engines_one_graph_steps(tiny_model_dir) -
     assert out.returncode == 0, out.stderr[-2000:]
     assert "one-graph decode step" not in out.stderr, out.stderr[-2000:]
     assert out.stdout.splitlines()[-1].endswith("tokens equal in 1 of 1 rounds")
+
+
+def test_the_timed_window_holds_only_the_decode_steps(tiny_model_dir, monkeypatch) -> None:
+    """tpot's clock starts after the prompt's first token and stops after its last: only
+    decode steps in between. It once timed a 1-token request and the same prompt again,
+    and the second one's prefill found the first one's blocks in the prefix cache: a
+    prefill step inside the window, and TPOT short by the cached part of the prefill."""
+    sys.path.insert(0, str(SCRIPT.parents[1]))
+    import bench.c1_ab as ab
+
+    eng = ab.build(str(tiny_model_dir), {"compile": False, "max_model_len": 64,
+                                          "num_kv_blocks": 32}, {})
+    prefill_steps: list[bool] = []  # per step: did a request still wait for its first token
+    real_step = eng.step
+
+    def step():
+        prefill_steps.append(any(r.num_output_tokens == 0 for r in eng.requests.values()))
+        return real_step()
+
+    marks: list[int] = []
+
+    def clock() -> float:
+        marks.append(len(prefill_steps))
+        return float(len(prefill_steps))
+
+    monkeypatch.setattr(eng, "step", step)
+    monkeypatch.setattr(ab, "time", SimpleNamespace(perf_counter=clock))
+    prompt = list(range(10, 50))  # two full blocks: a repeat would hit the prefix cache
+    ms, ids = ab.tpot(eng, {}, prompt, 3)
+    window = prefill_steps[marks[0]:marks[-1]]
+    assert window == [False, False, False], (marks, prefill_steps)
+    assert ms == 1000.0 and len(ids) == 4
+    eng.leak_check()
