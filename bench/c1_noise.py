@@ -32,6 +32,12 @@ from engine.native import simd_flags  # noqa: E402
 from tandem.fetch_model import default_model_path  # noqa: E402
 
 
+SETTLE_S = 0.3
+"""Time the load gets before the timing starts, so that the spawned interpreter's own
+start-up (tens of ms of CPU, on the engine's CPUs until it pins itself) is not inside the
+timed tokens."""
+
+
 def cpus(text: str | None) -> set[int] | None:
     return {int(c) for c in text.split(",")} if text else None
 
@@ -94,6 +100,8 @@ def main() -> int:
                 worker = spawn_load(busy, period, pin)
             if isinstance(worker, threading.Thread):
                 worker.start()
+            if worker is not None:
+                time.sleep(SETTLE_S)
             try:
                 times.append(tpot(eng, {}, prompt(r), args.tokens)[0])
             finally:
