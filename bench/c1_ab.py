@@ -4,15 +4,16 @@ the host's drift (10-30% between runs here) falls out of the ratio.
 Each round sends one new prompt to engine A, then to engine B, for --tokens + 1 tokens;
 TPOT is the time of the steps after its first token, over --tokens. Printed: each
 round's TPOT of A and B, their ratio B/A and whether the greedy tokens agree, then the
-medians. A setting is an engine flag as ``EngineConfig.from_flat`` takes it (``activation_quant=int8``), or ``inductor.NAME=VALUE``
-for an inductor config option set while that engine is built and run
+medians. A setting is an engine flag as ``EngineConfig.from_flat`` takes it
+(``activation_quant=int8``), or ``inductor.NAME=VALUE`` for an inductor config option
+set while that engine is built and run
 (``inductor.cpp_wrapper=True``). Inductor's options are not among dynamo's guards, but
 each engine's batch-1 decode step is its own one-graph step (a code copy per model,
 engine/compile/decode.py), compiled while that engine is built under its own options:
 that is the step timed here. (Clearing dynamo's cache between the two builds, as this
 script once did, dropped engine A's one-graph step: its next run was a recompile, which
 a one-graph step refuses, so A fell back to per-layer steps and B/A read 0.5.) The two
-engines' prefill steps may share one compiled graph; their time is subtracted.
+engines' prefill steps may share one compiled graph; they are not timed.
 
     python bench/c1_ab.py --b activation_quant=int8
     python bench/c1_ab.py --b inductor.cpp_wrapper=True
@@ -86,7 +87,7 @@ def tpot(eng: LLMEngine, inductor: dict, prompt: list[int], tokens: int
         rid = eng.add_request(prompt, SamplingParams(max_tokens=tokens + 1, temperature=0.0,
                                                      ignore_eos=True))
         req = eng.requests[rid]
-        while req.num_output_tokens == 0:  # the prefill, in as many steps as it takes
+        while req.num_output_tokens == 0 and eng.has_unfinished():  # the prefill
             eng.step()
         t0 = time.perf_counter()
         while eng.has_unfinished():

@@ -2,8 +2,8 @@
 server's own HTTP and gRPC work (the router, the worker's event loop, the client) can
 cost the engine's step on a host with few cores (docs/performance.md, "c1 over HTTP").
 
-Each round times --tokens decode tokens of one engine (as bench/c1_ab.py: a new prompt,
-its prefill subtracted) three times: alone; beside a thread of this process that spins
+Each round times --tokens decode steps of one engine (bench/c1_ab.py's tpot: the steps
+after the prompt's first token) three times: alone; beside a thread of this process that spins
 --busy-ms of Python every --period-ms (it takes the GIL); beside a separate process
 doing the same (a fresh interpreter, not a fork: it takes only CPU). Printed: each
 round's three TPOTs, then medians and the loaded/alone ratios. --threads sets the
@@ -17,6 +17,7 @@ keeps them on different cores.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import subprocess
@@ -24,6 +25,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
@@ -65,6 +67,31 @@ def spawn_load(busy_s: float, period_s: float, pin: set[int] | None) -> subproce
     return subprocess.Popen([sys.executable, "-c", code])
 
 
+@contextlib.contextmanager
+def beside(mode: str, busy_s: float, period_s: float, pin: set[int] | None) -> Iterator[None]:
+    """The load for one timing: none ("alone"), a thread of this process, or a spawned
+    process; it runs SETTLE_S before the block and stops when the block ends."""
+    if mode == "alone":
+        yield
+        return
+    stop = threading.Event()
+    if mode == "thread":
+        worker = threading.Thread(target=load, args=(stop, busy_s, period_s, pin), daemon=True)
+        worker.start()
+    else:
+        proc = spawn_load(busy_s, period_s, pin)
+    try:
+        time.sleep(SETTLE_S)
+        yield
+    finally:
+        if mode == "thread":
+            stop.set()
+            worker.join()
+        else:
+            proc.kill()
+            proc.wait()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--busy-ms", type=float, default=0.5, help="the load's spin per period")
@@ -92,25 +119,8 @@ def main() -> int:
     got: dict[str, list[float]] = {"alone": [], "thread": [], "process": []}
     for r in range(args.rounds):
         for mode, times in got.items():
-            stop = worker = None
-            if mode == "thread":
-                stop = threading.Event()
-                worker = threading.Thread(target=load, args=(stop, busy, period, pin), daemon=True)
-            elif mode == "process":
-                worker = spawn_load(busy, period, pin)
-            if isinstance(worker, threading.Thread):
-                worker.start()
-            if worker is not None:
-                time.sleep(SETTLE_S)
-            try:
+            with beside(mode, busy, period, pin):
                 times.append(tpot(eng, {}, prompt(r), args.tokens)[0])
-            finally:
-                if isinstance(worker, threading.Thread):
-                    stop.set()
-                    worker.join()
-                elif worker is not None:
-                    worker.kill()
-                    worker.wait()
         print(f"round {r}: " + ", ".join(f"{m} {t[-1]:.2f} ms" for m, t in got.items()),
               flush=True)
     med = {m: statistics.median(t) for m, t in got.items()}

@@ -34,8 +34,8 @@ and a plot of the NLL averaged over windows of --smooth tokens (--plot, PNG); --
 reads one or more saved --out files (their configs merged, the first file's wins).
 
     flock /tmp/tandem-cpu.lock nice .venv/bin/python bench/kv_policy_ppl.py \\
-        [--text pydoc|moby-dick] [--tokens 16384] [--budgets 256 512] [--configs SPEC ...] [--recompute W ...]
-        [--samples 64] [--out nll.json] [--plot docs/kv_policy_ppl.png]
+        [--text pydoc|moby-dick] [--tokens 16384] [--budgets 256 512] [--configs SPEC ...]
+        [--recompute W ...] [--samples 64] [--out nll.json] [--plot docs/kv_policy_ppl.png]
     .venv/bin/python bench/kv_policy_ppl.py --replot nll.json [more.json ...] [--plot x.png]
 """
 from __future__ import annotations

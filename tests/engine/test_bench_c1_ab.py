@@ -57,7 +57,7 @@ def test_the_timed_window_holds_only_the_decode_steps(tiny_model_dir, monkeypatc
     decode steps in between. It once timed a 1-token request and the same prompt again,
     and the second one's prefill found the first one's blocks in the prefix cache: a
     prefill step inside the window, and TPOT short by the cached part of the prefill."""
-    sys.path.insert(0, str(SCRIPT.parents[1]))
+    monkeypatch.syspath_prepend(str(SCRIPT.parents[1]))
     import bench.c1_ab as ab
 
     eng = ab.build(str(tiny_model_dir), {"compile": False, "max_model_len": 64,
