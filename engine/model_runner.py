@@ -17,6 +17,7 @@ from engine.attention.paged_decode import graph_decode_unavailable
 from engine.config import EngineConfig
 from engine.cpu_limit import default_threads
 from core.kv import kv_format_block_bytes
+from core.kv.policy import decay_per_token
 from engine.kv_cache.manager import NULL_BLOCK
 from engine.kv_cache.h2o import compact, keep_scores, step_scores
 from engine.kv_cache.policy import cache_view
@@ -398,6 +399,8 @@ class ModelRunner:
         masks = self._submit_masks([r.sampling for r in sampled], [r.draft for r in sampled])
         if self.lora is not None:  # one per row of ids; makes the step's adapters resident
             inputs.lora_slots = self.lora.assign([req.lora for req, n in entries for _ in range(n)])
+        inputs.scored = [(seq, req.kv_policy.budget, req.kv_policy.halflife)
+                         for req, seq, _ in lay.scored]
         scores = step_scores(lay.scored, self.model_config.num_layers,
                              self.model_config.num_kv_heads, self.device)
         try:
@@ -442,6 +445,7 @@ class ModelRunner:
                               inputs.tables, self.config.cache.block_size, self.device,
                               self.kv_quant)
         meta.scores = scores or {}
+        meta.score_decay = {seq: decay_per_token(h) for seq, _, h in inputs.scored if h}
         ctx = ForwardContext(self.kv, meta, self.backend, should_stop)
         # a compiled step has no scores to give: steps with scored rows run eager
         hidden = self._forward(inputs.ids, inputs.positions, ctx, inputs.decode_only,

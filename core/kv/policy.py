@@ -9,7 +9,11 @@ window over cache positions (the paper's "window attention" baseline).
 ``h2o:heavy=H,recent=R`` (H2O, arXiv 2306.14048): the R most recent tokens (the one
 being computed among them) and the H "heavy hitters" with the largest attention mass
 accumulated so far, chosen per layer and KV head, token by token
-(engine/kv_cache/h2o.py); positions within the cache as for streaming.
+(engine/kv_cache/h2o.py); positions within the cache as for streaming. With
+``,halflife=T`` the accumulated attention fades by half every T tokens (A2SF, arXiv
+2407.20485: a forgetting factor), so tokens that stopped drawing attention can leave the
+heavy part; without it, the paper's plain sums. With ``,sinks=S`` the first S tokens are
+kept besides (StreamingLLM's attention sinks, which plain H2O may evict in some heads).
 
 The cache is paged, so a bounded policy keeps whole blocks (engine/kv_cache/policy.py
 says exactly which): ``sink_blocks`` = ceil(S / block) leading blocks and
@@ -25,7 +29,9 @@ from core.errors import FieldError
 
 KV_POLICY_KINDS = ("full", "streaming", "h2o")
 _ARGS = {"streaming": ("sinks", "window"), "h2o": ("heavy", "recent")}
-_FORMS = "full, streaming:sinks=S,window=W or h2o:heavy=H,recent=R"
+_OPTIONAL = {"streaming": (), "h2o": ("sinks", "halflife")}
+_LETTER = {"sinks": "S", "window": "W", "heavy": "H", "recent": "R", "halflife": "T"}
+_FORMS = "full, streaming:sinks=S,window=W or h2o:heavy=H,recent=R[,sinks=S][,halflife=T]"
 
 
 @dataclass(frozen=True)
@@ -34,13 +40,15 @@ class KVPolicy:
 
     kind: str
     sinks: int
-    """Leading tokens always kept (the attention sinks)."""
+    """Leading tokens always kept (the attention sinks; h2o: none unless asked)."""
     window: int
     """Most recent tokens kept besides the sinks."""
     heavy: int = 0
     """h2o: tokens kept for their accumulated attention (the heavy hitters)."""
     recent: int = 0
     """h2o: most recent tokens kept (the one being computed included)."""
+    halflife: int = 0
+    """h2o: tokens over which accumulated attention fades by half; 0: plain sums."""
 
     @property
     def budget(self) -> int:
@@ -54,8 +62,9 @@ class KVPolicy:
 
     def spec(self) -> str:
         """The text this policy parses from (what a log or a handoff carries)."""
-        a, b = _ARGS[self.kind]
-        return f"{self.kind}:{a}={getattr(self, a)},{b}={getattr(self, b)}"
+        names = _ARGS[self.kind] + tuple(k for k in _OPTIONAL[self.kind] if getattr(self, k))
+        return f"{self.kind}:" + ",".join(f"{k}={getattr(self, k)}" for k in names)
+
 
     def sink_blocks(self, block_size: int) -> int:
         return -(-self.sinks // block_size)
@@ -73,7 +82,8 @@ class KVPolicy:
         recent block once the sinks' blocks are kept, or one past the context window
         (positions within the cache must stay inside the model's rotary tables)."""
         if self.budget < block_size:
-            names = " + ".join(_ARGS[self.kind])
+            names = " + ".join(k for k in ("sinks", "window", "heavy", "recent")
+                               if k in _ARGS[self.kind] or getattr(self, k))
             raise FieldError(field, f"{field}: the budget {names} = {self.budget} "
                                     f"tokens is smaller than one KV block ({block_size} tokens)")
         if not self.scored and self.recent_blocks(block_size) < 1:
@@ -86,27 +96,36 @@ class KVPolicy:
                                     f"blocks) exceeds the context window ({max_model_len})")
 
 
+def decay_per_token(halflife: int) -> float:
+    """h2o: the factor accumulated attention fades by per token (1.0 for halflife 0)."""
+    return 0.5 ** (1 / halflife) if halflife else 1.0
+
+
 def parse_kv_policy(text: str, field: str = "kv_policy") -> KVPolicy | None:
-    """``full`` -> None; ``streaming:sinks=S,window=W`` or ``h2o:heavy=H,recent=R`` ->
-    KVPolicy. FieldError naming ``field`` for anything else."""
+    """``full`` -> None; ``streaming:sinks=S,window=W`` or ``h2o:heavy=H,recent=R`` (optionally
+    ``,sinks=S`` and ``,halflife=T``) -> KVPolicy. FieldError naming ``field`` for anything
+    else."""
     kind, _, args = text.strip().partition(":")
     if kind == "full" and not args:
         return None
     if kind not in _ARGS:
         raise FieldError(field, f"{field} must be {_FORMS}; got {text!r}")
-    names = _ARGS[kind]
-    form = f"{kind}:{names[0]}={names[0][0].upper()},{names[1]}={names[1][0].upper()}"
+    names, optional = _ARGS[kind], _OPTIONAL[kind]
+    form = f"{kind}:" + ",".join(f"{k}={_LETTER[k]}" for k in names)
+    form += "".join(f"[,{k}={_LETTER[k]}]" for k in optional)
     values: dict[str, int] = {}
     for part in args.split(","):
         key, eq, value = part.partition("=")
         key = key.strip()
-        if not eq or key not in names or key in values or not value.strip().isdigit():
+        if (not eq or key not in names + optional or key in values
+                or not value.strip().isdigit()):
             raise FieldError(field, f"{field}: {text!r} is not {form} (whole numbers)")
         values[key] = int(value)
-    least = {"sinks": 0, "window": 1, "heavy": 1, "recent": 1}
-    if set(values) != set(names) or any(values[k] < least[k] for k in names):
+    least = {"sinks": 0, "window": 1, "heavy": 1, "recent": 1, "halflife": 1}
+    if not set(names) <= set(values) or any(values[k] < least[k] for k in values):
         raise FieldError(field, f"{field}: {text!r} needs {names[0]} and {names[1]}, "
-                                f"{', '.join(f'{k} >= {least[k]}' for k in names)}")
+                                f"{', '.join(f'{k} >= {least[k]}' for k in names + optional)}")
     if kind == "h2o":
-        return KVPolicy(kind, 0, 0, values["heavy"], values["recent"])
+        return KVPolicy(kind, values.get("sinks", 0), 0, values["heavy"], values["recent"],
+                        values.get("halflife", 0))
     return KVPolicy(kind, values["sinks"], values["window"])

@@ -149,12 +149,20 @@ def visible(qpos: torch.Tensor, kpos: torch.Tensor, window: int | None) -> torch
 
 def add_scores(meta: AttentionMetadata, seq: int, layer: int, probs: torch.Tensor,
                first: int = 0) -> None:
-    """Add probs [Hq, S] (a sequence's attention probabilities over the keys at positions
-    first .. first + S - 1, summed over its queries) into its accumulator, per KV head."""
+    """Add probs [Hq, Lq, S] (a sequence's attention probabilities, per query, over the
+    keys at positions first .. first + S - 1) into its accumulator, per KV head, summed
+    over the queries; under a decay d (``meta.score_decay``) query i of Lq counts
+    d ** (Lq - 1 - i), as if each token had faded the ones before it (the accumulator's
+    own fading, d ** Lq, is engine/kv_cache/h2o.py step_scores')."""
     acc = meta.scores[seq]  # [L, Hkv, slots]
-    hkv = acc.shape[1]
-    acc[layer, :, first:first + probs.shape[-1]] += probs.float().view(
-        hkv, -1, probs.shape[-1]).sum(1)
+    hkv, lq, s = acc.shape[1], probs.shape[1], probs.shape[-1]
+    decay = meta.score_decay.get(seq)
+    if decay is None or lq == 1:
+        summed = probs.float().sum(1)
+    else:
+        w = decay ** torch.arange(lq - 1, -1, -1, dtype=torch.float64, device=probs.device)
+        summed = torch.einsum("hqs,q->hs", probs.float(), w.float())
+    acc[layer, :, first:first + s] += summed.view(hkv, -1, s).sum(1)
 
 
 def attention_logits(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None,

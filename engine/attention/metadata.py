@@ -34,6 +34,10 @@ class AttentionMetadata:
     """Sequence index -> its attention-score accumulator [L, Hkv, slots] fp32, for the
     sequences whose KV policy evicts by attention (h2o): backends add into it
     (engine/attention/base.py add_scores); empty for every other step."""
+    score_decay: dict[int, float] = field(default_factory=dict)
+    """Sequence index -> the factor its scores fade by per token (h2o's halflife): the
+    step's queries add their probabilities weighted so that the sum equals adding them
+    one token at a time (add_scores); absent: weight 1."""
     scratch: dict[str, Any] = field(default_factory=dict)
     """Derived tensors a backend builds once per step and reuses in every layer."""
 

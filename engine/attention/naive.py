@@ -40,6 +40,6 @@ class NaiveBackend(AttentionBackend):
             scores = scores.masked_fill(hidden, float("-inf"))
             probs = scores.softmax(-1)
             if seq in meta.scores:
-                add_scores(meta, seq, layer, probs.sum(1), first)
+                add_scores(meta, seq, layer, probs, first)
             out[start:start + qlen] = torch.einsum("hqk,khd->qhd", probs, vs).to(q.dtype)
             start += qlen

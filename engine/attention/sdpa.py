@@ -80,7 +80,7 @@ class SDPABackend(AttentionBackend):
             probs = None
             if i in meta.scores:
                 probs = attention_probs(qs, ks, mask, params)  # [1, Hq, Lq, S]
-                add_scores(meta, i, layer, probs[0].sum(1), first)
+                add_scores(meta, i, layer, probs[0], first)
             o = masked_attention(qs, ks, vs, mask, params, probs)
             out[start:start + qlen] = o[0].transpose(0, 1)
             start += qlen
@@ -106,4 +106,4 @@ class SDPABackend(AttentionBackend):
         if scored:
             probs = logits.softmax(-1)  # [M, Hq, width]
             for j, i in enumerate(scored):
-                add_scores(meta, i, layer, probs[j, :, :meta.seq_lens[i]])
+                add_scores(meta, i, layer, probs[j, :, None, :meta.seq_lens[i]])

@@ -1,18 +1,23 @@
 """H2O's heavy hitters (arXiv 2306.14048) over the paged cache, under
-``--kv-policy h2o:heavy=H,recent=R`` (core/kv/policy.py).
+``--kv-policy h2o:heavy=H,recent=R[,sinks=S][,halflife=T]`` (core/kv/policy.py).
 
 Granularity: tokens, chosen per layer and per KV head, as in the paper. A request's
-table is its cache's slots, budget = H + R of them in ceil(budget / B) blocks (never
-more: the memory is the budget's blocks). Attention adds each key's probability,
-summed over the step's queries and over the KV head's group of query heads, into the
-request's scores [L, Hkv, budget] (engine/attention/base.py add_scores: the decode
-kernel copies out the scores it computes anyway; nothing is read twice). When a step's
-last token fills the last slot, every (layer, KV head) evicts the slot with the least
-accumulated score among the first H (the last R slots, the newest tokens with the
-current one, are never evicted); the slots after it move one down with their scores,
-their keys re-rotated by -1 (positions within the cache, as under streaming), and the
-next token is written into the freed last slot. So a query sees H + R tokens: itself,
-the R - 1 before it and H heavy hitters.
+table is its cache's slots, budget = H + R of them (S + H + R under ``sinks=S``) in
+ceil(budget / B) blocks (never more: the memory is the budget's blocks). Attention adds
+each key's probability, summed over the step's queries and over the KV head's group of
+query heads, into the request's scores [L, Hkv, budget] (engine/attention/base.py
+add_scores: the decode kernel copies out the scores it computes anyway; nothing is read
+twice). Under ``halflife=T`` the scores fade by 2 ** (-1 / T) per token before each
+token's attention adds in (A2SF, arXiv 2407.20485), so a heavy hitter that stops drawing
+attention loses its place; a step of n tokens fades the accumulator by that factor ** n
+and weights its queries so the sum equals adding them one at a time, whatever the
+chunking. When a step's last token fills the last slot, every (layer, KV head) evicts
+the slot with the least accumulated score among the first H (after the S sinks under
+``sinks=S``, which never move; the last R slots, the newest tokens with the current one,
+are never evicted); the slots after it move one down with their scores, their keys
+re-rotated by -1 (positions within the cache, as under streaming), and the next token is
+written into the freed last slot. So a query sees S + H + R tokens: itself, the R - 1
+before it, H heavy hitters and the S sinks.
 
 Why per head and per token: heads disagree on which tokens matter (the paper's
 selection is per head), and in the block-major cache each (layer, head) row of a slot
@@ -32,6 +37,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from core.kv.policy import decay_per_token
 from engine.kv_cache.policy import kept_tokens
 from engine.kv_cache.shift import rotated_keys
 
@@ -43,12 +49,16 @@ def step_scores(scored: list[tuple[Request, int, int]], layers: int, kv_heads: i
                 device: torch.device) -> dict[int, torch.Tensor]:
     """Sequence index -> a copy of its request's scores for this step to add into (a
     step abandoned midway adds nothing: ``keep_scores`` takes the copies afterwards);
-    zeros for a request starting from its first token (new, or recomputed)."""
+    zeros for a request starting from its first token (new, or recomputed). Under a
+    halflife the copy has faded by the step's n tokens (its queries' own weights are
+    add_scores')."""
     out = {}
-    for req, seq, _ in scored:
+    for req, seq, n in scored:
         if req.kv_scores is None or req.num_computed_tokens == 0:
             req.kv_scores = torch.zeros(layers, kv_heads, req.kv_policy.budget, device=device)
         out[seq] = req.kv_scores.to(device, copy=True)  # from a P/D handoff: on the host
+        if req.kv_policy.halflife:
+            out[seq] *= decay_per_token(req.kv_policy.halflife) ** n
     return out
 
 
@@ -62,16 +72,16 @@ def keep_scores(scored: list[tuple[Request, int, int]], scores: dict[int, torch.
     for req, seq, n in scored:
         req.kv_scores = scores[seq]
         if kept_tokens(req.kv_policy, req.num_computed_tokens) + n == req.kv_policy.budget:
-            victims = evict(req.kv_scores, req.kv_policy.heavy)
+            victims = evict(req.kv_scores, req.kv_policy.sinks, req.kv_policy.heavy)
             compact_slots(tables[seq], victims, req.kv_scores.shape[-1])
 
 
-def evict(scores: torch.Tensor, heavy: int) -> torch.Tensor:
+def evict(scores: torch.Tensor, sinks: int, heavy: int) -> torch.Tensor:
     """In a full cache of slots = scores.shape[-1] tokens, pick per (layer, KV head) the
-    least-scored of the first ``heavy`` slots and move the later scores down (the last
-    slot then scores 0): the victims [L, Hkv] for ``compact``."""
+    least-scored of the ``heavy`` slots after the first ``sinks`` and move the later
+    scores down (the last slot then scores 0): the victims [L, Hkv] for ``compact``."""
     slots = scores.shape[-1]
-    victim = scores[:, :, :heavy].argmin(-1)  # [L, Hkv]
+    victim = scores[:, :, sinks:sinks + heavy].argmin(-1) + sinks  # [L, Hkv]
     j = torch.arange(slots - 1, device=scores.device)
     src = j.view(1, 1, -1) + (j.view(1, 1, -1) >= victim.unsqueeze(-1))
     scores[:, :, :slots - 1] = scores.gather(-1, src)

@@ -65,9 +65,10 @@ class StepInputs:
     turns them into logprobs; in a group every rank must run the same LM-head calls)."""
     lora_slots: list[int] = field(default_factory=list)
     """Each row's LoRA slot + 1 (0: the base model); empty: every row the base."""
-    scored: list[tuple[int, int]] = field(default_factory=list)
-    """(sequence index, slots) of each sequence whose attention scores h2o keeps: every
-    rank adds its heads' share into [L, its KV heads, slots] and sends it to rank 0."""
+    scored: list[tuple[int, int, int]] = field(default_factory=list)
+    """(sequence index, slots, halflife) of each sequence whose attention scores h2o
+    keeps: every rank adds its heads' share into [L, its KV heads, slots] (its queries
+    weighted by the halflife's fading, 0: none) and sends it to rank 0."""
     num_layers: int = 0
     """Run only the first this many layers, then the final norm and LM head (a self:N
     draft pass, engine/spec/draft.py); 0: every layer."""
@@ -79,7 +80,7 @@ class StepInputs:
                 len(self.scored), self.num_layers]
         body = (self.ids + self.positions + self.query_lens + self.seq_lens + self.logit_rows
                 + [b for chunk in self.prompt_chunks for b in chunk] + self.lora_slots
-                + [x for pair in self.scored for x in pair]
+                + [x for triple in self.scored for x in triple]
                 + [len(t) for t in self.tables] + [b for t in self.tables for b in t])
         return torch.tensor(head + body, dtype=torch.int64)
 
@@ -95,11 +96,11 @@ class StepInputs:
             return values[at - k:at]
 
         ids, positions, qlens, slens, rows = take(n), take(n), take(q), take(q), take(r)
-        bounds, slots, scored = take(2 * c), take(a), take(2 * h)
+        bounds, slots, scored = take(2 * c), take(a), take(3 * h)
         tables = [take(k) for k in take(q)]
         return cls(ids, positions, qlens, slens, num_prefills, tables, rows, bool(decode_only),
                    list(zip(bounds[::2], bounds[1::2])), slots,
-                   list(zip(scored[::2], scored[1::2])), layers)
+                   list(zip(scored[::3], scored[1::3], scored[2::3])), layers)
 
 
 @dataclass

@@ -76,8 +76,7 @@ class ShardedRunner(ModelRunner):
                 gather_scores(list(local.values()), None, self.control)
             return out
         scores = scores or {}
-        inputs = dataclasses.replace(inputs, prompt_chunks=prompt_chunks(owed),
-                                     scored=[(seq, t.shape[-1]) for seq, t in scores.items()])
+        inputs = dataclasses.replace(inputs, prompt_chunks=prompt_chunks(owed))
         with self._group_op("a step"):
             self.group.send(Op.STEP, inputs.encode())
             local = self._score_shares(inputs.scored)
@@ -87,10 +86,10 @@ class ShardedRunner(ModelRunner):
                               list(scores.values()))
             return out
 
-    def _score_shares(self, scored: list[tuple[int, int]]) -> dict[int, torch.Tensor]:
+    def _score_shares(self, scored: list[tuple[int, int, int]]) -> dict[int, torch.Tensor]:
         """Zeros [L, this rank's KV heads, slots] per scored sequence, for a step to add into."""
         return {seq: torch.zeros(self.model_config.num_layers, self.kv_heads, slots,
-                                 device=self.device) for seq, slots in scored}
+                                 device=self.device) for seq, slots, _ in scored}
 
     def compact_slots(self, table: list[int], victims: torch.Tensor, slots: int) -> None:
         """Rank 0: every rank evicts h2o's victims from its own heads."""

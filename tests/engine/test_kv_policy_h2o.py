@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from core.errors import FieldError
+from core.kv.policy import parse_kv_policy
 from core.sampling import SamplingParams
 from tests.engine.test_kv_policy import (GREEDY, PlainStreaming, _engine, _held, _run,
                                          run_together)
@@ -22,12 +23,16 @@ from tests.utils import make_tiny_llama
 class PlainH2O(PlainStreaming):
     """The tiny Llama token by token in fp32, each layer's KV head keeping its own tokens:
     the new one joins, the query attends, each kept token's score grows by its attention
-    probability summed over the head's group of query heads; a full cache (H + R tokens)
-    then drops, per head, the least-scored of its H oldest."""
+    probability summed over the head's group of query heads (under a halflife, after the
+    scores so far faded by one token's factor); a full cache (S + H + R tokens) then
+    drops, per head, the least-scored of its H oldest after its S first (the sinks)."""
 
-    def __init__(self, model_dir: Path, heavy: int, recent: int) -> None:
-        super().__init__(model_dir, 0, heavy + recent, block=heavy + recent)
-        self.heavy, self.budget = heavy, heavy + recent
+    def __init__(self, model_dir: Path, heavy: int, recent: int, halflife: int = 0,
+                 sinks: int = 0) -> None:
+        budget = sinks + heavy + recent
+        super().__init__(model_dir, 0, budget, block=budget)
+        self.sinks, self.heavy, self.budget = sinks, heavy, budget
+        self.fade = 0.5 ** (1 / halflife) if halflife else 1.0  # per token, before it adds
 
     def new_state(self) -> dict:
         """Besides every token's K and V: per KV head, its kept tokens and their scores."""
@@ -39,6 +44,7 @@ class PlainH2O(PlainStreaming):
         o = torch.empty(self.nh, self.d)
         for g in range(self.nkv):
             kept, score = st["kept"][g], st["score"][g]
+            score[:] = [x * self.fade for x in score]
             kept.append(p)
             score.append(0.0)
             s = len(kept)
@@ -50,7 +56,7 @@ class PlainH2O(PlainStreaming):
             o[g * rep:(g + 1) * rep] = att @ v
             score[:] = [a + b for a, b in zip(score, att.sum(0).tolist())]
             if s == self.budget:
-                victim = min(range(self.heavy), key=lambda j: score[j])
+                victim = min(range(self.sinks, self.sinks + self.heavy), key=lambda j: score[j])
                 del kept[victim], score[victim]
         return o.reshape(1, -1)
 
@@ -60,17 +66,22 @@ def sharp_model(tmp_path_factory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("sharp-llama"), scale=0.5, embed_scale=1.0)
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "naive"])
-def test_h2o_equals_the_plain_reference(sharp_model, backend) -> None:
-    """Blocks of 4, heavy 6 + recent 10: a prompt of 37 (a first chunk of 16 through the
-    prefill path, then one token a step, each evicting), 80 tokens generated. Tokens
-    equal, logprobs within fp32 rounding; the request holds 4 blocks (the budget's) from
-    its first step on."""
-    ref = PlainH2O(sharp_model, heavy=6, recent=10)
+@pytest.mark.parametrize("backend,halflife,chunk,sinks", [
+    ("sdpa", 0, 512, 0), ("naive", 0, 512, 0), ("sdpa", 5, 512, 0), ("sdpa", 5, 6, 0),
+    ("naive", 5, 6, 0), ("sdpa", 0, 512, 2), ("sdpa", 5, 6, 2)])
+def test_h2o_equals_the_plain_reference(sharp_model, backend, halflife, chunk, sinks) -> None:
+    """Blocks of 4, heavy 6 + recent 10: a prompt of 37 (a first 16 tokens through the prefill
+    path, in one chunk or in chunks of 6, then one token a step, each evicting), 80 tokens
+    generated, with plain sums and with scores that fade by half every 5 tokens, and with 2
+    of the heavy part's slots kept as sinks. Tokens equal, logprobs within fp32 rounding;
+    the request holds 4 blocks (the budget's) from its first step on."""
+    ref = PlainH2O(sharp_model, heavy=6 - sinks, recent=10, halflife=halflife, sinks=sinks)
     prompt = [(7 * j + 3) % 300 + 1 for j in range(37)]
     want, want_lp = ref.generate(prompt, 80)
+    extra = (f",halflife={halflife}" if halflife else "") + (f",sinks={sinks}" if sinks else "")
     eng = _engine(sharp_model, block_size=4, attention_backend=backend,
-                  kv_policy="h2o:heavy=6,recent=10")
+                  kv_policy=f"h2o:heavy={6 - sinks},recent=10{extra}",
+                  max_num_batched_tokens=chunk)
     eng.add_request(prompt, SamplingParams(max_tokens=80, logprobs=0, **GREEDY))
     got, got_lp, held = [], [], []
     while eng.has_unfinished():
@@ -114,3 +125,15 @@ def test_a_backend_without_scores_is_refused(tiny_model_dir, monkeypatch) -> Non
     with pytest.raises(FieldError, match="kv_policy: h2o needs attention scores") as e:
         eng.make_request([1, 2, 3], SamplingParams(max_tokens=4), kv_policy="h2o:heavy=8,recent=8")
     assert e.value.field == "kv_policy"
+
+
+def test_sinks_and_a_halflife_are_part_of_the_policy() -> None:
+    """``sinks`` and ``halflife`` are h2o's optional arguments: they parse, count in the
+    budget (sinks), and the spec a log or a P/D handoff carries gives them back (without
+    them, the spec is the two-number form)."""
+    policy = parse_kv_policy("h2o:recent=480, halflife=256,heavy=28,sinks=4")
+    assert (policy.sinks, policy.heavy, policy.recent, policy.halflife) == (4, 28, 480, 256)
+    assert policy.budget == 512
+    assert policy.spec() == "h2o:heavy=28,recent=480,sinks=4,halflife=256"
+    assert parse_kv_policy(policy.spec()) == policy
+    assert parse_kv_policy("h2o:heavy=32,recent=480").spec() == "h2o:heavy=32,recent=480"

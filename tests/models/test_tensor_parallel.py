@@ -330,7 +330,7 @@ def test_the_disk_kv_tier_at_tp2_is_tp1s_and_shares_its_files(tmp_path, checkpoi
 
 @pytest.mark.parametrize("policy, kv_heads", [
     ("streaming:sinks=4,window=28", 2),  # 1 sink block + 4 recent blocks of 8
-    ("h2o:heavy=8,recent=24", 2),
+    ("h2o:heavy=8,recent=24,halflife=12", 2),  # each rank weights its queries alike
     ("h2o:heavy=8,recent=24", 1)])
 def test_bounded_kv_policies_at_tp2_equal_tp1(tmp_path, checkpoint, group, policy: str,
                                               kv_heads: int) -> None:
