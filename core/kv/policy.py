@@ -65,7 +65,6 @@ class KVPolicy:
         names = _ARGS[self.kind] + tuple(k for k in _OPTIONAL[self.kind] if getattr(self, k))
         return f"{self.kind}:" + ",".join(f"{k}={getattr(self, k)}" for k in names)
 
-
     def sink_blocks(self, block_size: int) -> int:
         return -(-self.sinks // block_size)
 
