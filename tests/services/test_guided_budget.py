@@ -5,7 +5,11 @@ when only the search ran out), and nothing is left held.
 
 The probes run on a thread of their own with blocking channels: the services run on
 this test's event loop, so a stalled loop would stall an asyncio probe too and hide
-the stall."""
+the stall. The check in flight is held until the probes have answered (then it runs
+as it would), so what is asserted is that a check does not hold the event loop, with
+no race against how long the check takes: a check run on the loop would keep the
+probes from ever answering. (A 1 s deadline on the probes while the check ran failed
+once on a loaded 2-core host: the test process's threads share one GIL.)"""
 from __future__ import annotations
 
 import asyncio
@@ -20,18 +24,22 @@ from proto import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_
 from tests.guided_cases import COSTLY_TO_COMPILE, COSTLY_TO_SEARCH
 from tests.services.conftest import leak_check, services
 
+PROBE_SECONDS = 30
+"""The probes' deadline: only a loop that never answers misses it (the check waits)."""
+
 def _sampling(schema: dict, max_tokens: int) -> common_pb2.SamplingParams:
     return common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0, guided=common_pb2.Guided(
         kind="json_schema", text=json.dumps(schema)))
 
 
 class _Prober(threading.Thread):
-    """Once the worker starts checking the constraint: its health and its load, each
-    with a 1 s deadline (that they answer is the point, not how fast)."""
+    """Once the worker starts checking the constraint: its health and its load (that
+    they answer is the point, not how fast: the check waits for ``answered``)."""
 
-    def __init__(self, svc, started: threading.Event) -> None:
+    def __init__(self, svc, started: threading.Event, answered: threading.Event) -> None:
         super().__init__(daemon=True)
         self.address, self.secret, self.started = f"127.0.0.1:{svc.port}", svc.secret, started
+        self.answered = answered
         self.stub = (prefill_pb2_grpc.PrefillStub if svc.role == "prefill"
                      else decode_pb2_grpc.DecodeStub)
         self.answers: dict[str, object] = {}
@@ -42,23 +50,30 @@ class _Prober(threading.Thread):
             return
         try:
             with grpc.insecure_channel(self.address) as ch:
-                r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1)
+                r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
+                                                         timeout=PROBE_SECONDS)
                 self.answers["health"] = health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
             with sync_channel(self.address, self.secret) as ch:
-                load = self.stub(ch).GetLoad(common_pb2.LoadRequest(), timeout=1)
+                load = self.stub(ch).GetLoad(common_pb2.LoadRequest(), timeout=PROBE_SECONDS)
                 self.answers["load"] = load.worker_id
         except grpc.RpcError as e:
             self.answers["error"] = f"{e.code().name}: {e.details()}"
+        finally:
+            self.answered.set()
 
 
-async def _signal_checks(svc, monkeypatch) -> tuple[threading.Event, threading.Event]:
-    """(set when svc's engine begins checking a constraint, set when that check ended)."""
+async def _signal_checks(svc, monkeypatch, hold: threading.Event | None = None
+                         ) -> tuple[threading.Event, threading.Event]:
+    """(set when svc's engine begins checking a constraint, set when that check ended);
+    hold: the check waits for it (up to a minute) before it starts its work."""
     compiler = await svc.engine.run(lambda e: e.guided)
     started, ended, check = threading.Event(), threading.Event(), compiler.check
 
     def signalling_check(*args, **kwargs):
         started.set()
         try:
+            if hold is not None:
+                hold.wait(60)
             return check(*args, **kwargs)
         finally:
             ended.set()
@@ -68,8 +83,9 @@ async def _signal_checks(svc, monkeypatch) -> tuple[threading.Event, threading.E
 
 async def _probe_while_checking(svc, monkeypatch) -> _Prober:
     """A started prober that fires when svc's engine begins checking a constraint."""
-    started, _ = await _signal_checks(svc, monkeypatch)
-    prober = _Prober(svc, started)
+    answered = threading.Event()
+    started, _ = await _signal_checks(svc, monkeypatch, hold=answered)
+    prober = _Prober(svc, started, answered)
     prober.start()
     return prober
 
