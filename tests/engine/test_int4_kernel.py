@@ -155,6 +155,10 @@ def test_block_kernel_rows_and_compile(block_kernel) -> None:
         torch.ops.tandem.block_mm(x.half(), p.data, p.scales, 32)
     with pytest.raises(RuntimeError, match="does not match"):
         torch.ops.tandem.block_mm(x[:, :128], p.data, p.scales, 32)
+    groups = 2049  # one past the scales a row's pass converts to fp32 on its stack
+    with pytest.raises(RuntimeError, match="K / group_size is 2049, above the 2048 groups"):
+        torch.ops.tandem.block_mm(torch.zeros(1, 32 * groups), torch.zeros(1, 16 * groups, dtype=torch.uint8),
+                                  torch.zeros(1, groups, 2, dtype=torch.int16), 32)
 
 
 def test_without_the_kernels_int4_runs_on_atens_and_says_why(monkeypatch) -> None:
