@@ -155,10 +155,20 @@ def test_block_kernel_rows_and_compile(block_kernel) -> None:
         torch.ops.tandem.block_mm(x.half(), p.data, p.scales, 32)
     with pytest.raises(RuntimeError, match="does not match"):
         torch.ops.tandem.block_mm(x[:, :128], p.data, p.scales, 32)
-    groups = 2049  # one past the scales a row's pass converts to fp32 on its stack
-    with pytest.raises(RuntimeError, match="K / group_size is 2049, above the 2048 groups"):
-        torch.ops.tandem.block_mm(torch.zeros(1, 32 * groups), torch.zeros(1, 16 * groups, dtype=torch.uint8),
-                                  torch.zeros(1, groups, 2, dtype=torch.int16), 32)
+
+
+@pytest.mark.parametrize("groups", [2048, 2049])
+def test_block_kernel_takes_rows_longer_than_its_stack_buffer(block_kernel, groups: int) -> None:
+    """A pass keeps an output's (d, m) in fp32 on its stack for up to 2048 groups and on the
+    heap past that: both products are the dequantized weights' (a row of 65,568 columns
+    once read past the stack buffer)."""
+    n, k = 3, 32 * groups
+    q, s, z, _ = weights(n, k, 32)
+    p = pk.pack_int4(q, s, z, 32, torch.float32, layout="blocks")
+    w = block_values(p.data, p.scales, 32)
+    x = torch.randn(2, k, generator=torch.Generator().manual_seed(groups))
+    for rows in (1, 2):
+        assert within_fp32_rounding(p.matmul(x[:rows]), x[:rows], w) <= 1.0, rows
 
 
 def test_without_the_kernels_int4_runs_on_atens_and_says_why(monkeypatch) -> None:

@@ -34,7 +34,7 @@ namespace {
 
 constexpr int kBlock = 32;   // codes per unpack: one GGUF block
 constexpr int kMaxRows = 4;  // rows per pass (accumulators in the 16 ymm registers)
-constexpr int64_t kMaxGroups = 2048;  // groups per row block_mm takes (K up to 64k at G 32)
+constexpr int64_t kStackGroups = 2048;  // groups whose (d, m) a pass keeps on its stack (K 64k at G 32)
 
 // 32 codes -> 4 x 8 fp32, in element order.
 template <int Bits>
@@ -105,7 +105,9 @@ void output_rows(const uint8_t* codes, const uint16_t* sm, const float* x, const
                  float* y, int64_t K, int64_t G, int64_t ldy) {
   constexpr int kPairs = Sums<R>::kPairs;
   const int64_t groups = K / G;
-  float dm[2 * kMaxGroups];  // the output's (d, m) in fp32
+  float stack[2 * kStackGroups];  // the output's (d, m) in fp32; a longer row's on the heap
+  std::vector<float> heap(groups > kStackGroups ? 2 * groups : 0);
+  float* dm = heap.empty() ? stack : heap.data();
   int64_t i = 0;
   for (; i + 8 <= 2 * groups; i += 8)
     _mm256_storeu_ps(dm + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sm + i))));
@@ -169,8 +171,6 @@ void over_outputs(const Shape& sh, const Pass& pass) {
 at::Tensor block_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& sm,
                     int64_t group_size) {
   const Shape sh = check_args("tandem::block_mm", x_in, codes, sm, group_size);
-  TORCH_CHECK(sh.groups <= kMaxGroups, "tandem::block_mm: K / group_size is ", sh.groups,
-              ", above the ", kMaxGroups, " groups a row may have");
   const int64_t M = sh.M, K = sh.K, N = sh.N, G = sh.G, groups = sh.groups;
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
   at::Tensor y = at::empty({M, N}, x.options());
