@@ -137,6 +137,21 @@ def test_every_package_is_installed() -> None:
     assert missing == [], f"packages missing from pyproject.toml's include: {missing}"
 
 
+def test_the_package_metadata_uses_no_form_setuptools_retires() -> None:
+    """Every `make` builds the package with the newest setuptools (pip's build isolation).
+    `license = { text = ... }` warned "By 2027-Feb-18 ... your builds will no longer be
+    supported": a fresh machine's `make test` would then stop at the install."""
+    import warnings
+
+    from setuptools.config.pyprojecttoml import apply_configuration
+    from setuptools.dist import Distribution
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dist = apply_configuration(Distribution(), ROOT / "pyproject.toml")
+    assert dist.metadata.license_expression == "Apache-2.0"
+
+
 HANDOFF_WORDS = re.compile(r"\b(leases?|handoffs?|remote|held|reserv\w*|grant\w*|pull\w*|"
                            r"prefill_only|prefill workers?|decode workers?)\b", re.IGNORECASE)
 
