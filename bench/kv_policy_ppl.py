@@ -268,6 +268,8 @@ def main() -> None:
         if args.plot:
             plot(nll, args.smooth, args.plot, args.text)
         return
+    if args.skip < 0:
+        ap.error(f"--skip {args.skip}: a token index, 0 or more")
     eng = LLMEngine(EngineConfig.from_flat(
         model=str(default_model_path()), allow_request_kv_policy=True, num_threads=2,
         enable_prefix_caching=False, max_stream_len=args.tokens + 1,
