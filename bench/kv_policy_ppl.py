@@ -36,8 +36,9 @@ and a plot of the NLL averaged over windows of --smooth tokens (--plot, PNG); --
 reads one or more saved --out files (their configs merged, the first file's wins).
 
     flock /tmp/tandem-cpu.lock nice .venv/bin/python bench/kv_policy_ppl.py \\
-        [--text pydoc|moby-dick] [--skip 0] [--tokens 16384] [--budgets 256 512] [--configs SPEC ...]
-        [--recompute W ...] [--samples 64] [--out nll.json] [--plot docs/kv_policy_ppl.png]
+        [--text pydoc|moby-dick] [--skip 0] [--tokens 16384] [--budgets 256 512]
+        [--configs SPEC ...] [--recompute W ...] [--samples 64] [--out nll.json]
+        [--plot docs/kv_policy_ppl.png]
     .venv/bin/python bench/kv_policy_ppl.py --replot nll.json [more.json ...] [--plot x.png]
 """
 from __future__ import annotations
@@ -277,7 +278,8 @@ def main() -> None:
     ids = text_ids(eng.tokenizer, args.tokens, args.text, args.skip)
     if len(ids) < 2:
         ap.error(f"--skip {args.skip}: the text has no 2 tokens after it")
-    print(f"{len(ids)} tokens from token {args.skip}; context window {eng.max_model_len}; {eng.runner.dtype}")
+    print(f"{len(ids)} tokens from token {args.skip}; context window {eng.max_model_len}; "
+          f"{eng.runner.dtype}")
     jobs = ([(label(c), c) for c in args.configs] if args.configs else configs(args.budgets))
     recompute = {w: sample_positions(len(ids), w, args.samples) for w in args.recompute}
     nll = run(eng, ids, jobs, recompute, args.time_limit)

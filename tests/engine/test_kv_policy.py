@@ -332,7 +332,6 @@ def test_shifted_keys_equal_keys_rotated_there(tiny_model_dir, kv_dtype) -> None
         assert torch.equal(v3, v5)
 
 
-
 def test_the_perplexity_bench_skips_to_the_same_tokens_a_longer_read_has(tok) -> None:
     """bench/kv_policy_ppl.py --skip N reads the text's tokens N.. as a run of N + n tokens
     has them (docs/performance.md l compares the two reads token for token)."""
