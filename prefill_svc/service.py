@@ -224,11 +224,14 @@ class PrefillService(WorkerBase, pb_grpc.PrefillServicer):
 def _bind(handle: kv_link_pb2.KVHandle, req: Request) -> None:
     """What the decode side must run the KV under: the adapter (it adopts KV of these
     weights only), the KV policy (kept blocks sit at positions within the cache) and,
-    under h2o, the scores its next evictions follow. The request finished on the engine
-    thread before its output came here, so its scores no longer change."""
+    under h2o, the scores its next evictions follow (and under score=mean the arrivals).
+    The request finished on the engine thread before its output came here, so its scores
+    no longer change."""
     if req.lora is not None:
         handle.lora_identity = req.lora.identity
     if req.kv_policy is not None:
         handle.kv_policy = req.kv_policy.spec()
     if req.kv_scores is not None:
         handle.kv_scores = req.kv_scores.to("cpu", torch.float32).numpy().tobytes()
+    if req.kv_arrivals is not None:
+        handle.kv_arrivals = req.kv_arrivals.to("cpu", torch.int32).numpy().tobytes()

@@ -24,35 +24,35 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13proto/kv_link.proto\x12\rtandem.kvlink\"\x81\x02\n\x0c\x43ompatRecord\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x11\n\tkv_layout\x18\x07 \x01(\t\x12\x16\n\x0ekv_cache_dtype\x18\x08 \x01(\t\x12\x17\n\x0fkv_scale_layout\x18\t \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\n \x01(\r\x12\x15\n\rrank_kv_heads\x18\x0b \x03(\r\"\x8f\x02\n\x08KVHandle\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x19\n\x11transfer_endpoint\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x13\n\x0blease_epoch\x18\x05 \x01(\x04\x12\x1e\n\x16lease_deadline_unix_ms\x18\x06 \x01(\x04\x12\x12\n\nnum_tokens\x18\x07 \x01(\r\x12\x13\n\x0blease_token\x18\x08 \x01(\t\x12\x15\n\rlora_identity\x18\t \x01(\x0c\x12\x13\n\x0b\x62lock_index\x18\n \x03(\r\x12\x11\n\tkv_policy\x18\x0b \x01(\t\x12\x11\n\tkv_scores\x18\x0c \x01(\x0c\"v\n\x10HandshakeRequest\x12+\n\x06\x63ompat\x18\x01 \x01(\x0b\x32\x1b.tandem.kvlink.CompatRecord\x12\x11\n\treader_id\x18\x02 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12\x11\n\tchallenge\x18\x04 \x01(\x0c\"\xad\x02\n\x0eHandshakeReply\x12+\n\x06\x63ompat\x18\x01 \x01(\x0b\x32\x1b.tandem.kvlink.CompatRecord\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\x11\n\tworker_id\x18\x03 \x01(\t\x12\x12\n\nagent_name\x18\x04 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x05 \x01(\x0c\x12\x11\n\tbase_addr\x18\x06 \x01(\x04\x12\x13\n\x0b\x62lock_bytes\x18\x07 \x01(\x04\x12\x12\n\nnum_blocks\x18\x08 \x01(\r\x12\x11\n\tdata_host\x18\t \x01(\t\x12\x11\n\tdata_port\x18\n \x01(\r\x12\x10\n\x08mem_type\x18\x0b \x01(\t\x12\x11\n\tdevice_id\x18\x0c \x01(\r\x12\x17\n\x0fproof_of_secret\x18\r \x01(\t\"H\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x13\n\x0blease_token\x18\x03 \x01(\t\"T\n\x0cReleaseReply\x12\x10\n\x08released\x18\x01 \x01(\x08\x12,\n\x06reason\x18\x03 \x01(\x0e\x32\x1c.tandem.kvlink.ReleaseReasonJ\x04\x08\x02\x10\x03\"m\n\x0bReadRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x13\n\x0b\x62lock_bytes\x18\x04 \x01(\x04\x12\x13\n\x0blease_token\x18\x05 \x01(\t\"o\n\nReadHeader\x12)\n\x06status\x18\x01 \x01(\x0e\x32\x19.tandem.kvlink.ReadStatus\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x13\n\x0b\x62lock_bytes\x18\x04 \x01(\x04\"G\n\x0bReadTrailer\x12)\n\x06status\x18\x01 \x01(\x0e\x32\x19.tandem.kvlink.ReadStatus\x12\r\n\x05\x65rror\x18\x02 \x01(\t*\xbc\x01\n\rReleaseReason\x12\x1e\n\x1aRELEASE_REASON_UNSPECIFIED\x10\x00\x12\x14\n\x10RELEASE_RELEASED\x10\x01\x12\x15\n\x11RELEASE_DUPLICATE\x10\x02\x12\x13\n\x0fRELEASE_EXPIRED\x10\x03\x12\x1a\n\x16RELEASE_EPOCH_MISMATCH\x10\x04\x12\x13\n\x0fRELEASE_UNKNOWN\x10\x05\x12\x18\n\x14RELEASE_UNAUTHORIZED\x10\x06*m\n\nReadStatus\x12\x1b\n\x17READ_STATUS_UNSPECIFIED\x10\x00\x12\x0b\n\x07READ_OK\x10\x01\x12\x12\n\x0eREAD_MALFORMED\x10\x02\x12\x0e\n\nREAD_LEASE\x10\x03\x12\x11\n\rREAD_INTERNAL\x10\x04\x32\x9c\x01\n\x06KVLink\x12K\n\tHandshake\x12\x1f.tandem.kvlink.HandshakeRequest\x1a\x1d.tandem.kvlink.HandshakeReply\x12\x45\n\x07Release\x12\x1d.tandem.kvlink.ReleaseRequest\x1a\x1b.tandem.kvlink.ReleaseReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13proto/kv_link.proto\x12\rtandem.kvlink\"\x81\x02\n\x0c\x43ompatRecord\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x11\n\tkv_layout\x18\x07 \x01(\t\x12\x16\n\x0ekv_cache_dtype\x18\x08 \x01(\t\x12\x17\n\x0fkv_scale_layout\x18\t \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\n \x01(\r\x12\x15\n\rrank_kv_heads\x18\x0b \x03(\r\"\xa4\x02\n\x08KVHandle\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x19\n\x11transfer_endpoint\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x13\n\x0blease_epoch\x18\x05 \x01(\x04\x12\x1e\n\x16lease_deadline_unix_ms\x18\x06 \x01(\x04\x12\x12\n\nnum_tokens\x18\x07 \x01(\r\x12\x13\n\x0blease_token\x18\x08 \x01(\t\x12\x15\n\rlora_identity\x18\t \x01(\x0c\x12\x13\n\x0b\x62lock_index\x18\n \x03(\r\x12\x11\n\tkv_policy\x18\x0b \x01(\t\x12\x11\n\tkv_scores\x18\x0c \x01(\x0c\x12\x13\n\x0bkv_arrivals\x18\r \x01(\x0c\"v\n\x10HandshakeRequest\x12+\n\x06\x63ompat\x18\x01 \x01(\x0b\x32\x1b.tandem.kvlink.CompatRecord\x12\x11\n\treader_id\x18\x02 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12\x11\n\tchallenge\x18\x04 \x01(\x0c\"\xad\x02\n\x0eHandshakeReply\x12+\n\x06\x63ompat\x18\x01 \x01(\x0b\x32\x1b.tandem.kvlink.CompatRecord\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\x11\n\tworker_id\x18\x03 \x01(\t\x12\x12\n\nagent_name\x18\x04 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x05 \x01(\x0c\x12\x11\n\tbase_addr\x18\x06 \x01(\x04\x12\x13\n\x0b\x62lock_bytes\x18\x07 \x01(\x04\x12\x12\n\nnum_blocks\x18\x08 \x01(\r\x12\x11\n\tdata_host\x18\t \x01(\t\x12\x11\n\tdata_port\x18\n \x01(\r\x12\x10\n\x08mem_type\x18\x0b \x01(\t\x12\x11\n\tdevice_id\x18\x0c \x01(\r\x12\x17\n\x0fproof_of_secret\x18\r \x01(\t\"H\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x13\n\x0blease_token\x18\x03 \x01(\t\"T\n\x0cReleaseReply\x12\x10\n\x08released\x18\x01 \x01(\x08\x12,\n\x06reason\x18\x03 \x01(\x0e\x32\x1c.tandem.kvlink.ReleaseReasonJ\x04\x08\x02\x10\x03\"m\n\x0bReadRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x13\n\x0b\x62lock_bytes\x18\x04 \x01(\x04\x12\x13\n\x0blease_token\x18\x05 \x01(\t\"o\n\nReadHeader\x12)\n\x06status\x18\x01 \x01(\x0e\x32\x19.tandem.kvlink.ReadStatus\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x13\n\x0b\x62lock_bytes\x18\x04 \x01(\x04\"G\n\x0bReadTrailer\x12)\n\x06status\x18\x01 \x01(\x0e\x32\x19.tandem.kvlink.ReadStatus\x12\r\n\x05\x65rror\x18\x02 \x01(\t*\xbc\x01\n\rReleaseReason\x12\x1e\n\x1aRELEASE_REASON_UNSPECIFIED\x10\x00\x12\x14\n\x10RELEASE_RELEASED\x10\x01\x12\x15\n\x11RELEASE_DUPLICATE\x10\x02\x12\x13\n\x0fRELEASE_EXPIRED\x10\x03\x12\x1a\n\x16RELEASE_EPOCH_MISMATCH\x10\x04\x12\x13\n\x0fRELEASE_UNKNOWN\x10\x05\x12\x18\n\x14RELEASE_UNAUTHORIZED\x10\x06*m\n\nReadStatus\x12\x1b\n\x17READ_STATUS_UNSPECIFIED\x10\x00\x12\x0b\n\x07READ_OK\x10\x01\x12\x12\n\x0eREAD_MALFORMED\x10\x02\x12\x0e\n\nREAD_LEASE\x10\x03\x12\x11\n\rREAD_INTERNAL\x10\x04\x32\x9c\x01\n\x06KVLink\x12K\n\tHandshake\x12\x1f.tandem.kvlink.HandshakeRequest\x1a\x1d.tandem.kvlink.HandshakeReply\x12\x45\n\x07Release\x12\x1d.tandem.kvlink.ReleaseRequest\x1a\x1b.tandem.kvlink.ReleaseReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.kv_link_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_RELEASEREASON']._serialized_start=1454
-  _globals['_RELEASEREASON']._serialized_end=1642
-  _globals['_READSTATUS']._serialized_start=1644
-  _globals['_READSTATUS']._serialized_end=1753
+  _globals['_RELEASEREASON']._serialized_start=1475
+  _globals['_RELEASEREASON']._serialized_end=1663
+  _globals['_READSTATUS']._serialized_start=1665
+  _globals['_READSTATUS']._serialized_end=1774
   _globals['_COMPATRECORD']._serialized_start=39
   _globals['_COMPATRECORD']._serialized_end=296
   _globals['_KVHANDLE']._serialized_start=299
-  _globals['_KVHANDLE']._serialized_end=570
-  _globals['_HANDSHAKEREQUEST']._serialized_start=572
-  _globals['_HANDSHAKEREQUEST']._serialized_end=690
-  _globals['_HANDSHAKEREPLY']._serialized_start=693
-  _globals['_HANDSHAKEREPLY']._serialized_end=994
-  _globals['_RELEASEREQUEST']._serialized_start=996
-  _globals['_RELEASEREQUEST']._serialized_end=1068
-  _globals['_RELEASEREPLY']._serialized_start=1070
-  _globals['_RELEASEREPLY']._serialized_end=1154
-  _globals['_READREQUEST']._serialized_start=1156
-  _globals['_READREQUEST']._serialized_end=1265
-  _globals['_READHEADER']._serialized_start=1267
-  _globals['_READHEADER']._serialized_end=1378
-  _globals['_READTRAILER']._serialized_start=1380
-  _globals['_READTRAILER']._serialized_end=1451
-  _globals['_KVLINK']._serialized_start=1756
-  _globals['_KVLINK']._serialized_end=1912
+  _globals['_KVHANDLE']._serialized_end=591
+  _globals['_HANDSHAKEREQUEST']._serialized_start=593
+  _globals['_HANDSHAKEREQUEST']._serialized_end=711
+  _globals['_HANDSHAKEREPLY']._serialized_start=714
+  _globals['_HANDSHAKEREPLY']._serialized_end=1015
+  _globals['_RELEASEREQUEST']._serialized_start=1017
+  _globals['_RELEASEREQUEST']._serialized_end=1089
+  _globals['_RELEASEREPLY']._serialized_start=1091
+  _globals['_RELEASEREPLY']._serialized_end=1175
+  _globals['_READREQUEST']._serialized_start=1177
+  _globals['_READREQUEST']._serialized_end=1286
+  _globals['_READHEADER']._serialized_start=1288
+  _globals['_READHEADER']._serialized_end=1399
+  _globals['_READTRAILER']._serialized_start=1401
+  _globals['_READTRAILER']._serialized_end=1472
+  _globals['_KVLINK']._serialized_start=1777
+  _globals['_KVLINK']._serialized_end=1933
 # @@protoc_insertion_point(module_scope)

@@ -64,7 +64,7 @@ class CompatRecord(_message.Message):
     def __init__(self, model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., kv_layout: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., kv_scale_layout: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., rank_kv_heads: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVHandle(_message.Message):
-    __slots__ = ("worker_id", "transfer_endpoint", "request_id", "block_ids", "lease_epoch", "lease_deadline_unix_ms", "num_tokens", "lease_token", "lora_identity", "block_index", "kv_policy", "kv_scores")
+    __slots__ = ("worker_id", "transfer_endpoint", "request_id", "block_ids", "lease_epoch", "lease_deadline_unix_ms", "num_tokens", "lease_token", "lora_identity", "block_index", "kv_policy", "kv_scores", "kv_arrivals")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +77,7 @@ class KVHandle(_message.Message):
     BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
     KV_POLICY_FIELD_NUMBER: _ClassVar[int]
     KV_SCORES_FIELD_NUMBER: _ClassVar[int]
+    KV_ARRIVALS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     transfer_endpoint: str
     request_id: str
@@ -89,7 +90,8 @@ class KVHandle(_message.Message):
     block_index: _containers.RepeatedScalarFieldContainer[int]
     kv_policy: str
     kv_scores: bytes
-    def __init__(self, worker_id: _Optional[str] = ..., transfer_endpoint: _Optional[str] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., lease_epoch: _Optional[int] = ..., lease_deadline_unix_ms: _Optional[int] = ..., num_tokens: _Optional[int] = ..., lease_token: _Optional[str] = ..., lora_identity: _Optional[bytes] = ..., block_index: _Optional[_Iterable[int]] = ..., kv_policy: _Optional[str] = ..., kv_scores: _Optional[bytes] = ...) -> None: ...
+    kv_arrivals: bytes
+    def __init__(self, worker_id: _Optional[str] = ..., transfer_endpoint: _Optional[str] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., lease_epoch: _Optional[int] = ..., lease_deadline_unix_ms: _Optional[int] = ..., num_tokens: _Optional[int] = ..., lease_token: _Optional[str] = ..., lora_identity: _Optional[bytes] = ..., block_index: _Optional[_Iterable[int]] = ..., kv_policy: _Optional[str] = ..., kv_scores: _Optional[bytes] = ..., kv_arrivals: _Optional[bytes] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
     __slots__ = ("compat", "reader_id", "backend", "challenge")

@@ -116,7 +116,7 @@ FIELDS: tuple[RequestField, ...] = (
     _f("priority", BOTH, "vLLM", IMPLEMENTED, "lower is more important; x-priority header wins"),
     _f("cache_salt", BOTH, "vLLM", IMPLEMENTED),
     _f("speculate", BOTH, "Tandem", IMPLEMENTED, "false: no speculative decoding for the request"),
-    _f("kv_policy", BOTH, "Tandem", IMPLEMENTED, "full, streaming:sinks=S,window=W or h2o:heavy=H,recent=R[,sinks=S][,halflife=T]; to both halves of a P/D request; workers take it under --allow-request-kv-policy"),
+    _f("kv_policy", BOTH, "Tandem", IMPLEMENTED, "full, streaming:sinks=S,window=W or h2o:heavy=H,recent=R[,sinks=S][,halflife=T][,score=mean]; to both halves of a P/D request; workers take it under --allow-request-kv-policy"),
 )
 
 _BY_NAME = {f.name: f for f in FIELDS}

@@ -40,7 +40,8 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-policy", default=None, metavar="POLICY",
                    help="every worker's and the router's --kv-policy: full, "
                         "streaming:sinks=S,window=W or "
-                        "h2o:heavy=H,recent=R[,sinks=S][,halflife=T] (default: full)")
+                        "h2o:heavy=H,recent=R[,sinks=S][,halflife=T][,score=mean] "
+                        "(default: full)")
     p.add_argument("--max-stream-len", type=int, default=None,
                    help="every worker's and the router's --max-stream-len: most tokens of a "
                         "request under a bounded kv policy (default: theirs, 1048576)")

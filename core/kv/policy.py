@@ -12,8 +12,11 @@ accumulated so far, chosen per layer and KV head, token by token
 (engine/kv_cache/h2o.py); positions within the cache as for streaming. With
 ``,halflife=T`` the accumulated attention fades by half every T tokens (A2SF, arXiv
 2407.20485: a forgetting factor), so tokens that stopped drawing attention can leave the
-heavy part; without it, the paper's plain sums. With ``,sinks=S`` the first S tokens are
-kept besides (StreamingLLM's attention sinks, which plain H2O may evict in some heads).
+heavy part; without it, the paper's plain sums. With ``,score=mean`` a token is ranked
+by its accumulated attention per query it has seen (under a halflife, per faded query)
+instead of by the sum, so an old token's long history does not outweigh a younger one's
+stronger draw. With ``,sinks=S`` the first S tokens are kept besides (StreamingLLM's
+attention sinks, which plain H2O may evict in some heads).
 
 The cache is paged, so a bounded policy keeps whole blocks (engine/kv_cache/policy.py
 says exactly which): ``sink_blocks`` = ceil(S / block) leading blocks and
@@ -29,9 +32,13 @@ from core.errors import FieldError
 
 KV_POLICY_KINDS = ("full", "streaming", "h2o")
 _ARGS = {"streaming": ("sinks", "window"), "h2o": ("heavy", "recent")}
-_OPTIONAL = {"streaming": (), "h2o": ("sinks", "halflife")}
-_LETTER = {"sinks": "S", "window": "W", "heavy": "H", "recent": "R", "halflife": "T"}
-_FORMS = "full, streaming:sinks=S,window=W or h2o:heavy=H,recent=R[,sinks=S][,halflife=T]"
+_OPTIONAL = {"streaming": (), "h2o": ("sinks", "halflife", "score")}
+_LETTER = {"sinks": "S", "window": "W", "heavy": "H", "recent": "R", "halflife": "T",
+           "score": "mean"}
+_WORDS = {"score": ("sum", "mean")}
+"""The arguments that take a word, not a whole number: their choices, the default first."""
+_FORMS = ("full, streaming:sinks=S,window=W or "
+          "h2o:heavy=H,recent=R[,sinks=S][,halflife=T][,score=mean]")
 
 
 @dataclass(frozen=True)
@@ -49,6 +56,9 @@ class KVPolicy:
     """h2o: most recent tokens kept (the one being computed included)."""
     halflife: int = 0
     """h2o: tokens over which accumulated attention fades by half; 0: plain sums."""
+    score: str = "sum"
+    """h2o: what ranks a heavy candidate for eviction: ``sum`` (the accumulated attention,
+    the paper's) or ``mean`` (that divided by the queries the token has seen)."""
 
     @property
     def budget(self) -> int:
@@ -62,7 +72,8 @@ class KVPolicy:
 
     def spec(self) -> str:
         """The text this policy parses from (what a log or a handoff carries)."""
-        names = _ARGS[self.kind] + tuple(k for k in _OPTIONAL[self.kind] if getattr(self, k))
+        names = _ARGS[self.kind] + tuple(k for k in _OPTIONAL[self.kind]
+                                         if getattr(self, k) != _default(k))
         return f"{self.kind}:" + ",".join(f"{k}={getattr(self, k)}" for k in names)
 
     def sink_blocks(self, block_size: int) -> int:
@@ -95,6 +106,11 @@ class KVPolicy:
                                     f"blocks) exceeds the context window ({max_model_len})")
 
 
+def _default(name: str) -> int | str:
+    """An optional argument's value when the spec leaves it out."""
+    return _WORDS[name][0] if name in _WORDS else 0
+
+
 def decay_per_token(halflife: int) -> float:
     """h2o: the factor accumulated attention fades by per token (1.0 for halflife 0)."""
     return 0.5 ** (1 / halflife) if halflife else 1.0
@@ -102,8 +118,8 @@ def decay_per_token(halflife: int) -> float:
 
 def parse_kv_policy(text: str, field: str = "kv_policy") -> KVPolicy | None:
     """``full`` -> None; ``streaming:sinks=S,window=W`` or ``h2o:heavy=H,recent=R`` (optionally
-    ``,sinks=S`` and ``,halflife=T``) -> KVPolicy. FieldError naming ``field`` for anything
-    else."""
+    ``,sinks=S``, ``,halflife=T`` and ``,score=sum|mean``) -> KVPolicy. FieldError naming
+    ``field`` for anything else."""
     kind, _, args = text.strip().partition(":")
     if kind == "full" and not args:
         return None
@@ -113,18 +129,26 @@ def parse_kv_policy(text: str, field: str = "kv_policy") -> KVPolicy | None:
     form = f"{kind}:" + ",".join(f"{k}={_LETTER[k]}" for k in names)
     form += "".join(f"[,{k}={_LETTER[k]}]" for k in optional)
     values: dict[str, int] = {}
+    words: dict[str, str] = {}
     for part in args.split(","):
         key, eq, value = part.partition("=")
-        key = key.strip()
-        if (not eq or key not in names + optional or key in values
-                or not value.strip().isdigit()):
+        key, value = key.strip(), value.strip()
+        if not eq or key not in names + optional or key in values or key in words:
             raise FieldError(field, f"{field}: {text!r} is not {form} (whole numbers)")
-        values[key] = int(value)
+        if key in _WORDS:
+            if value not in _WORDS[key]:
+                raise FieldError(field, f"{field}: {key} must be "
+                                        f"{' or '.join(_WORDS[key])}; got {value!r}")
+            words[key] = value
+        elif value.isdigit():
+            values[key] = int(value)
+        else:
+            raise FieldError(field, f"{field}: {text!r} is not {form} (whole numbers)")
     least = {"sinks": 0, "window": 1, "heavy": 1, "recent": 1, "halflife": 1}
     if not set(names) <= set(values) or any(values[k] < least[k] for k in values):
-        raise FieldError(field, f"{field}: {text!r} needs {names[0]} and {names[1]}, "
-                                f"{', '.join(f'{k} >= {least[k]}' for k in names + optional)}")
+        bounds = ", ".join(f"{k} >= {least[k]}" for k in names + optional if k in least)
+        raise FieldError(field, f"{field}: {text!r} needs {names[0]} and {names[1]}, {bounds}")
     if kind == "h2o":
         return KVPolicy(kind, values.get("sinks", 0), 0, values["heavy"], values["recent"],
-                        values.get("halflife", 0))
+                        values.get("halflife", 0), words.get("score", "sum"))
     return KVPolicy(kind, values["sinks"], values["window"])

@@ -259,13 +259,15 @@ def test_a_speculating_engine_runs_bounded_requests_plainly(sharp_model) -> None
     ("streaming:sinks=4,window=x", "is not streaming"),
     ("h2o:heavy=4,recent=4", "the budget heavy + recent = 8 tokens is smaller than one KV"),
     ("h2o:heavy=0,recent=64", "heavy >= 1"),
-    ("h2o:heavy=8,window=64", "is not h2o:heavy=H,recent=R[,sinks=S][,halflife=T]"),
+    ("h2o:heavy=8,window=64", "is not h2o:heavy=H,recent=R[,sinks=S][,halflife=T][,score="),
     ("h2o:heavy=8,recent=56,halflife=0", "halflife >= 1"),
     ("h2o:heavy=2,recent=2,sinks=2", "the budget sinks + heavy + recent = 6 tokens"),
     ("h2o:heavy=8,recent=56,halflife=1.5", "is not h2o:heavy=H,recent=R[,sinks=S][,halflife=T]"),
+    ("h2o:heavy=8,recent=56,score=max", "score must be sum or mean; got 'max'"),
+    ("h2o:heavy=8,recent=56,score=mean,score=sum", "is not h2o:heavy=H,recent=R"),
     ("streaming:sinks=4,window=60,halflife=8", "is not streaming:sinks=S,window=W"),
     ("lru", "must be full, streaming:sinks=S,window=W or "
-            "h2o:heavy=H,recent=R[,sinks=S][,halflife=T]"),
+            "h2o:heavy=H,recent=R[,sinks=S][,halflife=T][,score=mean]"),
     ("streaming:sinks=4,window=1000", "exceeds the context window"),
 ])
 def test_bad_policies_name_the_flag_and_the_field(tiny_model_dir, policy, words) -> None:

@@ -330,7 +330,7 @@ def test_the_disk_kv_tier_at_tp2_is_tp1s_and_shares_its_files(tmp_path, checkpoi
 
 @pytest.mark.parametrize("policy, kv_heads", [
     ("streaming:sinks=4,window=28", 2),  # 1 sink block + 4 recent blocks of 8
-    ("h2o:heavy=8,recent=24,halflife=12", 2),  # each rank weights its queries alike
+    ("h2o:heavy=8,recent=24,halflife=12,score=mean", 2),  # each rank weights queries alike
     ("h2o:heavy=8,recent=24", 1)])
 def test_bounded_kv_policies_at_tp2_equal_tp1(tmp_path, checkpoint, group, policy: str,
                                               kv_heads: int) -> None:
@@ -339,12 +339,13 @@ def test_bounded_kv_policies_at_tp2_equal_tp1(tmp_path, checkpoint, group, polic
     keys (Op.SHIFT). h2o: rank 0 keeps every head's scores, each rank sends it its heads'
     share of a step, and rank 0's victims are evicted by every rank from its own heads
     (Op.EVICT); with one KV head both ranks hold it, and its score is the sum of their
-    query heads' shares. The request's scores equal TP 1's within fp32 summation order."""
+    query heads' shares; under score=mean rank 0 also keeps each slot's arrival. The
+    request's scores equal TP 1's within fp32 summation order, its arrivals exactly."""
     path = (checkpoint("llama") if kv_heads == 2
             else build_checkpoint(tmp_path, "llama", num_key_value_heads=1))
     batch = prompts(4, seed=7, low=12, high=30)
     params = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
-    got, scores = [], []
+    got, scores, arrivals = [], [], []
     for tp in (1, 2):
         eng = LLMEngine(config(path, tp, kv_policy=policy, allow_request_kv_policy=True),
                         tp_group=group if tp == 2 else None)
@@ -357,6 +358,7 @@ def test_bounded_kv_policies_at_tp2_equal_tp1(tmp_path, checkpoint, group, polic
                 while not req.finished:
                     eng.step()
                 scores.append(req.kv_scores.clone())
+                arrivals.append(req.kv_arrivals)
             eng.leak_check()
         finally:
             eng.close()
@@ -364,6 +366,9 @@ def test_bounded_kv_policies_at_tp2_equal_tp1(tmp_path, checkpoint, group, polic
     if scores:
         assert scores[1].shape == scores[0].shape == (2, kv_heads, 32)
         assert torch.allclose(scores[1], scores[0], atol=1e-4), (scores[1] - scores[0]).abs().max()
+    if "score=mean" in policy:
+        assert torch.equal(arrivals[1], arrivals[0])
+        assert int(arrivals[0].max()) == len(batch[0]) + 39  # the last token computed
 
 
 def _prompt_logprobs(eng: LLMEngine, batch: list[list[int]], params: SamplingParams) -> list:

@@ -25,9 +25,11 @@ PROMPTS = {"mid-block": [(i * 37) % 300 + 3 for i in range(70)],
 # (kv_policy, blocks pulled for the 70- and the 64-token prompt): full pulls every block;
 # streaming 4+44 keeps its sink block and the newest two (the query at 69: blocks 0, 3, 4;
 # at 63: 0, 2, 3); h2o 20+12 keeps 31 tokens compacted into 2 blocks (with a halflife
-# too: the handoff's spec carries it, and the decode side fades the scores it adopts)
+# too: the handoff's spec carries it, and the decode side fades the scores it adopts; with
+# score=mean the handle carries each slot's arrival as well, which the decode side divides by)
 POLICIES = [("", (5, 4)), ("streaming:sinks=4,window=44", (3, 3)),
-            ("h2o:heavy=20,recent=12", (2, 2)), ("h2o:heavy=20,recent=12,halflife=6", (2, 2))]
+            ("h2o:heavy=20,recent=12", (2, 2)), ("h2o:heavy=20,recent=12,halflife=6", (2, 2)),
+            ("h2o:heavy=20,recent=12,score=mean", (2, 2))]
 MAX_TOKENS = 24  # the decode side crosses a block boundary, dropping and re-rotating
 
 
@@ -106,3 +108,40 @@ def test_workers_whose_pools_hold_only_the_budget_serve_a_longer_prompt(sharp_mo
 
     made, disagg, colocated, pulled = asyncio.run(body())
     assert (made, pulled) == (policy, 3) and disagg == colocated
+
+
+@pytest.mark.parametrize("policy,scores,arrivals,words", [
+    ("h2o:heavy=20,recent=12", 4 * 2 * 3 * 32 - 4, 0, "kv_handle.kv_scores: 764 bytes, not "
+     "float32 [2, 3, 32] (768 bytes) as kv_policy h2o:heavy=20,recent=12 needs"),
+    ("h2o:heavy=20,recent=12,score=mean", 768, 0, "kv_handle.kv_arrivals: 0 bytes, not int32 "
+     "[2, 3, 32] (768 bytes) as kv_policy h2o:heavy=20,recent=12,score=mean needs"),
+    ("h2o:heavy=20,recent=12", 768, 768, "kv_handle.kv_arrivals: 768 bytes under kv_policy "
+     "h2o:heavy=20,recent=12, which keeps none (only score=mean does)"),
+    ("h2o:heavy=20,recent=12,score=mean", 768, 768, "kv_handle.kv_arrivals: token indices "
+     "0..191, outside 0..num_tokens (100)"),
+    ("h2o:heavy=20,recent=12,score=mean", 768, 768, None)])
+def test_a_handles_scores_and_arrivals_must_fit_the_policy(policy, scores, arrivals,
+                                                          words) -> None:
+    """The decode side adopts h2o's scores (and under score=mean the arrivals, token indices
+    up to the handle's num_tokens) only in the shape its model and policy give, [layers,
+    KV heads, budget]; otherwise the reason names the handle's field, and the request is
+    left as it was."""
+    import torch
+
+    from core.kv.policy import parse_kv_policy
+    from core.sampling import SamplingParams
+    from decode_svc.kv_policy import adopt_scores
+    from engine.request import Request
+    from proto import kv_link_pb2
+
+    req = Request("r", [1, 2, 3], SamplingParams(), kv_policy=parse_kv_policy(policy))
+    handle = kv_link_pb2.KVHandle(
+        num_tokens=100 if words and "outside" in words else 200,
+        kv_scores=torch.arange(scores // 4, dtype=torch.float32).numpy().tobytes(),
+        kv_arrivals=torch.arange(arrivals // 4, dtype=torch.int32).numpy().tobytes())
+    assert adopt_scores(req, handle, layers=2, kv_heads=3) == words
+    if words is None:
+        assert req.kv_scores.shape == req.kv_arrivals.shape == (2, 3, 32)
+        assert req.kv_arrivals.dtype == torch.int32 and int(req.kv_arrivals[1, 2, 31]) == 191
+    else:
+        assert req.kv_scores is None and req.kv_arrivals is None
