@@ -198,11 +198,13 @@ def test_batching_with_full_requests_equals_alone(sharp_model) -> None:
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
-def test_preemption_resumes_exactly(sharp_model, mode) -> None:
-    """Six streaming requests in a pool that seats two: they are preempted (swap moves
-    only the held blocks, with their re-rotated keys; recompute re-runs the context under
-    the policy) and each one's tokens equal its run alone."""
-    policy = "streaming:sinks=4,window=20"
+@pytest.mark.parametrize("policy", ["streaming:sinks=4,window=20",
+                                    "h2o:heavy=6,recent=18,score=mean"])
+def test_preemption_resumes_exactly(sharp_model, mode, policy) -> None:
+    """Six bounded requests in a pool that seats two: they are preempted (swap moves
+    only the held blocks, with their re-rotated keys, and h2o's scores and arrivals stay
+    with the request; recompute re-runs the context under the policy, rebuilding them)
+    and each one's tokens equal its run alone."""
     alone_eng = _engine(sharp_model, block_size=4, kv_policy=policy)
     prompts = [[(i * 17 + j * 5) % 300 + 1 for j in range(12 + 7 * i)] for i in range(6)]
     alone = [_run(alone_eng, p, 60)[0] for p in prompts]

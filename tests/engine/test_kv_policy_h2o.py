@@ -111,9 +111,10 @@ def test_h2o_equals_the_plain_reference(sharp_model, backend, halflife, chunk, s
 def test_batching_and_swapping_equal_alone(sharp_model) -> None:
     """h2o, streaming and full requests in one batch (the decode kernel gives scores for
     the h2o rows only), in a pool that seats two so they are swapped out and in (the
-    scores follow the request's slots): each one's tokens equal its run alone."""
+    scores, and under score=mean the arrivals, follow the request's slots): each one's
+    tokens equal its run alone."""
     jobs = [([(i * 11 + j) % 300 + 1 for j in range(10 + 9 * i)], policy) for i, policy in
-            enumerate(["h2o:heavy=6,recent=10", "full", "h2o:heavy=9,recent=7",
+            enumerate(["h2o:heavy=6,recent=10", "full", "h2o:heavy=9,recent=7,score=mean",
                        "streaming:sinks=4,window=12", "h2o:heavy=6,recent=10"])]
     alone_eng = _engine(sharp_model, block_size=4, allow_request_kv_policy=True, max_model_len=96)
     alone = [_run(alone_eng, p, 50, policy)[0] for p, policy in jobs]
