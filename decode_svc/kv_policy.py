@@ -16,6 +16,7 @@ import math
 import torch
 
 from core.kv import blocks_for
+from engine.config import dtype_name
 from engine.request import Request
 from kvtransfer.base import SourceBlocks
 from proto import kv_link_pb2
@@ -43,26 +44,26 @@ def adopt_scores(req: Request, handle: kv_link_pb2.KVHandle, layers: int,
     if policy is None or not policy.scored:
         return None
     shape = (layers, kv_heads, policy.budget)
-    want = {"kv_scores": (handle.kv_scores, torch.float32, "float32"),
-            "kv_arrivals": (handle.kv_arrivals, torch.int32, "int32")}
-    if policy.score != "mean":
-        if handle.kv_arrivals:
-            return (f"kv_handle.kv_arrivals: {len(handle.kv_arrivals)} bytes under kv_policy "
-                    f"{policy.spec()}, which keeps none (only score=mean does)")
-        del want["kv_arrivals"]
+    fields = [("kv_scores", handle.kv_scores, torch.float32)]
+    if policy.score == "mean":
+        fields.append(("kv_arrivals", handle.kv_arrivals, torch.int32))
+    elif handle.kv_arrivals:
+        return (f"kv_handle.kv_arrivals: {len(handle.kv_arrivals)} bytes under kv_policy "
+                f"{policy.spec()}, which keeps none (only score=mean does)")
     got = {}
-    for name, (data, dtype, kind) in want.items():
-        if len(data) != 4 * math.prod(shape):
-            return (f"kv_handle.{name}: {len(data)} bytes, not {kind} {list(shape)} "
-                    f"({4 * math.prod(shape)} bytes) as kv_policy {policy.spec()} needs")
+    for name, data, dtype in fields:
+        size = dtype.itemsize * math.prod(shape)
+        if len(data) != size:
+            return (f"kv_handle.{name}: {len(data)} bytes, not {dtype_name(dtype)} "
+                    f"{list(shape)} ({size} bytes) as kv_policy {policy.spec()} needs")
         got[name] = torch.frombuffer(bytearray(data), dtype=dtype).view(shape)
     arrivals = got.get("kv_arrivals")
-    if arrivals is not None and not 0 <= int(arrivals.min()) <= int(arrivals.max()) <= (
-            handle.num_tokens):  # the last slot's may name the token after the KV's last
-        return (f"kv_handle.kv_arrivals: token indices {int(arrivals.min())}.."
-                f"{int(arrivals.max())}, outside 0..num_tokens ({handle.num_tokens})")
-    req.kv_scores = got["kv_scores"]
-    req.kv_arrivals = got.get("kv_arrivals")
+    if arrivals is not None:
+        lo, hi = int(arrivals.min()), int(arrivals.max())
+        if not 0 <= lo <= hi <= handle.num_tokens:  # the last slot's: the KV's next token
+            return (f"kv_handle.kv_arrivals: token indices {lo}..{hi}, outside "
+                    f"0..num_tokens ({handle.num_tokens})")
+    req.kv_scores, req.kv_arrivals = got["kv_scores"], arrivals
     return None
 
 

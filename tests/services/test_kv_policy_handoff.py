@@ -110,18 +110,18 @@ def test_workers_whose_pools_hold_only_the_budget_serve_a_longer_prompt(sharp_mo
     assert (made, pulled) == (policy, 3) and disagg == colocated
 
 
-@pytest.mark.parametrize("policy,scores,arrivals,words", [
-    ("h2o:heavy=20,recent=12", 4 * 2 * 3 * 32 - 4, 0, "kv_handle.kv_scores: 764 bytes, not "
-     "float32 [2, 3, 32] (768 bytes) as kv_policy h2o:heavy=20,recent=12 needs"),
-    ("h2o:heavy=20,recent=12,score=mean", 768, 0, "kv_handle.kv_arrivals: 0 bytes, not int32 "
-     "[2, 3, 32] (768 bytes) as kv_policy h2o:heavy=20,recent=12,score=mean needs"),
-    ("h2o:heavy=20,recent=12", 768, 768, "kv_handle.kv_arrivals: 768 bytes under kv_policy "
-     "h2o:heavy=20,recent=12, which keeps none (only score=mean does)"),
-    ("h2o:heavy=20,recent=12,score=mean", 768, 768, "kv_handle.kv_arrivals: token indices "
-     "0..191, outside 0..num_tokens (100)"),
-    ("h2o:heavy=20,recent=12,score=mean", 768, 768, None)])
+@pytest.mark.parametrize("policy,scores,arrivals,num_tokens,words", [
+    ("h2o:heavy=20,recent=12", 4 * 2 * 3 * 32 - 4, 0, 200, "kv_handle.kv_scores: 764 bytes, "
+     "not float32 [2, 3, 32] (768 bytes) as kv_policy h2o:heavy=20,recent=12 needs"),
+    ("h2o:heavy=20,recent=12,score=mean", 768, 0, 200, "kv_handle.kv_arrivals: 0 bytes, not "
+     "int32 [2, 3, 32] (768 bytes) as kv_policy h2o:heavy=20,recent=12,score=mean needs"),
+    ("h2o:heavy=20,recent=12", 768, 768, 200, "kv_handle.kv_arrivals: 768 bytes under "
+     "kv_policy h2o:heavy=20,recent=12, which keeps none (only score=mean does)"),
+    ("h2o:heavy=20,recent=12,score=mean", 768, 768, 100, "kv_handle.kv_arrivals: token "
+     "indices 0..191, outside 0..num_tokens (100)"),
+    ("h2o:heavy=20,recent=12,score=mean", 768, 768, 200, None)])
 def test_a_handles_scores_and_arrivals_must_fit_the_policy(policy, scores, arrivals,
-                                                          words) -> None:
+                                                          num_tokens, words) -> None:
     """The decode side adopts h2o's scores (and under score=mean the arrivals, token indices
     up to the handle's num_tokens) only in the shape its model and policy give, [layers,
     KV heads, budget]; otherwise the reason names the handle's field, and the request is
@@ -136,7 +136,7 @@ def test_a_handles_scores_and_arrivals_must_fit_the_policy(policy, scores, arriv
 
     req = Request("r", [1, 2, 3], SamplingParams(), kv_policy=parse_kv_policy(policy))
     handle = kv_link_pb2.KVHandle(
-        num_tokens=100 if words and "outside" in words else 200,
+        num_tokens=num_tokens,
         kv_scores=torch.arange(scores // 4, dtype=torch.float32).numpy().tobytes(),
         kv_arrivals=torch.arange(arrivals // 4, dtype=torch.int32).numpy().tobytes())
     assert adopt_scores(req, handle, layers=2, kv_heads=3) == words
