@@ -170,7 +170,7 @@ class ModelRunner:
                 self.model, self.device,
                 config.compilation.compile_max_batch or config.scheduler.max_num_seqs,
                 any_rows=config.scheduler.max_num_batched_tokens if self.lora is None else None,
-                graph_rows=self._graph_rows())
+                **self._graph_steps())
             self.compiled.warm_up(self._dummy_decode,
                                   lambda rows, segments: self._dummy_decode(rows, segments,
                                                                             logits=False))
@@ -179,17 +179,18 @@ class ModelRunner:
                  self.backend.name, self.num_blocks, config.cache.block_size, self.kv_dtype,
                  self.block_bytes)
 
-    def _graph_rows(self) -> int:
-        """--compile-graph-max-batch where one-graph decode steps can run here, else 0
-        (said in the log when the flag asked for them)."""
-        rows = self.config.compilation.compile_graph_max_batch
+    def _graph_steps(self) -> dict[str, int]:
+        """--compile-graph-max-batch and --compile-graph-layers where decode steps can run
+        as graphs here, else 0 (said in the log when a flag asked for them)."""
+        c = self.config.compilation
+        asked = dict(graph_rows=c.compile_graph_max_batch, graph_layers=c.compile_graph_layers)
         why = ("LoRA steps need the per-layer segments" if self.lora is not None else
                f"--attention-backend {self.backend.name} decodes per layer"
                if not self.backend.decodes_in_graph else
                graph_decode_unavailable(self.device, self.kv_quant))
-        if rows and why:
+        if any(asked.values()) and why:
             log.info("decode steps compile per layer, not as one graph: %s", why)
-        return 0 if why else rows
+        return {k: 0 if why else v for k, v in asked.items()}
 
     def _build(self, ckpt: LoadedCheckpoint, max_model_len: int) -> CausalLM:
         """The family's model with the checkpoint's weights. Every layer's attention is
@@ -563,20 +564,28 @@ class ModelRunner:
 
     def _bucket_hidden(self, tids: torch.Tensor, tpos: torch.Tensor, ctx: ForwardContext,
                        rows: int, segments: Segments, warm: bool = False) -> torch.Tensor:
-        """Hidden states [bucket, H] of a decode-only step padded to its bucket: the
-        one-graph step where the bucket has one and the step's tables fit it, else the
-        segments. warm: at start-up, where the graph may compile; later a guard that
-        fails is an error (never a compile mid-serving) and so is anything the graph
+        """Hidden states [bucket, H] of a decode-only step padded to its bucket: the graph
+        steps where the bucket has them (one graph, or one per group of layers with
+        ctx.should_stop asked between groups) and the step's tables fit them, else the
+        segments. warm: at start-up, where the graphs may compile; later a guard that
+        fails is an error (never a compile mid-serving) and so is anything a graph
         raises: decode steps run the segments from then on (``fail_graph``)."""
         c = self.compiled
         bucket = len(tids)
-        step = c.graph(bucket) if segments is c.segments else None
+        groups = c.layer_groups(bucket) if segments is c.segments else None
         slots = (decode_slots(ctx.meta, bucket, self.table_width, self.device)
-                 if step is not None else None)
+                 if groups else None)
         if slots is not None:
             try:
                 with torch.compiler.set_stance("default" if warm else "fail_on_recompile"):
-                    return step(self.model.model, tids, tpos, ctx.kv, slots)
+                    out = None
+                    for lo, hi in groups:
+                        if lo and ctx.should_stop is not None and ctx.should_stop():
+                            raise StepInterrupted
+                        out = c.step(self.model.model, tids, tpos, ctx.kv, slots, lo, hi, out)
+                    return out
+            except StepInterrupted:
+                raise
             except Exception as e:  # noqa: BLE001 - dynamo/inductor raise many types
                 c.fail_graph(bucket, e)
         return self.model(tids, tpos, ctx, segments, rows=rows)

@@ -32,8 +32,15 @@ function, so dynamo never hands one model's graph to another, and the model is c
 (loaded, quantized, prepacked, its paths chosen) before the first compile and never
 changes after; the guards on the step's own tensors stay, which tell the buckets apart.
 No per-layer check can interrupt such a step, hence the cap on its rows; longer steps
-keep the segments and their interruption. LoRA, a quantized KV cache, CUDA and the
-naive backend take the segments.
+keep the segments and their interruption, or, with --compile-graph-layers N, run as graphs
+of N layers each (``decode_graph`` over a range of layers, one graph per group and bucket,
+the group's output carried to the next) with should_stop asked between groups: a few
+entries into compiled code a step instead of 31, interruptible every N layers. Groups of
+10 took the embedded model's decode steps from 23.9 / 31.3 / 58.2 / 90.7 ms to 18.8 /
+27.4 / 51.2 / 83.7 ms at 8 / 16 / 32 / 64 rows (one graph: 18.0 / 26.3 / 51.2 / 83.1) on
+an AVX-512 EPYC, in process; each bucket so compiled costs about 20 s more at a first
+start (docs/performance.md). Off by default for that start-up.
+LoRA, a quantized KV cache, CUDA and the naive backend take the segments.
 
 A model that declares a layer uncompilable (models/base.py compile_blocker: the MoE
 experts' data-dependent split) is not compiled at all: one progress line says why, and
@@ -159,11 +166,12 @@ class CompiledDecode:
 
     def __init__(self, model: CausalLM, device: torch.device, max_rows: int,
                  options: dict | None = None, any_rows: int | None = None,
-                 graph_rows: int = 0) -> None:
+                 graph_rows: int = 0, graph_layers: int = 0) -> None:
         """max_rows: the largest decode bucket; any_rows: the most rows a step with a
         prefill has (the token budget), or None: no any-row segments; graph_rows: buckets
-        up to this many rows run as one graph (0: none; the caller knows whether the
-        step's attention can, module docstring)."""
+        up to this many rows run as one graph (0: none); graph_layers: larger buckets run
+        as graphs of this many layers each (0: per layer). The caller knows whether the
+        step's attention can run in a graph (module docstring)."""
         import torch._dynamo
 
         self.model = model
@@ -183,10 +191,14 @@ class CompiledDecode:
         """``decode_graph`` compiled (module docstring), None where no bucket runs as one
         graph: graph_rows 0, on CUDA, or after ``fail_graph``."""
         self.graph_rows = graph_rows
+        self.graph_layers = graph_layers
+        self.num_layers = len(model.model.layers) if graph_rows or graph_layers else 0
         self.graph_failed: str | None = None
         """Why one-graph steps were dropped after a failure (a fallback)."""
-        # one compiled graph per (segment, bucket); dynamo's default limit is 8
-        torch._dynamo.config.cache_size_limit = max(64, 4 * len(self.buckets))
+        # one compiled graph per (segment, bucket) and per (layer group, bucket); dynamo's
+        # default limit is 8
+        groups = -(-self.num_layers // graph_layers) if graph_layers else 1
+        torch._dynamo.config.cache_size_limit = max(64, (4 + groups) * len(self.buckets))
         self.device = device
         self.disabled: str | None = None
         self.compile_seconds = 0.0
@@ -217,7 +229,7 @@ class CompiledDecode:
             kw["options"] = cpu_options(options)
         self.segments = Segments(*(torch.compile(f, **kw)
                                    for f in (first_segment, middle_segment, last_segment)))
-        if self.graph_rows and self.device.type == "cpu":
+        if (self.graph_rows or self.graph_layers) and self.device.type == "cpu":
             self.step = torch.compile(_own_copy(decode_graph), **{
                 **kw, "options": {**kw["options"], "guard_filter_fn": _model_guards}})
         if self.any_sizes:
@@ -233,17 +245,25 @@ class CompiledDecode:
         b = next((b for b in self.buckets if b >= n), None)
         return b if b is not None and b not in self.slower else None
 
-    def graph(self, bucket: int) -> Callable | None:
-        """The one-graph step for a bucket (``decode_graph``'s arguments), or None: the
-        bucket runs the segments."""
-        return self.step if bucket <= self.graph_rows else None
+    def layer_groups(self, bucket: int) -> list[tuple[int, int]] | None:
+        """The layer groups (lo, hi) a bucket's step runs as graphs of ``step``, in order:
+        one group of every layer up to ``graph_rows`` rows, groups of ``graph_layers``
+        above; or None: the bucket runs the segments."""
+        if self.step is None:
+            return None
+        if bucket <= self.graph_rows:
+            return [(0, self.num_layers)]
+        if self.graph_layers:
+            return [(lo, min(lo + self.graph_layers, self.num_layers))
+                    for lo in range(0, self.num_layers, self.graph_layers)]
+        return None
 
     def fail_graph(self, bucket: int, e: Exception) -> None:
         """A one-graph step failed: decode steps run the segments from now on."""
         self.step = None
         self.graph_failed = failure(f"one-graph decode step for batch {bucket}", e)
         log.error("%s; decode steps run per layer from now on (--compile-graph-max-batch 0 "
-                  "turns one-graph steps off)", self.graph_failed)
+                  "and --compile-graph-layers 0 turn graph steps off)", self.graph_failed)
 
     def any_rows_for(self, n: int, decode_only: bool) -> Segments | None:
         """The any-row segments for a step of n rows that no bucket takes (a prefill, or
@@ -296,7 +316,7 @@ class CompiledDecode:
                 self.slower.add(b)
             progress.info("compiled decode step %d/%d (batch %d%s) in %.1fs: "
                           "%.1f ms vs %.1f ms eager%s", i + 1, len(self.buckets), b,
-                          ", one graph" if self.graph(b) else "",
+                          self._graph_words(b),
                           time.perf_counter() - t, compiled, eager,
                           " (slower: this batch runs eagerly)" if slower else "")
         if self.any_rows is not None and self.disabled is None:
@@ -307,6 +327,13 @@ class CompiledDecode:
                       " and prefill steps" if self.any_rows is not None and not self.any_slower
                       else "",
                       self.compile_seconds)
+
+    def _graph_words(self, bucket: int) -> str:
+        """How a bucket's step runs, for its progress line: "" (per layer)."""
+        groups = self.layer_groups(bucket)
+        if not groups:
+            return ""
+        return ", one graph" if len(groups) == 1 else f", {len(groups)} graphs of layers"
 
     def _warm_any_rows(self, run_rows: Callable[[int, Segments], None]) -> None:
         """Compile the any-row graphs (one dummy step per size of ``any_sizes``), then

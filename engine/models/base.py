@@ -11,7 +11,9 @@ attention call into ``first`` (embedding, rotary tables, layer 0 up to its atten
 ``middle`` (one layer's output and the next layer's q/k/v; one graph for all layers,
 whose weights are its inputs) and ``last`` (the last layer's output and the final norm).
 A short decode step runs instead as one graph (``decode_graph``): the segments and every
-layer's attention with its KV write, which no per-layer check can interrupt.
+layer's attention with its KV write, which no per-layer check can interrupt; a longer one
+may run as graphs of a few layers each (``decode_graph`` over a range of layers), with the
+check between them.
 """
 from __future__ import annotations
 
@@ -107,18 +109,23 @@ def last_segment(prev: DecoderLayer, norm: nn.Module, x: torch.Tensor, o: torch.
 
 
 def decode_graph(model: DecoderModel, input_ids: torch.Tensor, positions: torch.Tensor,
-                 kv: torch.Tensor, slots: DecodeSlots) -> torch.Tensor:
-    """A decode-only step as one graph (engine/compile/decode.py): every layer, its
-    attention and KV write included (``Attention.attend_slots``), then the final norm ->
-    hidden [R, H]. Rows past the step's own are padding (``DecodeSlots``). Nothing asks
-    should_stop: such a step runs to its end (short steps only; module docstring)."""
-    x, rope, q, k, v = first_segment(model, input_ids, positions)
+                 kv: torch.Tensor, slots: DecodeSlots, lo: int, hi: int, carry: tuple | None
+                 ) -> torch.Tensor | tuple:
+    """Layers lo..hi-1 of a decode-only step as one graph (engine/compile/decode.py), each
+    one's attention and KV write included (``Attention.attend_slots``). lo 0 starts from
+    the embedding (``carry`` None); otherwise ``carry`` is what the group before gave. hi
+    the last layer ends with the final norm -> hidden [R, H]; otherwise -> the carry
+    (x, rope, q, k, v) for layer hi. Rows past the step's own are padding (``DecodeSlots``).
+    Nothing asks should_stop inside: the caller may between groups (module docstring)."""
     layers = model.layers
-    for i, layer in enumerate(layers):
-        o = layer.self_attn.attend_slots(q, k, v, kv, slots)
+    x, rope, q, k, v = first_segment(model, input_ids, positions) if lo == 0 else carry
+    for i in range(lo, hi):
+        o = layers[i].self_attn.attend_slots(q, k, v, kv, slots)
         if i + 1 < len(layers):
-            x, q, k, v = middle_segment(layer, layers[i + 1], x, o, rope)
-    return last_segment(layers[-1], model.norm, x, o)
+            x, q, k, v = middle_segment(layers[i], layers[i + 1], x, o, rope)
+    if hi == len(layers):
+        return last_segment(layers[-1], model.norm, x, o)
+    return x, rope, q, k, v
 
 
 def compile_blocker(model: nn.Module) -> str | None:

@@ -100,7 +100,7 @@ def test_short_decode_steps_run_as_one_graph_and_equal_eager(compiled: LLMEngine
     """Decode steps of 1 and 2 rows run as one graph (the fixture's cap is 2; a 3-row step
     takes bucket 4, per layer), and give the eager engine's tokens."""
     c = compiled.runner.compiled
-    assert c.graph(1) is c.graph(2) is not None and c.graph(4) is None
+    assert c.layer_groups(1) == c.layer_groups(2) == [(0, 2)] and c.layer_groups(4) is None
     eager = _engine(tiny_model_dir, compile=False)
     prompts = _prompts(3)
     params = [SamplingParams(max_tokens=3 + 4 * i, temperature=0, ignore_eos=True)
@@ -129,7 +129,7 @@ def test_each_model_keeps_its_own_one_graph_steps(compiled: LLMEngine, tiny_mode
                                          max_num_seqs=8, compile=True, compile_max_batch=2,
                                          compile_graph_max_batch=2))
     for eng in (compiled, b):
-        assert eng.runner.compiled.graph(1) is not None
+        assert eng.runner.compiled.layer_groups(1) is not None
         torch.testing.assert_close(_step_hidden(eng, one_graph=True),
                                    _step_hidden(eng, one_graph=False), atol=1e-5, rtol=1e-5)
         assert eng.runner.compiled.graph_failed is None
@@ -139,7 +139,7 @@ def test_compiled_quantized_tokens_equal_eager(tiny_model_dir: Path) -> None:
     """Packed int8 kernels at 1-2 rows, dense at 4: both inside the compiled graphs."""
     a = _engine(tiny_model_dir, compile=True, quantization="int8")
     b = _engine(tiny_model_dir, compile=False, quantization="int8")
-    assert a.runner.compiled.graph(1) is not None
+    assert a.runner.compiled.layer_groups(1) is not None
     prompts = _prompts(4)
     assert [c.token_ids for c in a.generate(prompts, GREEDY)] == \
         [c.token_ids for c in b.generate(prompts, GREEDY)]
@@ -251,6 +251,97 @@ def test_a_one_graph_step_runs_to_its_end(compiled: LLMEngine, graph_rows: list[
     compiled.leak_check()
 
 
+@pytest.fixture(scope="module")
+def grouped(tmp_path_factory) -> tuple[LLMEngine, LLMEngine]:
+    """A 3-layer tiny model compiled with one-graph steps at 1 row and graphs of one layer
+    each above (--compile-graph-layers 1: first, middle and last groups), and its eager
+    engine."""
+    from tests.utils import make_tiny_llama
+
+    path = make_tiny_llama(tmp_path_factory.mktemp("three-layers"), layers=3)
+    kw = dict(model=str(path), dtype="float32", num_kv_blocks=128, max_num_seqs=4,
+              compile_max_batch=2, compile_graph_max_batch=1, compile_graph_layers=1)
+    eng = LLMEngine(EngineConfig.from_flat(compile=True, **kw))
+    eng.runner.compiled.slower.clear()  # test every compiled bucket, faster or not
+    return eng, LLMEngine(EngineConfig.from_flat(compile=False, **kw))
+
+
+def _record_groups(c) -> tuple[list, object]:
+    """Wrap the compiled graph step so each call's (rows, lo, hi) is recorded."""
+    calls, inner = [], c.step
+
+    def step(model, ids, pos, kv, slots, lo, hi, carry):
+        calls.append((ids.shape[0], lo, hi))
+        return inner(model, ids, pos, kv, slots, lo, hi, carry)
+
+    c.step = step
+    return calls, inner
+
+
+def test_decode_steps_above_the_graph_cap_run_in_layer_groups_and_equal_eager(
+        grouped: tuple[LLMEngine, LLMEngine]) -> None:
+    """With --compile-graph-layers 1, a 2-row decode step (above --compile-graph-max-batch
+    1) runs as three graphs, one per layer, each carrying its output to the next; a
+    1-row step stays one graph. The tokens are the eager engine's."""
+    eng, eager = grouped
+    c = eng.runner.compiled
+    assert c.layer_groups(1) == [(0, 3)] and c.layer_groups(2) == [(0, 1), (1, 2), (2, 3)]
+    prompts = _prompts(2)
+    params = [SamplingParams(max_tokens=4 + 3 * i, temperature=0, ignore_eos=True)
+              for i in range(2)]
+    calls, inner = _record_groups(c)
+    try:
+        got = [d.token_ids for d in eng.generate(prompts, params)]
+    finally:
+        c.step = inner
+    assert got == [d.token_ids for d in eager.generate(prompts, params)]
+    assert set(calls) == {(2, 0, 1), (2, 1, 2), (2, 2, 3), (1, 0, 3)}, calls
+    assert calls[:3] == [(2, 0, 1), (2, 1, 2), (2, 2, 3)]  # in order, every layer once
+    assert c.graph_failed is None and eng.runner.fallbacks()["compile"] == []
+    eng.leak_check()
+
+
+def test_a_step_in_layer_groups_is_interrupted_between_them(
+        grouped: tuple[LLMEngine, LLMEngine]) -> None:
+    """A more important request arriving during a step run in layer groups stops it
+    before the next group: nothing of it counts, it is not a graph failure, and the
+    requests then finish with the eager engine's tokens."""
+    eng, eager = grouped
+    c = eng.runner.compiled
+    prompts = _prompts(2)
+    got: dict[str, list[int]] = {f"grp{i}": [] for i in range(2)}
+
+    def collect(outs) -> list:
+        for o in outs:
+            got[o.request_id] += o.new_token_ids
+        return outs
+
+    for i, p in enumerate(prompts):
+        eng.add_request(p, GREEDY, request_id=f"grp{i}", priority=5)
+    collect(eng.step())
+    collect(eng.step())  # prefills done: the next step decodes 2 rows in three groups
+    calls, inner = [], c.step
+
+    def step(model, ids, pos, kv, slots, lo, hi, carry):
+        calls.append((lo, hi))
+        eng.interrupt_for(0)
+        return inner(model, ids, pos, kv, slots, lo, hi, carry)
+
+    c.step = step
+    before, computed = eng.stats.interrupted_steps, eng.num_computed_tokens_total
+    try:
+        assert eng.step() == []
+    finally:
+        c.step = inner
+    assert calls == [(0, 1)] and eng.stats.interrupted_steps == before + 1
+    assert eng.num_computed_tokens_total == computed and c.graph_failed is None
+    while eng.has_unfinished():
+        collect(eng.step())
+    assert [got[f"grp{i}"] for i in range(2)] == \
+        [d.token_ids for d in eager.generate(prompts, GREEDY)]
+    eng.leak_check()
+
+
 def test_a_failing_one_graph_step_falls_back_to_the_segments(compiled: LLMEngine,
                                                              tiny_model_dir: Path,
                                                              caplog) -> None:
@@ -267,7 +358,7 @@ def test_a_failing_one_graph_step_falls_back_to_the_segments(compiled: LLMEngine
     try:
         with caplog.at_level(logging.ERROR):
             got = compiled.generate([_prompts(1)[0]], GREEDY)[0].token_ids
-        assert c.step is None and c.graph(1) is None
+        assert c.step is None and c.layer_groups(1) is None
         assert c.graph_failed.startswith("one-graph decode step for batch 1 failed: "
                                          "RuntimeError: Detected recompile")
         assert "--compile-graph-max-batch 0" in caplog.text
@@ -292,7 +383,7 @@ def test_one_graph_steps_are_off_where_their_attention_would_differ(tiny_model_d
         eng = LLMEngine(EngineConfig.from_flat(model=str(tiny_model_dir), dtype="float32",
                                                num_kv_blocks=64, max_num_seqs=1, compile=True,
                                                compile_max_batch=1, **flag))
-    assert eng.runner.compiled.graph(1) is None and eng.runner.compiled.step is None
+    assert eng.runner.compiled.layer_groups(1) is None and eng.runner.compiled.step is None
     assert f"decode steps compile per layer, not as one graph: {why}" in caplog.text
 
 

@@ -443,7 +443,7 @@ def test_verification_in_a_one_graph_step_equals_plain_decoding(plain, tiny_mode
     eng = _engine(tiny_model_dir, "ngram", num_speculative_tokens=3, compile=True,
                   compile_max_batch=4, compile_graph_max_batch=4, max_num_seqs=1)
     c = eng.runner.compiled
-    assert c.graph(4) is not None
+    assert c.layer_groups(4) is not None
     c.slower.clear()
     rows = []
     inner = c.step

@@ -75,7 +75,7 @@ def test_one_graph_decode_steps_equal_eager(family, checkpoint) -> None:
     if c.disabled is not None:
         assert name in ("mixtral", "qwen3_moe"), c.disabled
         return
-    assert c.graph(1) is not None, name
+    assert c.layer_groups(1) is not None, name
     c.slower.clear()  # the graph whatever start-up's timing said
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     for ids in prompts(2, seed=4, low=10, high=40):

@@ -65,3 +65,12 @@ def test_compile_graph_max_batch_defaults_to_4_and_refuses_negatives() -> None:
         compile_graph_max_batch=0).compilation.compile_graph_max_batch == 0
     with pytest.raises(ValueError, match="--compile-graph-max-batch must be >= 0, got -1"):
         EngineConfig.from_flat(compile_graph_max_batch=-1)
+
+
+def test_compile_graph_layers_defaults_to_off_and_refuses_negatives() -> None:
+    """--compile-graph-layers (default 0: larger decode steps per layer) is refused below
+    0, naming the flag."""
+    assert EngineConfig.from_flat().compilation.compile_graph_layers == 0
+    assert EngineConfig.from_flat(compile_graph_layers=10).compilation.compile_graph_layers == 10
+    with pytest.raises(ValueError, match="--compile-graph-layers must be >= 0, got -2"):
+        EngineConfig.from_flat(compile_graph_layers=-2)
