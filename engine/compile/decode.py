@@ -198,7 +198,9 @@ class CompiledDecode:
         # one compiled graph per (segment, bucket) and per (layer group, bucket); dynamo's
         # default limit is 8
         groups = -(-self.num_layers // graph_layers) if graph_layers else 1
-        torch._dynamo.config.cache_size_limit = max(64, (4 + groups) * len(self.buckets))
+        entries = (4 + groups) * len(self.buckets)
+        torch._dynamo.config.cache_size_limit = max(64, entries)
+        torch._dynamo.config.accumulated_cache_size_limit = max(256, entries)
         self.device = device
         self.disabled: str | None = None
         self.compile_seconds = 0.0

@@ -342,6 +342,24 @@ def test_a_step_in_layer_groups_is_interrupted_between_them(
     eng.leak_check()
 
 
+def test_dynamo_keeps_an_entry_for_every_layer_group_of_every_bucket() -> None:
+    """One compiled graph per layer group and bucket: 100 layers in groups of one and
+    buckets 1-256 are 900 entries of one code object, more than dynamo's default limits
+    (8 per code object, 256 in all), which would refuse the later buckets' graphs at
+    start-up."""
+    from torch import nn
+
+    from engine.compile import decode as cd
+
+    model = nn.Module()
+    model.model = nn.Module()
+    model.model.layers = nn.ModuleList(nn.Identity() for _ in range(100))
+    c = cd.CompiledDecode(model, torch.device("cpu"), max_rows=256, graph_layers=1)
+    assert len(c.buckets) == 9 and len(c.layer_groups(256)) == 100
+    config = torch._dynamo.config
+    assert min(config.cache_size_limit, config.accumulated_cache_size_limit) >= 900
+
+
 def test_a_failing_one_graph_step_falls_back_to_the_segments(compiled: LLMEngine,
                                                              tiny_model_dir: Path,
                                                              caplog) -> None:
