@@ -188,8 +188,8 @@ class CompiledDecode:
         self.any_failed: str | None = None
         """Why the any-row segments were dropped after a failure (a fallback)."""
         self.step: Callable | None = None
-        """``decode_graph`` compiled (module docstring), None where no bucket runs as one
-        graph: graph_rows 0, on CUDA, or after ``fail_graph``."""
+        """``decode_graph`` compiled (module docstring), None where no bucket runs as graphs:
+        graph_rows and graph_layers 0, on CUDA, or after ``fail_graph``."""
         self.graph_rows = graph_rows
         self.graph_layers = graph_layers
         self.num_layers = len(model.model.layers) if graph_rows or graph_layers else 0
@@ -261,7 +261,8 @@ class CompiledDecode:
         return None
 
     def fail_graph(self, bucket: int, e: Exception) -> None:
-        """A one-graph step failed: decode steps run the segments from now on."""
+        """A graph step (one graph, or a group of layers) failed: decode steps run the
+        segments from now on."""
         self.step = None
         self.graph_failed = failure(f"one-graph decode step for batch {bucket}", e)
         log.error("%s; decode steps run per layer from now on (--compile-graph-max-batch 0 "
