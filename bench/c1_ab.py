@@ -51,7 +51,7 @@ def settings(items: list[str]) -> tuple[dict, dict]:
     for item in items:
         key, sep, value = item.partition("=")
         if not sep:
-            raise SystemExit(f"c1_ab: '{item}' is not KEY=VALUE")
+            raise SystemExit(f"{Path(sys.argv[0]).stem}: '{item}' is not KEY=VALUE")
         if key.startswith("inductor."):
             inductor[key.removeprefix("inductor.")] = flag_value(value)
         else:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from bench.c32_steps import flag_value  # noqa: E402
+from bench.c1_ab import settings  # noqa: E402
 from core.sampling import SamplingParams  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
@@ -38,13 +38,11 @@ as one graph."""
 def setup(item: str) -> tuple[str, dict]:
     """``NAME:FLAG=VALUE,...`` -> (name, engine flags)."""
     name, _, flags = item.partition(":")
-    out = {}
-    for f in filter(None, flags.split(",")):
-        key, eq, value = f.partition("=")
-        if not eq:
-            raise SystemExit(f"decode_steps.py: {f!r} in set-up {name!r} is not FLAG=VALUE")
-        out[key] = flag_value(value)
-    return name, out
+    engine, inductor = settings([f for f in flags.split(",") if f])
+    if inductor:
+        raise SystemExit(f"decode_steps: set-up {name!r}: inductor options "
+                         f"({', '.join(inductor)}) are bench/c1_ab.py's")
+    return name, engine
 
 
 def run(model: str, rows: int, setups: list[tuple[str, dict]], steps: int, prompt_len: int

@@ -35,4 +35,4 @@ def test_each_set_up_prints_its_median_step_its_ratio_and_whether_its_tokens_agr
 def test_a_flag_without_a_value_is_refused_by_name() -> None:
     out = _run("groups:compile_graph_layers")
     assert out.returncode != 0
-    assert "'compile_graph_layers' in set-up 'groups' is not FLAG=VALUE" in out.stderr
+    assert "decode_steps: 'compile_graph_layers' is not KEY=VALUE" in out.stderr

@@ -9,7 +9,9 @@ import os
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable, Iterator
 
 import pytest
 import torch
@@ -60,19 +62,31 @@ def compiled(tiny_model_dir: Path) -> LLMEngine:
     return eng
 
 
-@pytest.fixture
-def graph_rows(compiled: LLMEngine):
-    """The row counts of the one-graph steps the compiled engine runs while the test does."""
-    c = compiled.runner.compiled
-    inner, rows = c.step, []
+@contextmanager
+def _step_calls(c: CompiledDecode, each: Callable[[], None] | None = None
+                ) -> Iterator[list[tuple[int, int, int]]]:
+    """``c.step`` wrapped while the block runs: each call's (rows, lo, hi) is recorded,
+    and ``each()`` runs first (a request arriving during that graph)."""
+    calls, inner = [], c.step
 
-    def step(model, ids, *rest):
-        rows.append(ids.shape[0])
-        return inner(model, ids, *rest)
+    def step(model, ids, pos, kv, slots, lo, hi, carry):
+        calls.append((ids.shape[0], lo, hi))
+        if each is not None:
+            each()
+        return inner(model, ids, pos, kv, slots, lo, hi, carry)
 
     c.step = step
-    yield rows
-    c.step = inner
+    try:
+        yield calls
+    finally:
+        c.step = inner
+
+
+@pytest.fixture
+def graph_calls(compiled: LLMEngine):
+    """The (rows, lo, hi) of the graph steps the compiled engine runs while the test does."""
+    with _step_calls(compiled.runner.compiled) as calls:
+        yield calls
 
 
 def test_buckets() -> None:
@@ -96,7 +110,7 @@ def test_compiled_tokens_equal_eager(compiled: LLMEngine, tiny_model_dir: Path) 
 
 def test_short_decode_steps_run_as_one_graph_and_equal_eager(compiled: LLMEngine,
                                                              tiny_model_dir: Path,
-                                                             graph_rows: list[int]) -> None:
+                                                             graph_calls: list) -> None:
     """Decode steps of 1 and 2 rows run as one graph (the fixture's cap is 2; a 3-row step
     takes bucket 4, per layer), and give the eager engine's tokens."""
     c = compiled.runner.compiled
@@ -107,7 +121,7 @@ def test_short_decode_steps_run_as_one_graph_and_equal_eager(compiled: LLMEngine
               for i in range(3)]
     want = [d.token_ids for d in eager.generate(prompts, params)]
     assert [d.token_ids for d in compiled.generate(prompts, params)] == want
-    assert set(graph_rows) == {1, 2}  # 3 rows ran bucket 4's segments, then 2, then 1
+    assert {rows for rows, _, _ in graph_calls} == {1, 2}  # 3 rows ran bucket 4's segments, then 2, then 1
     assert c.graph_failed is None and compiled.runner.fallbacks()["compile"] == []
     compiled.leak_check()
 
@@ -225,27 +239,17 @@ def test_compiled_step_is_interruptible(compiled: LLMEngine) -> None:
     compiled.leak_check()
 
 
-def test_a_one_graph_step_runs_to_its_end(compiled: LLMEngine, graph_rows: list[int]) -> None:
+def test_a_one_graph_step_runs_to_its_end(compiled: LLMEngine, graph_calls: list) -> None:
     """A step run as one graph has no layer to stop between: a more important request
     arriving during it waits for its end (the step's tokens count), then runs."""
     for i in range(2):
         compiled.add_request(_prompts(2)[i], GREEDY, request_id=f"g{i}", priority=5)
     compiled.step()
     compiled.step()  # prefills done: the next step decodes 2 rows as one graph
-    c = compiled.runner.compiled
-    inner = c.step
-
-    def step(*a):
-        compiled.interrupt_for(0)
-        return inner(*a)
-
-    c.step = step
     before = compiled.stats.interrupted_steps
-    try:
+    with _step_calls(compiled.runner.compiled, lambda: compiled.interrupt_for(0)) as calls:
         outs = compiled.step()
-    finally:
-        c.step = inner
-    assert len(outs) == 2 and compiled.stats.interrupted_steps == before
+    assert calls == [(2, 0, 2)] and len(outs) == 2 and compiled.stats.interrupted_steps == before
     while compiled.has_unfinished():
         compiled.step()
     compiled.leak_check()
@@ -266,18 +270,6 @@ def grouped(tmp_path_factory) -> tuple[LLMEngine, LLMEngine]:
     return eng, LLMEngine(EngineConfig.from_flat(compile=False, **kw))
 
 
-def _record_groups(c) -> tuple[list, object]:
-    """Wrap the compiled graph step so each call's (rows, lo, hi) is recorded."""
-    calls, inner = [], c.step
-
-    def step(model, ids, pos, kv, slots, lo, hi, carry):
-        calls.append((ids.shape[0], lo, hi))
-        return inner(model, ids, pos, kv, slots, lo, hi, carry)
-
-    c.step = step
-    return calls, inner
-
-
 def test_decode_steps_above_the_graph_cap_run_in_layer_groups_and_equal_eager(
         grouped: tuple[LLMEngine, LLMEngine]) -> None:
     """With --compile-graph-layers 1, a 2-row decode step (above --compile-graph-max-batch
@@ -289,11 +281,8 @@ def test_decode_steps_above_the_graph_cap_run_in_layer_groups_and_equal_eager(
     prompts = _prompts(2)
     params = [SamplingParams(max_tokens=4 + 3 * i, temperature=0, ignore_eos=True)
               for i in range(2)]
-    calls, inner = _record_groups(c)
-    try:
+    with _step_calls(c) as calls:
         got = [d.token_ids for d in eng.generate(prompts, params)]
-    finally:
-        c.step = inner
     assert got == [d.token_ids for d in eager.generate(prompts, params)]
     assert set(calls) == {(2, 0, 1), (2, 1, 2), (2, 2, 3), (1, 0, 3)}, calls
     assert calls[:3] == [(2, 0, 1), (2, 1, 2), (2, 2, 3)]  # in order, every layer once
@@ -320,20 +309,10 @@ def test_a_step_in_layer_groups_is_interrupted_between_them(
         eng.add_request(p, GREEDY, request_id=f"grp{i}", priority=5)
     collect(eng.step())
     collect(eng.step())  # prefills done: the next step decodes 2 rows in three groups
-    calls, inner = [], c.step
-
-    def step(model, ids, pos, kv, slots, lo, hi, carry):
-        calls.append((lo, hi))
-        eng.interrupt_for(0)
-        return inner(model, ids, pos, kv, slots, lo, hi, carry)
-
-    c.step = step
     before, computed = eng.stats.interrupted_steps, eng.num_computed_tokens_total
-    try:
+    with _step_calls(c, lambda: eng.interrupt_for(0)) as calls:
         assert eng.step() == []
-    finally:
-        c.step = inner
-    assert calls == [(0, 1)] and eng.stats.interrupted_steps == before + 1
+    assert calls == [(2, 0, 1)] and eng.stats.interrupted_steps == before + 1
     assert eng.num_computed_tokens_total == computed and c.graph_failed is None
     while eng.has_unfinished():
         collect(eng.step())
